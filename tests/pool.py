@@ -1,0 +1,117 @@
+"""A persistent pool of gloo worker processes for fast multi-process tests.
+
+Spawning a process group costs seconds on 2 cores; a pool pays it once per
+world size and then runs each test function on every rank in ~0.1 s.
+Test functions are module-level (pickled by reference) and get
+``(rank, world_size, *args)``; whatever they return comes back as a list
+indexed by rank. A failure or timeout on any rank fails the test with every
+rank's traceback, and the pool is rebuilt so the next test starts clean.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+COLLECTIVE_TIMEOUT_S = 60  # a wrong collective fails a test in a minute, never hangs it
+
+
+def _worker(rank: int, world_size: int, init_file: str | None, tasks, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if init_file is not None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # noqa: BLE001 - report everything, including DCP's BaseException
+            results.put((rank, False, traceback.format_exc()))
+    if init_file is not None:
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` processes joined in one gloo group (or none, ``backend=None``)."""
+
+    def __init__(self, world_size: int, *, backend: str | None = "gloo") -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._procs: list = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        init_file = None
+        if self.backend is not None:
+            fd, init_file = tempfile.mkstemp(prefix="dmuon_pg_")
+            os.close(fd)
+            os.unlink(init_file)
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 240.0) -> list:
+        """Run ``fn(rank, world_size, *args)`` on every rank; returns the results by rank."""
+        for q in self._tasks:
+            q.put((fn, args))
+        results: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+                results[rank] = (ok, value)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    why = (
+                        f"worker(s) died with exit codes {[p.exitcode for p in dead]}"
+                        if dead
+                        else f"timed out after {timeout:.0f}s"
+                    )
+                    self.restart()
+                    raise AssertionError(f"{fn.__name__}: {why}; results so far: {results}")
+        failures = {r: v for r, (ok, v) in results.items() if not ok}
+        if failures:
+            self.restart()
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(failures)}:\n{detail}")
+        return [results[r][1] for r in range(self.world_size)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._procs = []

@@ -1,0 +1,166 @@
+"""Communication per step, counted from the collectives actually issued, against theory.
+
+Units (design-facts.md): elements per rank, (n-1)/n * S for broadcast, reduce,
+all-gather, reduce-scatter; 2(n-1)/n * S for all-reduce. Model dims are
+multiples of N so FSDP2 shards need no padding and totals compare exactly.
+"""
+
+from fractions import Fraction
+
+import pytest
+import torch.distributed as dist
+
+from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model, train
+from titan_dmuon import CommLedger, theory_elements_per_rank
+from titan_dmuon.toy_model import loss_fn, muon_targets
+
+SMALL = dict(dim=32, hidden_dim=48, n_kv_heads=2, vocab_size=64, n_layers=2)  # divisible by N = 2, 4
+WIDE = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=1)  # divisible by N up to 64
+
+DMUON_MODES = {"dmuon_z2": "z2", "dmuon_z3": "z3", "dmuon_ddp": "ddp", "dmuon_hsdp": "hsdp"}
+
+
+def _sizes(dims):
+    model = toy_model(**dims)
+    p_m = sum(p.numel() for p in muon_targets(model))
+    return p_m, sum(p.numel() for p in model.parameters()) - p_m
+
+
+def _measure(rank, world, config, dims, hsdp=False):
+    """Per-rank elements per step, over 2 steps recorded after 2 warm-up steps.
+
+    Warm-up absorbs one-time traffic: DDP's bucket rebuild (2 tiny broadcasts
+    in step 2) and DMuon-HSDP's first replica sync.
+    """
+    mesh = make_mesh("hsdp" if hsdp else "z3", world)
+    model = toy_model(**dims)
+    if config in DMUON_MODES:
+        setup = distribute(model, DMUON_MODES[config], world, mesh=mesh)
+    else:
+        kind, _, mode = config.rpartition("_")
+        setup = baseline(model, kind, world, mesh=mesh, reshard=mode == "z3")
+    data = batches(4, global_batch=world, vocab=dims["vocab_size"])
+    train(setup, data[:2], rank, world)
+    ledger = CommLedger()
+    with ledger:
+        for batch in data[2:]:
+            xs, ys = local_slice(batch, rank, world)
+            loss_fn(setup.module(xs), ys).backward()
+            with ledger.phase("step"):
+                setup.opt.step()
+            setup.opt.zero_grad()
+    half = Fraction(1, 2)
+    return {
+        "total": ledger.elements() * half,
+        "dmuon": ledger.elements(source="dmuon") * half,
+        "other": ledger.elements(source="other") * half,
+        "step": ledger.elements(phase="step") * half,
+        "step_kinds": sorted({(r.source, r.kind) for r in ledger.select(phase="step")}),
+        "dtypes": sorted({(r.source, str(r.dtype)) for r in ledger.records}),
+    }
+
+
+def _mean(results, key):
+    return sum((r[key] for r in results), Fraction(0)) / len(results)
+
+
+def _check_one_d(results, n, dims):
+    """Every 1-D configuration against its theory (results: one dict per measured rank)."""
+    p_m, p_other = _sizes(dims)
+    fsdp = {"z2": 2, "z3": 3}
+    r = {c: res for c, res in results.items()}
+    step = Fraction(n - 1, n)
+    for mode in ("z2", "z3"):
+        # FSDP2 + AdamW on everything: AG (+ AG again in Z3) + RS
+        assert r[f"fsdp_adamw_{mode}"]["total"] == fsdp[mode] * step * (p_m + p_other)
+        # naive FSDP2 + Muon: the same plus one all-gather of P_M inside step()
+        naive = r[f"naive_{mode}"]
+        assert naive["total"] - fsdp[mode] * step * p_other == theory_elements_per_rank(f"naive_fsdp_{mode}", shard_size=n, numel=p_m)
+        assert naive["step"] == step * p_m
+        # DMuon: its own collectives hit the theory; FSDP2 handles the rest; nothing in step()
+        dm = r[f"dmuon_{mode}"]
+        assert dm["dmuon"] == theory_elements_per_rank(f"dmuon_{mode}", shard_size=n, numel=p_m)
+        assert dm["other"] == fsdp[mode] * step * p_other
+        assert dm["total"] == r[f"fsdp_adamw_{mode}"]["total"]  # DMuon-Zk costs what FSDP2-Zk + AdamW costs
+        assert dm["step"] == 0 and dm["step_kinds"] == []
+    ddp = r["dmuon_ddp"]
+    assert ddp["dmuon"] == theory_elements_per_rank("dmuon_ddp", shard_size=n, numel=p_m)
+    assert ddp["other"] == 2 * step * p_other  # DDP's all-reduce of the rest
+    assert ddp["total"] == r["ddp_muon_z2"]["total"] == 2 * step * (p_m + p_other)
+    assert ddp["step"] == 0
+
+
+ONE_D = ["fsdp_adamw_z2", "fsdp_adamw_z3", "naive_z2", "naive_z3", "dmuon_z2", "dmuon_z3", "dmuon_ddp", "ddp_muon_z2"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_one_d_matches_theory(world, pool2, pool4):
+    pool = {2: pool2, 4: pool4}[world]
+    results = {}
+    for config in ONE_D:
+        per_rank = pool.run(_measure, config, SMALL)
+        assert all(r == per_rank[0] for r in per_rank)  # 1-D: every rank moves the same amount
+        results[config] = per_rank[0]
+    _check_one_d(results, world, SMALL)
+
+
+def _check_hsdp(dmuon_results, fsdp_results, r, n, dims):
+    p_m, p_other = _sizes(dims)
+    assert _mean(dmuon_results, "dmuon") == theory_elements_per_rank("dmuon_z3", shard_size=n, replicate_size=r, numel=p_m)
+    # DMuon-HSDP costs exactly what FSDP2-HSDP + AdamW costs (averaged over ranks)
+    assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total")
+    # the only collectives in step() are the post-step broadcasts to replicate peers
+    for res in dmuon_results:
+        assert {k for k in res["step_kinds"]} <= {("dmuon.replicate_broadcast", "broadcast")}
+    assert _mean(dmuon_results, "step") == Fraction(r - 1, r) * Fraction(p_m, n)
+
+
+def test_gloo_hsdp_matches_theory(pool4):
+    dm = pool4.run(_measure, "dmuon_hsdp", SMALL, True)
+    fsdp = pool4.run(_measure, "fsdp_adamw_z3", SMALL, True)
+    _check_hsdp(dm, fsdp, 2, 2, SMALL)
+
+
+def test_mean_over_ranks_is_a_collective_average(pool4):
+    """CommLedger.mean_over_ranks agrees with averaging every rank's own count."""
+    results = pool4.run(_mean_over_ranks_case)
+    local = [r[0] for r in results]
+    assert all(r[1] == sum(local, Fraction(0)) / 4 for r in results)
+    assert len(set(local)) > 1  # HSDP's replicate stage involves owners only: ranks differ
+
+
+def _mean_over_ranks_case(rank, world):
+    model = toy_model(**{**SMALL, "n_layers": 1})  # 7 matrices: shard owners hold unequal shares
+    setup = distribute(model, "hsdp", world)
+    data = batches(1, global_batch=world)
+    with CommLedger() as ledger:
+        train(setup, data, rank, world)
+    return ledger.elements(), ledger.mean_over_ranks(dist.group.WORLD)
+
+
+# ---- the fake process group: any N in one process ---------------------------------
+def _fake(rank0, _world, config, n, r):
+    """Simulate the ranks of an R x N job one at a time on the fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    results = []
+    for rank in range(r * n if r > 1 else 1):  # 1-D ranks are symmetric: one suffices
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=r * n)
+        try:
+            results.append(_measure(rank, r * n, config, WIDE, hsdp=r > 1))
+        finally:
+            dist.destroy_process_group()
+    return results
+
+
+@pytest.mark.parametrize("n", [8, 16, 64])
+def test_fake_pg_one_d_matches_theory(solo, n):
+    results = {config: solo.run(_fake, config, n, 1)[0][0] for config in ONE_D}
+    _check_one_d(results, n, WIDE)
+
+
+@pytest.mark.parametrize("n", [8, 16, 64])
+def test_fake_pg_hsdp_matches_theory(solo, n):
+    dm = solo.run(_fake, "dmuon_hsdp", n, 2)[0]
+    fsdp = solo.run(_fake, "fsdp_adamw_z3", n, 2)[0]
+    _check_hsdp(dm, fsdp, 2, n, WIDE)

@@ -1,0 +1,26 @@
+"""Dedicated weights under DistributedDataParallel.
+
+DDP must neither all-reduce nor broadcast the dedicated weights (their owners
+reduce and broadcast them), so they are put on DDP's ignore list before the
+wrapper is built.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from titan_dmuon.runtime import DedicatedParams
+
+
+def wrap_ddp(module: nn.Module, handle: DedicatedParams, **ddp_kwargs) -> DistributedDataParallel:
+    """``DistributedDataParallel(module)`` over the handle's 1-D mesh, skipping dedicated weights."""
+    if handle.mesh.ndim != 1:
+        raise ValueError("wrap_ddp needs a handle built on a 1-D mesh (DDP has no shard/replicate split)")
+    if handle.module is not module:
+        raise ValueError("wrap_ddp must get the same module that was passed to dedicate_params")
+    if ddp_kwargs.get("process_group") not in (None, handle.mesh.get_group()):
+        raise ValueError("wrap_ddp uses the handle's mesh as the process group; do not pass another one")
+    ddp_kwargs["process_group"] = handle.mesh.get_group()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, handle.fqns)
+    return DistributedDataParallel(module, **ddp_kwargs)

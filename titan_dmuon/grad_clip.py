@@ -1,0 +1,110 @@
+"""Gradient-norm clipping over FSDP2 shards, DDP-replicated grads and owner-held grads.
+
+``torch.nn.utils.clip_grad_norm_`` cannot mix DTensor and plain gradients, and
+would count a dedicated weight's gradient zero times (non-owners hold none)
+or, for replicated tensors, several times. Here every element of the global
+gradient is counted exactly once:
+
+* a dedicated weight's gradient lives on its global owner only: summed over all ranks;
+* a DTensor shard is summed over its mesh and divided by its replication factor;
+* a plain replicated gradient (DDP) is identical on all ranks: counted locally, once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from titan_dmuon.runtime import dedicated_member
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip in place to ``max_norm``; returns the exact global norm (a collective)."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    params = list(parameters)
+    owned, sharded, replicated = [], [], []
+    meshes = []
+    for p in params:
+        found = dedicated_member(p)
+        if found is not None:
+            meshes.append(found[0].mesh)
+            if p.grad is not None:
+                owned.append(p.grad)
+        elif p.grad is None:
+            continue
+        elif isinstance(p.grad, DTensor):
+            meshes.append(p.grad.device_mesh)
+            sharded.append(p.grad)
+        else:
+            replicated.append(p.grad)
+    device = _device_of(params)
+    is_inf = math.isinf(norm_type)
+
+    reduced = _power_sum(owned, norm_type, device)
+    by_factor: dict[int, list[torch.Tensor]] = {}
+    for g in sharded:
+        by_factor.setdefault(_replication_factor(g), []).append(g.to_local())
+    for factor, locals_ in by_factor.items():
+        part = _power_sum(locals_, norm_type, device)
+        reduced = torch.maximum(reduced, part) if is_inf else reduced + part / factor
+    mesh = _common_mesh(meshes)
+    if mesh is not None:
+        for dim in range(mesh.ndim):
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    local = _power_sum(replicated, norm_type, device)
+    if is_inf:
+        total = torch.maximum(reduced, local)
+    else:
+        total = (reduced + local) ** (1.0 / norm_type)
+
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in (owned, [g.to_local() for g in sharded], replicated):
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
+
+
+def _power_sum(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, norm_type)]).to(device)
+    if math.isinf(norm_type):
+        return norms.max()
+    return (norms**norm_type).sum()
+
+
+def _replication_factor(grad: DTensor) -> int:
+    factor = 1
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Replicate):
+            factor *= grad.device_mesh.size(dim)
+    return factor
+
+
+def _common_mesh(meshes: list):
+    if not meshes:
+        return None
+    ranks = {tuple(m.mesh.flatten().tolist()) for m in meshes}
+    if len(ranks) > 1:
+        raise NotImplementedError(
+            "clip_grad_norm_ found gradients on device meshes over different ranks; it supports one "
+            "data-parallel world (dedicated weights and FSDP2/DDP on the same ranks)"
+        )
+    return max(meshes, key=lambda m: m.ndim)
+
+
+def _device_of(params: list[torch.Tensor]) -> torch.device:
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            return g.device
+    return params[0].device if params else torch.device("cpu")

@@ -1,0 +1,283 @@
+"""A communication ledger: every collective issued on this rank, in the units of the design.
+
+``CommLedger`` is a ``TorchDispatchMode``: it sees the c10d ops that DMuon,
+FSDP2, DDP and DTensor issue, whatever layer issued them, and records the
+kind, the group, the element count and the dtype. Elements are counted as a
+bandwidth-optimal algorithm moves them, per rank of the group:
+
+    broadcast / reduce / all-gather (output S) / reduce-scatter (input S) /
+    all-to-all (S per rank) / gather / scatter:   (n-1)/n * S
+    all-reduce of S:                              2(n-1)/n * S
+
+Counts are exact ``Fraction`` s so they can be compared with theory exactly.
+``theory_elements_per_rank`` gives the per-step figure the design promises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default="other")
+_phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase", default="")
+
+
+@contextlib.contextmanager
+def comm_source(name: str) -> Iterator[None]:
+    """Label the collectives issued inside (DMuon's runtime names its own this way)."""
+    token = _source.set(name)
+    try:
+        yield
+    finally:
+        _source.reset(token)
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str  # broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all
+    source: str  # "dmuon.*" for DMuon's own collectives, "other" for FSDP2/DDP/DTensor
+    phase: str  # set by CommLedger.phase(), e.g. "step"
+    group_ranks: tuple[int, ...]
+    numel: int  # S in the formulas above
+    dtype: torch.dtype
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group_ranks)
+
+    @property
+    def elements(self) -> Fraction:
+        n = self.group_size
+        factor = 2 if self.kind == "all_reduce" else 1
+        return Fraction(factor * (n - 1) * self.numel, n)
+
+    @property
+    def bytes(self) -> Fraction:
+        return self.elements * self.dtype.itemsize
+
+
+def _numel(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel()
+    return sum(_numel(t) for t in tensors)
+
+
+# c10d op name -> (kind, S from the op's args)
+_C10D_OPS = {
+    "broadcast_": ("broadcast", lambda a: _numel(a[0])),
+    "reduce_": ("reduce", lambda a: _numel(a[0])),
+    "allreduce_": ("all_reduce", lambda a: _numel(a[0])),
+    "allreduce_coalesced_": ("all_reduce", lambda a: _numel(a[0])),
+    "_allgather_base_": ("all_gather", lambda a: _numel(a[0])),
+    "allgather_": ("all_gather", lambda a: _numel(a[0])),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _numel(a[0])),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _numel(a[1])),
+    "reduce_scatter_": ("reduce_scatter", lambda a: _numel(a[1])),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _numel(a[1])),
+    "alltoall_base_": ("all_to_all", lambda a: _numel(a[1])),
+    "alltoall_": ("all_to_all", lambda a: _numel(a[1])),
+}
+# _c10d_functional op name -> (kind, S from args, index of the group-name argument)
+_FUNCTIONAL_OPS = {
+    "broadcast": ("broadcast", lambda a: a[0].numel(), 2),
+    "all_reduce": ("all_reduce", lambda a: a[0].numel(), 2),
+    "all_reduce_coalesced": ("all_reduce", lambda a: _numel(a[0]), 2),
+    "all_gather_into_tensor": ("all_gather", lambda a: a[0].numel() * a[1], 2),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda a: _numel(a[0]) * a[1], 2),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: a[0].numel(), 3),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _numel(a[0]), 3),
+    "all_to_all_single": ("all_to_all", lambda a: a[0].numel(), 3),
+}
+
+
+def _dtype_of(tensors) -> torch.dtype:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.dtype
+    return _dtype_of(tensors[0])
+
+
+class CommLedger(TorchDispatchMode):
+    """Record every collective issued on this rank while active.
+
+    >>> with CommLedger() as ledger:
+    ...     train_one_step()
+    >>> print(ledger.table())
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CommRecord] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Tag the collectives issued inside, e.g. ``with ledger.phase("step"): opt.step()``."""
+        token = _phase.set(name)
+        try:
+            yield
+        finally:
+            _phase.reset(token)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(_is_dtensor_type(t) for t in types):
+            return NotImplemented  # DTensor decomposes into plain collectives that come back here
+        namespace = func.namespace
+        if namespace == "c10d" and func._opname in _C10D_OPS:
+            kind, size_of = _C10D_OPS[func._opname]
+            group = dist.ProcessGroup.unbox(_find_script_object(args))
+            self._record(kind, size_of(args), _dtype_of(args[0]), group)
+        elif namespace == "_c10d_functional" and func._opname in _FUNCTIONAL_OPS:
+            kind, size_of, name_index = _FUNCTIONAL_OPS[func._opname]
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(args[name_index])
+            self._record(kind, size_of(args), _dtype_of(args[0]), group)
+        return func(*args, **kwargs)
+
+    def _record(self, kind: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        self.records.append(
+            CommRecord(kind=kind, source=_source.get(), phase=_phase.get(), group_ranks=ranks, numel=numel, dtype=dtype)
+        )
+
+    # ---- queries -----------------------------------------------------------------
+    def select(self, *, source: str | None = None, phase: str | None = None, kind: str | None = None) -> list[CommRecord]:
+        """Records matching all given filters; ``source="dmuon"`` matches every ``dmuon.*`` label."""
+        out = []
+        for r in self.records:
+            if source is not None and not (r.source == source or r.source.startswith(source + ".")):
+                continue
+            if phase is not None and r.phase != phase:
+                continue
+            if kind is not None and r.kind != kind:
+                continue
+            out.append(r)
+        return out
+
+    def elements(self, **filters) -> Fraction:
+        return sum((r.elements for r in self.select(**filters)), Fraction(0))
+
+    def bytes(self, **filters) -> Fraction:
+        return sum((r.bytes for r in self.select(**filters)), Fraction(0))
+
+    def by_label(self) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
+        """(source, kind) -> (calls, elements, bytes) on this rank."""
+        table: dict[tuple[str, str], list] = defaultdict(lambda: [0, Fraction(0), Fraction(0)])
+        for r in self.records:
+            row = table[(r.source, r.kind)]
+            row[0] += 1
+            row[1] += r.elements
+            row[2] += r.bytes
+        return {k: tuple(v) for k, v in sorted(table.items())}
+
+    def mean_over_ranks(self, group: dist.ProcessGroup | None = None, **filters) -> Fraction:
+        """Elements per rank averaged over ``group`` (a collective; not itself recorded).
+
+        Needed where collectives involve only some ranks (HSDP's replicate
+        stage runs on owner ranks only).
+        """
+        mine = self.elements(**filters)
+        with _suspended(self):
+            device = _group_device(group)
+            packed = torch.tensor([mine.numerator, mine.denominator], dtype=torch.float64, device=device)
+            parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, packed, group=group)
+        total = sum((Fraction(int(p[0].item()), int(p[1].item())) for p in parts), Fraction(0))
+        return total / len(parts)
+
+    def table(self, steps: int = 1) -> str:
+        lines = [f"{'source':<28}{'kind':<16}{'calls':>7}{'elements/rank':>18}{'bytes/rank':>16}"]
+        for (source, kind), (calls, elements, nbytes) in self.by_label().items():
+            lines.append(
+                f"{source:<28}{kind:<16}{calls / steps:>7.1f}{float(elements) / steps:>18,.1f}"
+                f"{float(nbytes) / steps:>16,.1f}"
+            )
+        return "\n".join(lines)
+
+
+def _is_dtensor_type(t: type) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return issubclass(t, DTensor)
+
+
+def _find_script_object(args):
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            return a
+    raise TypeError("collective without a process group argument")
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _suspended(mode: TorchDispatchMode) -> Iterator[None]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    if mode in _get_current_dispatch_mode_stack():
+        popped = _pop_mode()
+        try:
+            yield
+        finally:
+            _push_mode(popped)
+    else:
+        yield
+
+
+# ---- theory -------------------------------------------------------------------
+CONFIGURATIONS = (
+    "naive_fsdp_z2",
+    "naive_fsdp_z3",
+    "dmuon_z2",
+    "dmuon_z3",
+    "ddp_muon",
+    "dmuon_ddp",
+    "alltoall_z2",
+    "alltoall_z3",
+)
+
+
+def theory_elements_per_rank(
+    configuration: str, *, shard_size: int, numel: int, replicate_size: int = 1
+) -> Fraction:
+    """Elements per rank per step for the Muon-target parameters (design-facts units).
+
+    With ``replicate_size`` R > 1 (HSDP) DMuon adds a replicate-group reduce and
+    a post-step broadcast; each involves only the R owners of a matrix, so
+    averaged over all R*N ranks each costs (R-1)/R * numel/N per rank.
+    """
+    n, r, p = shard_size, replicate_size, numel
+    step = Fraction(n - 1, n) * p
+    shard_terms = {
+        "naive_fsdp_z2": 3,
+        "naive_fsdp_z3": 4,
+        "dmuon_z2": 2,
+        "dmuon_z3": 3,
+        "ddp_muon": 2,
+        "dmuon_ddp": 2,
+        "alltoall_z2": 2,
+        "alltoall_z3": 3,
+    }
+    if configuration not in shard_terms:
+        raise ValueError(f"unknown configuration {configuration!r}; expected one of {CONFIGURATIONS}")
+    total = shard_terms[configuration] * step
+    if configuration.startswith("alltoall"):
+        total += 2 * Fraction(n - 1, n * n) * p
+    if r > 1:
+        if not configuration.startswith("dmuon_z"):
+            raise ValueError(f"replicate_size > 1 is only modelled for DMuon, not {configuration!r}")
+        total += 2 * Fraction(r - 1, r) * Fraction(p, n)
+    return total

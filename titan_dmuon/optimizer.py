@@ -1,0 +1,172 @@
+"""DMuon: one optimizer over all of a model's parameters.
+
+Dedicated weights get Muon, applied only by their global owner (no collective
+in the step on a 1-D mesh); every other parameter (FSDP2 DTensor shards,
+DDP-replicated tensors) gets AdamW with ``torch.optim.AdamW`` semantics.
+
+Each user param group is split into a Muon group and an AdamW group, both
+carrying their learning rate under ``"lr"``, so LR schedulers scale both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
+from titan_dmuon.runtime import dedicated_member
+
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
+_ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
+
+
+class DMuon(torch.optim.Optimizer):
+    """Muon for dedicated weights (see :func:`titan_dmuon.dedicate_params`), AdamW for the rest.
+
+    Group options: any of the keyword arguments below, e.g.
+    ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
+    After each ``step()``, ``last_step_stats`` holds this rank's NS figures.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        adjust_lr_fn: str | None = None,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.1,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+        )
+        user_groups = list(params)
+        if not user_groups:
+            raise ValueError("DMuon got an empty parameter list")
+        if not isinstance(user_groups[0], dict):
+            user_groups = [{"params": user_groups}]
+        groups = []
+        for user_group in user_groups:
+            unknown = set(user_group) - set(defaults) - {"params"}
+            if unknown:
+                raise ValueError(f"unknown DMuon param-group option(s) {sorted(unknown)}; valid: {sorted(defaults)}")
+            options = {**defaults, **user_group}
+            _validate(options)
+            group_params = user_group["params"]
+            group_params = [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
+            muon = [p for p in group_params if self._is_muon_param(p)]
+            other = [p for p in group_params if not self._is_muon_param(p)]
+            if muon:
+                groups.append({"params": muon, "use_muon": True, **{k: options[k] for k in _MUON_KEYS}})
+            if other:
+                groups.append(
+                    {"params": other, "use_muon": False, **{v: options[k] for k, v in _ADAMW_KEYS.items()}}
+                )
+        super().__init__(groups, {})
+        self.last_step_stats: dict[str, float] = {}
+
+    def _is_muon_param(self, p: torch.Tensor) -> bool:
+        return dedicated_member(p) is not None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        handles: list = []
+        ns_matrices = ns_seconds = 0.0
+        for group in self.param_groups:
+            if group["use_muon"]:
+                matrices, seconds = self._muon_group_step(group, handles)
+                ns_matrices += matrices
+                ns_seconds += seconds
+            else:
+                self._adamw_group_step(group)
+        for handle in handles:  # same order on every rank: it follows the param groups
+            handle.after_step()
+        self.last_step_stats = {"ns_matrices": ns_matrices, "ns_seconds": ns_seconds}
+        return loss
+
+    def _muon_group_step(self, group: dict, handles: list) -> tuple[int, float]:
+        params, grads, buffers, blocks = [], [], [], []
+        for p in group["params"]:
+            handle, member = dedicated_member(p)
+            if handle not in handles:
+                handles.append(handle)
+            if not member.runs_ns or p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            buffers.append(state["momentum_buffer"])
+            blocks.append(member.entry.blocks)
+        if not params:
+            return 0, 0.0
+        start = time.perf_counter()
+        muon_step(
+            params, grads, buffers, blocks,
+            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+            nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
+            eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+        )
+        return len(params), time.perf_counter() - start
+
+    def _adamw_group_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())  # as torch.optim.AdamW
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False, decoupled_weight_decay=True,
+        )
+
+
+def _validate(options: dict) -> None:
+    for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "eps"):
+        value = options[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"DMuon option {key} must be a number >= 0, got {value!r}")
+    if not 0.0 <= options["momentum"] < 1.0:
+        raise ValueError(f"DMuon option momentum must be in [0, 1), got {options['momentum']!r}")
+    if not isinstance(options["nesterov"], bool):
+        raise TypeError(f"DMuon option nesterov must be a bool, got {options['nesterov']!r}")
+    steps = options["ns_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < 100:
+        raise ValueError(f"DMuon option ns_steps must be an int in [1, 100), got {steps!r}")
+    if options["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"DMuon option adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {options['adjust_lr_fn']!r}")
+    betas = options["adamw_betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"DMuon option adamw_betas must be two numbers in [0, 1), got {betas!r}")

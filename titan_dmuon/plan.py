@@ -1,0 +1,167 @@
+"""Who owns what: a deterministic ownership plan, identical on every rank.
+
+The plan is pure data computed from parameter names and shapes only, so every
+rank derives the same plan without communicating; `validate_across_ranks`
+then proves it with one small all-gather of a digest.
+
+Ranks are positions in a (replicate R) x (shard N) mesh, numbered
+``r * N + s`` (a 1-D mesh is R = 1). The global owner (r, s) of a matrix runs
+Newton–Schulz for it; in every replicate group the rank at shard index s keeps
+the full weight ("shard owner") and broadcasts it in forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_dmuon.muon_math import NS_STEPS, ns_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEntry:
+    """One dedicated matrix: its name, shape, layer unit, NS row blocks and owner."""
+
+    fqn: str
+    shape: tuple[int, int]
+    unit: int
+    blocks: tuple[tuple[int, int], ...]
+    owner: int
+    ns_flops: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnershipPlan:
+    replicate_size: int
+    shard_size: int
+    entries: tuple[PlanEntry, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate_size * self.shard_size
+
+    def shard_owner(self, entry: PlanEntry) -> int:
+        """Shard index whose rank holds the full weight in every replicate group."""
+        return entry.owner % self.shard_size
+
+    def replicate_owner(self, entry: PlanEntry) -> int:
+        """Replicate index of the one rank that runs Newton–Schulz."""
+        return entry.owner // self.shard_size
+
+    @property
+    def ns_flops_per_rank(self) -> list[int]:
+        load = [0] * self.world_size
+        for e in self.entries:
+            load[e.owner] += e.ns_flops
+        return load
+
+    @property
+    def numel_per_shard_rank(self) -> list[int]:
+        """Elements of full weights each shard index keeps between steps."""
+        held = [0] * self.shard_size
+        for e in self.entries:
+            held[self.shard_owner(e)] += e.numel
+        return held
+
+    @property
+    def total_numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean NS FLOPs over ranks (1.0 is perfect balance)."""
+        load = self.ns_flops_per_rank
+        mean = sum(load) / len(load)
+        return max(load) / mean if mean else 1.0
+
+    def digest(self) -> str:
+        payload = json.dumps(
+            [self.replicate_size, self.shard_size]
+            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner] for e in self.entries]
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def describe(self) -> str:
+        load = self.ns_flops_per_rank
+        lines = [
+            f"OwnershipPlan: {len(self.entries)} matrices, {self.total_numel:,} elements, "
+            f"mesh replicate={self.replicate_size} x shard={self.shard_size}, "
+            f"NS FLOPs max/mean={self.imbalance:.3f}"
+        ]
+        for rank in range(self.world_size):
+            owned = [e.fqn for e in self.entries if e.owner == rank]
+            lines.append(f"  rank {rank}: {len(owned)} matrices, {load[rank]:.3e} NS FLOPs")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixSpec:
+    fqn: str
+    shape: tuple[int, int]
+    unit: int
+    blocks: tuple[tuple[int, int], ...]
+
+
+def build_plan(
+    specs: Sequence[MatrixSpec], *, replicate_size: int, shard_size: int, ns_steps: int = NS_STEPS
+) -> OwnershipPlan:
+    """Assign each matrix to one rank, longest-processing-time first by NS FLOPs.
+
+    Ties go to the lowest rank and the specs are visited in a fixed order
+    (cost, then position), so the result depends only on names and shapes.
+    """
+    costs = [
+        sum(ns_flops(stop - start, s.shape[1], ns_steps) for start, stop in s.blocks) for s in specs
+    ]
+    load = [0] * (replicate_size * shard_size)
+    owners = [0] * len(specs)
+    for i in sorted(range(len(specs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += costs[i]
+    entries = tuple(
+        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, owner=o, ns_flops=c)
+        for s, o, c in zip(specs, owners, costs)
+    )
+    return OwnershipPlan(replicate_size=replicate_size, shard_size=shard_size, entries=entries)
+
+
+def validate_across_ranks(
+    plan: OwnershipPlan, groups: Sequence[dist.ProcessGroup], device: torch.device
+) -> None:
+    """Raise on every rank if any rank derived a different plan.
+
+    One small all-gather per mesh dimension. Each gather also carries "a
+    mismatch was seen so far", so after the last one every rank of a 1-D or
+    2-D mesh reaches the same verdict: an error everywhere, never a hang.
+    """
+    digest = int(plan.digest()[:15], 16)
+    seen_mismatch = False
+    groupings: list[list[int]] = []
+    for group in groups:
+        mine = torch.tensor([digest, int(seen_mismatch)], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        digests = [int(t[0].item()) for t in gathered]
+        seen_mismatch |= any(int(t[1].item()) for t in gathered) or len(set(digests)) > 1
+        if len(set(digests)) > 1:
+            by_plan: dict[int, list[int]] = {}
+            for rank, d in zip(dist.get_process_group_ranks(group), digests):
+                by_plan.setdefault(d, []).append(rank)
+            groupings = sorted(by_plan.values())
+    if seen_mismatch:
+        raise RuntimeError(
+            "DMuon ownership plans differ across ranks"
+            + (f" (global ranks grouped by plan: {groupings})" if groupings else "")
+            + ". Every rank must call dedicate_params with the same model structure, the same "
+            f"parameters in the same order and the same mesh. This rank's plan:\n{plan.describe()}"
+        )

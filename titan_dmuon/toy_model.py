@@ -1,0 +1,106 @@
+"""A tiny Llama-style transformer for examples, tests and benchmarks (plain PyTorch).
+
+Its Muon targets are the attention and MLP projections, like TorchTitan's
+llama3: ``muon_targets(model)`` lists them, ``qkv_splits(model)`` gives the row
+split of fused q/k/v weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True, frozen=True)
+class ToyConfig:
+    vocab_size: int = 64
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 48
+    fused_qkv: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        q_rows, kv_rows = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
+        self.splits = (q_rows, kv_rows, kv_rows)
+        if cfg.fused_qkv:
+            self.wqkv = nn.Linear(cfg.dim, sum(self.splits), bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, q_rows, bias=False)
+            self.wk = nn.Linear(cfg.dim, kv_rows, bias=False)
+            self.wv = nn.Linear(cfg.dim, kv_rows, bias=False)
+        self.wo = nn.Linear(q_rows, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        if hasattr(self, "wqkv"):
+            q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class ToyTransformer(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def muon_targets(model: ToyTransformer) -> list[nn.Parameter]:
+    """Attention and MLP projection weights, in module order."""
+    return [p for name, p in model.named_parameters() if ".attention.w" in name or ".feed_forward.w" in name]
+
+
+def qkv_splits(model: ToyTransformer) -> dict[nn.Parameter, tuple[int, ...]]:
+    return {layer.attention.wqkv.weight: layer.attention.splits for layer in model.layers if hasattr(layer.attention, "wqkv")}
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
