@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon import DMuon, dedicate_params, wrap_ddp
+from titan_dmuon.runtime import canonical_fqn
 from titan_dmuon.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets, qkv_splits
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -71,6 +72,7 @@ def distribute(
     fsdp_reshard: bool | None = None,
     split: bool = False,
     opt_kwargs: dict | None = None,
+    targets_fn=muon_targets,
     **dedicate_kwargs,
 ) -> Setup:
     """mode: "z2" | "z3" (FSDP2), "hsdp" (2 x world/2, Z3), "ddp"."""
@@ -80,7 +82,7 @@ def distribute(
         reshard = False
     handle = dedicate_params(
         model,
-        muon_targets(model),
+        targets_fn(model),
         mesh,
         reshard_after_forward=reshard,
         mp_policy=mp_policy,
@@ -161,7 +163,7 @@ def baseline(model: nn.Module, kind: str, world: int, *, mesh=None, reshard: boo
 
 
 def train(setup: Setup, data, rank: int, world: int, *, steps: int | None = None, max_norm=None, accumulate: int = 1):
-    """Returns per-step (local loss, clip norm or None)."""
+    """Returns per-step (local loss, clip norm or None, NS matrices on this rank)."""
     from titan_dmuon import clip_grad_norm_
 
     out = []
@@ -174,8 +176,9 @@ def train(setup: Setup, data, rank: int, world: int, *, steps: int | None = None
             loss_total += loss.item()
         norm = clip_grad_norm_(setup.model.parameters(), max_norm) if max_norm else None
         setup.opt.step()
+        ns = getattr(setup.opt, "last_step_stats", {}).get("ns_matrices")
         setup.opt.zero_grad()
-        out.append((loss_total, None if norm is None else norm.item()))
+        out.append((loss_total, None if norm is None else norm.item(), ns))
     return out
 
 
@@ -184,6 +187,7 @@ def full_state(setup: Setup) -> dict[str, torch.Tensor]:
     dedicated = setup.handle.full_tensors() if setup.handle is not None else {}
     out = {}
     for name, p in setup.model.named_parameters():
+        name = canonical_fqn(name)
         if name in dedicated:
             out[name] = dedicated[name]
         elif isinstance(p, DTensor):
@@ -193,10 +197,10 @@ def full_state(setup: Setup) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW):
+def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest."""
     model = copy.deepcopy(model)
-    targets = muon_targets(model)
+    targets = targets_fn(model)
     ids = {id(p) for p in targets}
     others = [p for p in model.parameters() if id(p) not in ids]
     opt_muon = torch.optim.Muon(targets, **muon)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_dmuon.runtime import dedicated_member
+from titan_dmuon.runtime import dedicated_member, refresh_registry
 
 
 @torch.no_grad()
@@ -30,6 +30,7 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    refresh_registry()
     params = list(parameters)
     owned, sharded, replicated = [], [], []
     meshes = []

@@ -18,7 +18,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
-from titan_dmuon.runtime import dedicated_member
+from titan_dmuon.runtime import dedicated_member, refresh_registry
 
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
@@ -54,6 +54,7 @@ class DMuon(torch.optim.Optimizer):
             ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
+        refresh_registry()
         user_groups = list(params)
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
@@ -105,7 +106,14 @@ class DMuon(torch.optim.Optimizer):
     def _muon_group_step(self, group: dict, handles: list) -> tuple[int, float]:
         params, grads, buffers, blocks = [], [], [], []
         for p in group["params"]:
-            handle, member = dedicated_member(p)
+            found = dedicated_member(p)
+            if found is None:
+                raise RuntimeError(
+                    "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
+                    "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
+                    "Build DMuon after the model is materialised, as with FSDP2."
+                )
+            handle, member = found
             if handle not in handles:
                 handles.append(handle)
             if not member.runs_ns or p.grad is None:

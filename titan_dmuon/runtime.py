@@ -22,6 +22,7 @@ in a layer ``unit``:
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -43,11 +44,23 @@ HSDP_DIM_NAMES = ("dp_replicate", "dp_shard")
 
 # registered parameter -> (handle, member); how DMuon and the clip utility find them
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_HANDLES: weakref.WeakSet = weakref.WeakSet()
 
 
 def dedicated_member(param: torch.Tensor):
     """(handle, member) if ``param`` is a dedicated weight, else None."""
     return _REGISTRY.get(param)
+
+
+def refresh_registry() -> None:
+    """Follow parameters that ``module._apply`` replaced by new objects.
+
+    ``model.to_empty(device=...)`` on a meta-device model (TorchTitan's order:
+    parallelize, then materialise) registers NEW ``nn.Parameter`` objects.
+    Callers that look parameters up (DMuon, clip_grad_norm_) refresh first.
+    """
+    for handle in list(_HANDLES):
+        handle._refresh_params()
 
 
 @dataclass(eq=False)
@@ -177,6 +190,7 @@ class DedicatedParams:
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
         """Every dedicated weight in full on every rank (a collective; for export and tests)."""
+        self._refresh_params()
         self.wait_for_replicate_broadcasts()
         out = {}
         for m in self._members:
@@ -193,6 +207,15 @@ class DedicatedParams:
             self._finish_replicate_broadcast(unit)
 
     # ---- setup ---------------------------------------------------------------------
+    def _refresh_params(self) -> None:
+        for m in self._members:
+            current = m.module._parameters.get(m.name)
+            if current is None or current is m.param or current is m.compute:
+                continue
+            _REGISTRY.pop(m.param, None)
+            m.param = current
+            _REGISTRY[current] = (self, m)
+
     def _install_hooks(self) -> None:
         for unit in self._units:
             unit.module.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u))
@@ -202,6 +225,7 @@ class DedicatedParams:
         """Allocate compute params on first forward, once the model is materialised."""
         if self._initialized:
             return
+        self._refresh_params()
         for m in self._members:
             if m.param.is_meta:
                 raise RuntimeError(
@@ -365,6 +389,7 @@ class DedicatedParams:
     # ---- after the optimizer step (HSDP) ------------------------------------------------
     def after_step(self) -> None:
         """Send updated weights from global owners to replicate peers (async, HSDP only)."""
+        self._refresh_params()
         if self.plan.replicate_size > 1:
             self._broadcast_to_replicas(source="dmuon.replicate_broadcast")
 
@@ -603,6 +628,7 @@ def dedicate_params(
     )
     for m in members:
         _REGISTRY[m.param] = (handle, m)
+    _HANDLES.add(handle)
     handle._install_hooks()
     return handle
 
@@ -646,12 +672,23 @@ def _check_not_wrapped(module: nn.Module) -> None:
             )
 
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_fqn(name: str) -> str:
+    """A parameter name without activation-checkpoint / compile wrapper segments,
+    so plans and checkpoints do not depend on those wrappers."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def _registration_sites(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     sites: dict[int, list[tuple[str, nn.Module, str]]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for name, p in mod._parameters.items():
             if p is not None:
-                fqn = f"{mod_name}.{name}" if mod_name else name
+                fqn = canonical_fqn(f"{mod_name}.{name}" if mod_name else name)
                 sites.setdefault(id(p), []).append((fqn, mod, name))
     return sites
 

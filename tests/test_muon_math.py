@@ -1,0 +1,81 @@
+"""The pure math against torch.optim.Muon (torch 2.14), bit for bit."""
+
+import copy
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from titan_dmuon.muon_math import NS_COEFFICIENTS, adjusted_lr, muon_step, newton_schulz, ns_flops, row_blocks
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (8, 8), (96, 32), (1, 7)])
+def test_batched_newton_schulz_is_bitwise_torch(shape):
+    torch.manual_seed(0)
+    batch = torch.randn(4, *shape)
+    expected = torch.stack([_zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7) for g in batch])
+    assert torch.equal(newton_schulz(batch), expected)
+
+
+def test_newton_schulz_orthogonalises():
+    torch.manual_seed(0)
+    x = newton_schulz(torch.randn(1, 16, 64))[0].float()
+    singular = torch.linalg.svdvals(x)
+    assert singular.min() > 0.5 and singular.max() < 1.5  # the quintic's band, not exactly 1
+
+
+def test_newton_schulz_rejects_non_batched_input():
+    with pytest.raises(ValueError, match=r"\(batch, rows, cols\)"):
+        newton_schulz(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
+def test_muon_step_is_bitwise_torch_muon(nesterov, adjust_lr_fn):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in [(12, 8), (8, 12), (12, 8), (5, 5)]]
+    reference = copy.deepcopy(params)
+    opt = torch.optim.Muon(reference, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    buffers = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        opt.step()
+        with torch.no_grad():
+            count = muon_step(
+                params, grads, buffers, [row_blocks(p.shape, None) for p in params],
+                lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust_lr_fn,
+            )
+        assert count == 4
+        for mine, ref in zip(params, reference):
+            assert torch.equal(mine, ref), step
+
+
+def test_split_rows_equal_separate_matrices():
+    """A fused (q; k; v) weight split by rows gets the update of three separate weights."""
+    torch.manual_seed(0)
+    parts = [torch.randn(8, 6), torch.randn(4, 6), torch.randn(4, 6)]
+    grads = [torch.randn_like(p) for p in parts]
+    separate = [p.clone() for p in parts]
+    fused = torch.cat(parts)
+    muon_step(separate, grads, [torch.zeros_like(p) for p in parts], [[(0, p.shape[0])] for p in parts],
+              lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    muon_step([fused], [torch.cat(grads)], [torch.zeros_like(fused)], [row_blocks(fused.shape, (8, 4, 4))],
+              lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    assert torch.equal(fused, torch.cat(separate))
+
+
+def test_adjusted_lr_matches_torch():
+    from torch.optim._muon import _adjust_lr
+
+    for fn in (None, "original", "match_rms_adamw", "spectral_unclamped"):
+        for shape in [(4, 16), (16, 4), (7, 7)]:
+            assert adjusted_lr(0.02, fn, shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        adjusted_lr(0.02, "bogus", (4, 4))
+
+
+def test_ns_flops_symmetric_and_growing():
+    assert ns_flops(64, 256) == ns_flops(256, 64)
+    assert ns_flops(128, 256) > ns_flops(64, 256)
