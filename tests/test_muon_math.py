@@ -44,7 +44,7 @@ def test_muon_step_is_bitwise_torch_muon(nesterov, adjust_lr_fn):
         opt.step()
         with torch.no_grad():
             count = muon_step(
-                params, grads, buffers, [row_blocks(p.shape, None) for p in params],
+                params, grads, buffers, [row_blocks(p.shape) for p in params],
                 lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust_lr_fn,
             )
         assert count == 4
@@ -59,11 +59,41 @@ def test_split_rows_equal_separate_matrices():
     grads = [torch.randn_like(p) for p in parts]
     separate = [p.clone() for p in parts]
     fused = torch.cat(parts)
-    muon_step(separate, grads, [torch.zeros_like(p) for p in parts], [[(0, p.shape[0])] for p in parts],
+    muon_step(separate, grads, [torch.zeros_like(p) for p in parts], [row_blocks(p.shape) for p in parts],
               lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
-    muon_step([fused], [torch.cat(grads)], [torch.zeros_like(fused)], [row_blocks(fused.shape, (8, 4, 4))],
+    muon_step([fused], [torch.cat(grads)], [torch.zeros_like(fused)], [row_blocks(fused.shape, [8, 4, 4])],
               lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
     assert torch.equal(fused, torch.cat(separate))
+
+
+def test_interleaved_blocks_equal_separate_matrices():
+    """Grouped layout [q0 q1 k v | q2 q3 k v] (TorchTitan's fused wqkv): blocks of row ranges."""
+    torch.manual_seed(0)
+    hd = 2
+    q, k, v = torch.randn(4 * hd, 6), torch.randn(2 * hd, 6), torch.randn(2 * hd, 6)
+    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+
+    def interleave(a, b, c):
+        return torch.cat([torch.cat([a[g * 2 * hd : (g + 1) * 2 * hd], b[g * hd : (g + 1) * hd], c[g * hd : (g + 1) * hd]]) for g in range(2)])
+
+    fused, grad = interleave(q, k, v), interleave(gq, gk, gv)
+    group = 4 * hd
+    blocks = row_blocks(fused.shape, [
+        [(g * group, g * group + 2 * hd) for g in range(2)],
+        [(g * group + 2 * hd, g * group + 3 * hd) for g in range(2)],
+        [(g * group + 3 * hd, (g + 1) * group) for g in range(2)],
+    ])
+    separate = [q.clone(), k.clone(), v.clone()]
+    kwargs = dict(lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    muon_step(separate, [gq, gk, gv], [torch.zeros_like(t) for t in separate], [row_blocks(t.shape) for t in separate], **kwargs)
+    muon_step([fused], [grad], [torch.zeros_like(fused)], [blocks], **kwargs)
+    assert torch.equal(fused, interleave(*separate))
+
+
+@pytest.mark.parametrize("split", [[3, 3], [4, 4, 1], [[(0, 4)], [(3, 8)]], [[(0, 4)]]])
+def test_bad_splits_are_rejected(split):
+    with pytest.raises(ValueError, match="split_rows"):
+        row_blocks((8, 4), split)
 
 
 def test_adjusted_lr_matches_torch():

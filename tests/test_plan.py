@@ -8,7 +8,7 @@ from titan_dmuon.plan import MatrixSpec, build_plan
 
 def _specs(shapes, unit_size=3):
     return [
-        MatrixSpec(fqn=f"layers.{i // unit_size}.w{i}", shape=s, unit=i // unit_size, blocks=((0, s[0]),))
+        MatrixSpec(fqn=f"layers.{i // unit_size}.w{i}", shape=s, unit=i // unit_size, blocks=(((0, s[0]),),))
         for i, s in enumerate(shapes)
     ]
 
@@ -47,7 +47,7 @@ def test_hsdp_owner_maps_to_shard_and_replicate_index():
 
 
 def test_cost_counts_row_blocks_separately():
-    fused = MatrixSpec(fqn="wqkv", shape=(96, 32), unit=0, blocks=((0, 32), (32, 64), (64, 96)))
+    fused = MatrixSpec(fqn="wqkv", shape=(96, 32), unit=0, blocks=(((0, 32),), ((32, 64),), ((64, 96),)))
     plan = build_plan([fused], replicate_size=1, shard_size=1)
     assert plan.entries[0].ns_flops == 3 * ns_flops(32, 32)
 

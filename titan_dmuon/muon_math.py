@@ -68,25 +68,55 @@ def momentum_update(
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def row_blocks(shape: Sequence[int], split_rows: Sequence[int] | None) -> list[tuple[int, int]]:
-    """(start, stop) row ranges orthogonalised separately; one block unless a split is given.
+Block = tuple[tuple[int, int], ...]  # row ranges (start, stop) whose rows form one matrix
 
-    A fused q/k/v weight split as (q_rows, k_rows, v_rows) gets the same update
-    as three separate q, k, v weights would.
+
+def row_blocks(shape: Sequence[int], split_rows=None) -> list[Block]:
+    """Blocks of rows orthogonalised separately; one block unless a split is given.
+
+    ``split_rows`` is either row counts of consecutive blocks, e.g. ``[q, k, v]``,
+    or, for interleaved layouts, one list of ``(start, stop)`` row ranges per
+    block. The blocks must cover every row exactly once. A fused q/k/v weight
+    split this way gets the same update as separate q, k, v weights.
     """
+    rows = shape[0]
     if split_rows is None:
-        return [(0, shape[0])]
-    starts = [0]
-    for rows in split_rows:
-        starts.append(starts[-1] + rows)
-    return list(zip(starts[:-1], starts[1:]))
+        return [((0, rows),)]
+    split_rows = list(split_rows)
+    if all(isinstance(r, int) for r in split_rows):
+        if any(r <= 0 for r in split_rows) or sum(split_rows) != rows:
+            raise ValueError(f"split_rows {split_rows}: row counts must be positive and sum to {rows}")
+        starts = [0]
+        for r in split_rows:
+            starts.append(starts[-1] + r)
+        return [((a, b),) for a, b in zip(starts[:-1], starts[1:])]
+    blocks = [tuple((int(a), int(b)) for a, b in block) for block in split_rows]
+    covered = sorted(r for block in blocks for r in block)
+    position = 0
+    for start, stop in covered:
+        if start != position or stop <= start:
+            raise ValueError(f"split_rows blocks must cover rows 0..{rows} exactly once; got {covered}")
+        position = stop
+    if position != rows:
+        raise ValueError(f"split_rows blocks must cover rows 0..{rows} exactly once; got {covered}")
+    return blocks
+
+
+def block_rows(block: Block) -> int:
+    return sum(stop - start for start, stop in block)
+
+
+def _take_rows(matrix: torch.Tensor, block: Block) -> torch.Tensor:
+    if len(block) == 1:
+        return matrix[block[0][0] : block[0][1]]
+    return torch.cat([matrix[start:stop] for start, stop in block])
 
 
 def muon_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor],
-    blocks: Sequence[Sequence[tuple[int, int]]],
+    blocks: Sequence[Sequence[Block]],
     *,
     lr: float,
     weight_decay: float,
@@ -99,28 +129,32 @@ def muon_step(
 ) -> int:
     """Apply one Muon step to full matrices in place; returns the number of NS matrices.
 
-    ``blocks[i]`` lists the row ranges of ``params[i]`` orthogonalised
+    ``blocks[i]`` lists the row blocks of ``params[i]`` orthogonalised
     separately. Blocks of equal shape share one batched Newton–Schulz call.
     """
     updates = [
         momentum_update(g, buf, momentum=momentum, nesterov=nesterov)
         for g, buf in zip(grads, momentum_buffers)
     ]
-    by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, (update, param_blocks) in enumerate(zip(updates, blocks)):
-        for start, stop in param_blocks:
-            by_shape.setdefault((stop - start, update.shape[1]), []).append((i, start, stop))
+        for b, block in enumerate(param_blocks):
+            by_shape.setdefault((block_rows(block), update.shape[1]), []).append((i, b))
     orthogonal: dict[tuple[int, int], torch.Tensor] = {}
-    for shape, members in by_shape.items():
-        stacked = torch.stack([updates[i][start:stop] for i, start, stop in members])
+    for members in by_shape.values():
+        stacked = torch.stack([_take_rows(updates[i], blocks[i][b]) for i, b in members])
         result = newton_schulz(stacked, steps=ns_steps, coefficients=ns_coefficients, eps=eps)
-        for k, (i, start, _) in enumerate(members):
-            orthogonal[(i, start)] = result[k]
+        for k, key in enumerate(members):
+            orthogonal[key] = result[k]
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
         param.mul_(1 - lr * weight_decay)
-        for start, stop in param_blocks:
-            scale = adjusted_lr(lr, adjust_lr_fn, (stop - start, param.shape[1]))
-            param[start:stop].add_(orthogonal[(i, start)], alpha=-scale)
+        for b, block in enumerate(param_blocks):
+            update = orthogonal[(i, b)]
+            scale = adjusted_lr(lr, adjust_lr_fn, update.shape)
+            offset = 0
+            for start, stop in block:
+                param[start:stop].add_(update[offset : offset + stop - start], alpha=-scale)
+                offset += stop - start
     return sum(len(members) for members in by_shape.values())
 
 

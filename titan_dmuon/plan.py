@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_dmuon.muon_math import NS_STEPS, ns_flops
+from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class PlanEntry:
     fqn: str
     shape: tuple[int, int]
     unit: int
-    blocks: tuple[tuple[int, int], ...]
+    blocks: tuple[Block, ...]
     owner: int
     ns_flops: int
 
@@ -108,7 +108,7 @@ class MatrixSpec:
     fqn: str
     shape: tuple[int, int]
     unit: int
-    blocks: tuple[tuple[int, int], ...]
+    blocks: tuple[Block, ...]
 
 
 def build_plan(
@@ -120,7 +120,7 @@ def build_plan(
     (cost, then position), so the result depends only on names and shapes.
     """
     costs = [
-        sum(ns_flops(stop - start, s.shape[1], ns_steps) for start, stop in s.blocks) for s in specs
+        sum(ns_flops(block_rows(b), s.shape[1], ns_steps) for b in s.blocks) for s in specs
     ]
     load = [0] * (replicate_size * shard_size)
     owners = [0] * len(specs)

@@ -525,8 +525,9 @@ def dedicate_params(
             transformer blocks). Default: for each parameter, its outermost
             ancestor that is an element of an ``nn.ModuleList``/``nn.ModuleDict``,
             else the module that registers it.
-        split_rows: per parameter, row counts of blocks orthogonalised
-            separately (e.g. a fused q/k/v weight: ``[q_rows, k_rows, v_rows]``).
+        split_rows: per parameter, the row blocks orthogonalised separately:
+            row counts (``[q_rows, k_rows, v_rows]`` for a fused q/k/v weight)
+            or per block a list of ``(start, stop)`` row ranges (interleaved layouts).
         gradient_divide_factor: divide summed gradients by this; default the
             data-parallel world size (an average). TorchTitan, which normalises
             the loss by the global token count, uses 1.0.
@@ -571,7 +572,7 @@ def dedicate_params(
             )
         seen.add(id(p))
         resolved.append((fqn, p, owner_module, name))
-    for p, rows in split_rows.items():
+    for p in split_rows:
         if id(p) not in seen:
             raise ValueError("split_rows names a parameter that is not being dedicated")
     unit_modules = _assign_units(module, resolved, units)
@@ -580,10 +581,11 @@ def dedicate_params(
     unit_index: dict[int, int] = {}
     for (fqn, p, _, _), unit_module in zip(resolved, unit_modules):
         idx = unit_index.setdefault(id(unit_module), len(unit_index))
-        rows = split_rows.get(p)
-        if rows is not None and (sum(rows) != p.shape[0] or any(r <= 0 for r in rows)):
-            raise ValueError(f"split_rows for {fqn!r} is {list(rows)}: the row counts must be positive and sum to {p.shape[0]}")
-        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=tuple(row_blocks(p.shape, rows))))
+        try:
+            blocks = tuple(row_blocks(p.shape, split_rows.get(p)))
+        except ValueError as e:
+            raise ValueError(f"parameter {fqn!r}: {e}") from None
+        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks))
     plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size)
     validate_across_ranks(plan, _mesh_groups(mesh), _mesh_device(mesh))
 
