@@ -93,12 +93,12 @@ def _bad_optimizer(rank, world, options):
 @pytest.mark.parametrize(
     "options, phrase",
     [
-        ({"lr": -1.0}, "lr must be a number >= 0"),
-        ({"momentum": 1.5}, "momentum must be in [0, 1)"),
-        ({"ns_steps": 0}, "ns_steps must be an int in [1, 100)"),
-        ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn must be one of"),
-        ({"adamw_betas": (0.9,)}, "adamw_betas must be two numbers"),
-        ({"nesterov": "yes"}, "nesterov must be a bool"),
+        ({"lr": -1.0}, "lr = -1.0: expected a number >= 0"),
+        ({"momentum": 1.5}, "momentum = 1.5: expected a number in [0, 1)"),
+        ({"ns_steps": 0}, "ns_steps = 0: expected an integer in [1, 100)"),
+        ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn = 'spectral': expected one of"),
+        ({"adamw_betas": (0.9,)}, "adamw_betas = (0.9,): expected two numbers"),
+        ({"nesterov": "yes"}, "nesterov = 'yes': expected true or false"),
     ],
 )
 def test_bad_optimizer_options(pool2, options, phrase):

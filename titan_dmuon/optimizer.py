@@ -62,21 +62,26 @@ class DMuon(torch.optim.Optimizer):
             user_groups = [{"params": user_groups}]
         groups = []
         for user_group in user_groups:
-            unknown = set(user_group) - set(defaults) - {"params"}
+            unknown = set(user_group) - set(defaults) - {"params", "param_names"}
             if unknown:
                 raise ValueError(f"unknown DMuon param-group option(s) {sorted(unknown)}; valid: {sorted(defaults)}")
             options = {**defaults, **user_group}
-            _validate(options)
+            validate_options(options)
             group_params = user_group["params"]
             group_params = [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
-            muon = [p for p in group_params if self._is_muon_param(p)]
-            other = [p for p in group_params if not self._is_muon_param(p)]
-            if muon:
-                groups.append({"params": muon, "use_muon": True, **{k: options[k] for k in _MUON_KEYS}})
-            if other:
-                groups.append(
-                    {"params": other, "use_muon": False, **{v: options[k] for k, v in _ADAMW_KEYS.items()}}
-                )
+            names = user_group.get("param_names")
+            for use_muon in (True, False):
+                chosen = [i for i, p in enumerate(group_params) if self._is_muon_param(p) == use_muon]
+                if not chosen:
+                    continue
+                group = {"params": [group_params[i] for i in chosen], "use_muon": use_muon}
+                if names is not None:  # TorchTitan keys its flat optimizer state by these
+                    group["param_names"] = [names[i] for i in chosen]
+                if use_muon:
+                    group.update({k: options[k] for k in _MUON_KEYS})
+                else:
+                    group.update({v: options[k] for k, v in _ADAMW_KEYS.items()})
+                groups.append(group)
         super().__init__(groups, {})
         self.last_step_stats: dict[str, float] = {}
 
@@ -161,20 +166,30 @@ class DMuon(torch.optim.Optimizer):
         )
 
 
-def _validate(options: dict) -> None:
+class OptionError(ValueError):
+    """A DMuon option out of range; ``key`` names it."""
+
+    def __init__(self, key: str, value, expected: str) -> None:
+        super().__init__(f"{key} = {value!r}: expected {expected}")
+        self.key = key
+
+
+def validate_options(options: dict) -> None:
+    """Raise OptionError naming the first DMuon option that is out of range."""
     for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "eps"):
         value = options[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"DMuon option {key} must be a number >= 0, got {value!r}")
-    if not 0.0 <= options["momentum"] < 1.0:
-        raise ValueError(f"DMuon option momentum must be in [0, 1), got {options['momentum']!r}")
+            raise OptionError(key, value, "a number >= 0")
+    momentum = options["momentum"]
+    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0.0 <= momentum < 1.0:
+        raise OptionError("momentum", momentum, "a number in [0, 1)")
     if not isinstance(options["nesterov"], bool):
-        raise TypeError(f"DMuon option nesterov must be a bool, got {options['nesterov']!r}")
+        raise OptionError("nesterov", options["nesterov"], "true or false")
     steps = options["ns_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < 100:
-        raise ValueError(f"DMuon option ns_steps must be an int in [1, 100), got {steps!r}")
+        raise OptionError("ns_steps", steps, "an integer in [1, 100)")
     if options["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"DMuon option adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {options['adjust_lr_fn']!r}")
+        raise OptionError("adjust_lr_fn", options["adjust_lr_fn"], f"one of {ADJUST_LR_FNS}")
     betas = options["adamw_betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"DMuon option adamw_betas must be two numbers in [0, 1), got {betas!r}")
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise OptionError("adamw_betas", betas, "two numbers in [0, 1)")

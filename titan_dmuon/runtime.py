@@ -21,6 +21,7 @@ in a layer ``unit``:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,11 +37,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from titan_dmuon.ledger import comm_source
+from titan_dmuon.ledger import comm_source, theory_elements_per_rank
 from titan_dmuon.muon_math import row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, PlanEntry, build_plan, validate_across_ranks
 
 HSDP_DIM_NAMES = ("dp_replicate", "dp_shard")
+_HSDP_ALIASES = {HSDP_DIM_NAMES, ("dp_replicate", "fsdp")}  # TorchTitan's legacy backend names the shard dim "fsdp"
 
 # registered parameter -> (handle, member); how DMuon and the clip utility find them
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -119,8 +121,8 @@ class DedicatedParams:
     """Handle returned by :func:`dedicate_params`.
 
     ``ignored_params`` goes to every ``fully_shard(..., ignored_params=...)``
-    call; ``plan`` says who owns what. Stats for logging are in ``comm_elements``
-    (elements per rank, design units, since the last ``pop_comm_elements``).
+    call; ``plan`` says who owns what. ``pop_comm_stats`` returns this rank's
+    DMuon communication (design units) since the last call, for logging.
     """
 
     def __init__(
@@ -145,10 +147,9 @@ class DedicatedParams:
         self._members = members
         self._units = units
         if mesh.ndim == 2:
-            self.shard_group = mesh.get_group("dp_shard")
-            self.replicate_group: dist.ProcessGroup | None = mesh.get_group("dp_replicate")
-            self.replicate_rank = mesh.get_local_rank("dp_replicate")
-            self.shard_rank = mesh.get_local_rank("dp_shard")
+            self.replicate_group: dist.ProcessGroup | None = mesh.get_group(0)
+            self.shard_group = mesh.get_group(1)
+            self.replicate_rank, self.shard_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
         else:
             self.shard_group = mesh.get_group()
             self.replicate_group = None
@@ -160,7 +161,7 @@ class DedicatedParams:
         self._callback_queued = False
         self._pending_reduces: list[_PendingReduce] = []
         self._pending_replicate_broadcasts: dict[int, list] = {}  # unit index -> [(work, flat, members)]
-        self.comm_elements: dict[str, Fraction] = {}
+        self._comm_stats: dict[str, tuple[Fraction, Fraction]] = {}  # source -> (elements, bytes)
 
     # ---- public ------------------------------------------------------------------
     @property
@@ -183,9 +184,19 @@ class DedicatedParams:
         """True on the ranks that keep the full weight between steps (one per replicate group)."""
         return _REGISTRY[param][1].holds_full
 
-    def pop_comm_elements(self) -> dict[str, Fraction]:
-        out, self.comm_elements = self.comm_elements, {}
+    def pop_comm_stats(self) -> dict[str, tuple[Fraction, Fraction]]:
+        """{collective label: (elements, bytes)} issued by DMuon on this rank since the last call."""
+        out, self._comm_stats = self._comm_stats, {}
         return out
+
+    def theory_elements_per_rank(self) -> Fraction:
+        """The design's per-step elements per rank (averaged over ranks) for this configuration."""
+        return theory_elements_per_rank(
+            f"dmuon_z{3 if self.reshard_after_forward else 2}",
+            shard_size=self.plan.shard_size,
+            replicate_size=self.plan.replicate_size,
+            numel=self.plan.total_numel,
+        )
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
@@ -200,6 +211,34 @@ class DedicatedParams:
                     dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=self.shard_group)
             out[m.entry.fqn] = full
         return out
+
+    @property
+    def owning_modules(self) -> list[nn.Module]:
+        """The modules that register dedicated weights (e.g. the Linear layers)."""
+        out: list[nn.Module] = []
+        for m in self._members:
+            if not any(m.module is o for o in out):
+                out.append(m.module)
+        return out
+
+    @contextlib.contextmanager
+    def full_size_placeholders(self, module: nn.Module):
+        """Give this rank's 0-element placeholders of ``module``'s dedicated weights
+        their full shape (uninitialised) for the duration; dropped on exit.
+
+        For initialisers that draw every weight in full on every rank so that the
+        random stream does not depend on the parallel layout (TorchTitan's
+        ``init_weights``). Owners' weights are untouched.
+        """
+        self._refresh_params()
+        placeholders = [m for m in self._members if m.module is module and not m.holds_full]
+        for m in placeholders:
+            m.param.data = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
+        try:
+            yield
+        finally:
+            for m in placeholders:
+                m.param.data = torch.empty(0, dtype=m.param.dtype, device=m.param.device)
 
     def wait_for_replicate_broadcasts(self) -> None:
         """Finish the post-step broadcasts to replicate peers (HSDP), e.g. before a save."""
@@ -475,8 +514,9 @@ class DedicatedParams:
         return self._units[member.entry.unit]
 
     def _collective(self, source: str, fn, tensor: torch.Tensor, group_size: int, **kwargs):
-        factor = Fraction(group_size - 1, group_size) * tensor.numel()
-        self.comm_elements[source] = self.comm_elements.get(source, Fraction(0)) + factor
+        elements = Fraction(group_size - 1, group_size) * tensor.numel()
+        old_elements, old_bytes = self._comm_stats.get(source, (Fraction(0), Fraction(0)))
+        self._comm_stats[source] = (old_elements + elements, old_bytes + elements * tensor.element_size())
         with comm_source(source):
             return fn(tensor, async_op=True, **kwargs)
 
@@ -590,7 +630,7 @@ def dedicate_params(
     validate_across_ranks(plan, _mesh_groups(mesh), _mesh_device(mesh))
 
     if mesh.ndim == 2:
-        my_replicate, my_shard = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
+        my_replicate, my_shard = mesh.get_local_rank(0), mesh.get_local_rank(1)
     else:
         my_replicate, my_shard = 0, mesh.get_local_rank()
     members = []
@@ -642,7 +682,7 @@ def _check_mesh(mesh) -> tuple[int, int]:
         return 1, mesh.size()
     if mesh.ndim == 2:
         names = tuple(mesh.mesh_dim_names or ())
-        if names != HSDP_DIM_NAMES:
+        if names not in _HSDP_ALIASES:
             raise ValueError(
                 f"a 2-D mesh must have dims named {HSDP_DIM_NAMES} (replicate x shard, HSDP); got {names or 'no names'}. "
                 'Build it with init_device_mesh(device, (R, N), mesh_dim_names=("dp_replicate", "dp_shard"))'

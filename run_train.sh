@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Launch TorchTitan training with titan_dmuon, TorchTitan style.
+#
+#   ./run_train.sh                                              # debug model, DMuon Z3, this machine
+#   CONFIG_FILE=train_configs/debug_model_hsdp.toml NGPU=4 ./run_train.sh
+#   ./run_train.sh --training.steps 50 --optimizer.lr 0.01     # overrides: --section.key value
+#
+# Multi-node (run on every node; NODE_RANK 0 is the rendezvous host):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run_train.sh
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run_train.sh
+#
+# Environment:
+#   CONFIG_FILE   TOML job config (default train_configs/debug_model.toml)
+#   NGPU          processes per node (default: the number of GPUs, or 2 on a CPU machine)
+#   NNODES        number of nodes (default 1); NODE_RANK this node's index (default 0)
+#   MASTER_ADDR / MASTER_PORT   rendezvous host and port for multi-node (default 127.0.0.1:29500)
+#   RDZV_ENDPOINT host:port, instead of MASTER_ADDR/MASTER_PORT
+#   LOG_RANK      ranks whose output is shown (default 0)
+#   PYTHON        the Python that has titan_dmuon installed (default: python3, or .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+LOG_RANK=${LOG_RANK:-0}
+
+# debug configs read a locally made tokenizer and dataset (nothing is downloaded)
+if grep -q 'assets/debug' "$CONFIG_FILE"; then
+  "$PYTHON" -m titan_dmuon.integration.assets --out assets/debug >/dev/null
+fi
+export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if [ "$NNODES" -gt 1 ]; then
+  RDZV_ENDPOINT=${RDZV_ENDPOINT:-${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}}
+  LAUNCH=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_id "${RDZV_ID:-dmuon}" --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT")
+else
+  LAUNCH=(--nnodes 1 --rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
+fi
+
+CMD=("$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${LAUNCH[@]}"
+     --local-ranks-filter "$LOG_RANK" --role rank --tee 3
+     -m titan_dmuon.train --config_file "$CONFIG_FILE" "$@")
+echo "+ ${CMD[*]}"
+exec "${CMD[@]}"

@@ -1,0 +1,111 @@
+"""End to end: ./run_train.sh on this machine (CPU, gloo), as a user runs it."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)\s+grad_norm:\s+([\d.]+)")
+DMUON = re.compile(r"dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M")
+
+
+def run_train(tmp_path, *overrides, config="debug_model.toml", ngpu=2, env=None, timeout=420):
+    environment = {
+        **os.environ,
+        "CONFIG_FILE": f"train_configs/{config}",
+        "NGPU": str(ngpu),
+        "PYTHON": sys.executable,
+        **(env or {}),
+    }
+    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def parse(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    steps = {int(s): (float(loss), float(norm)) for s, loss, norm in STEP.findall(out)}
+    comm = [(float(a), float(b), float(c)) for a, b, c in DMUON.findall(out)]
+    return steps, comm
+
+
+def test_main_job_trains_and_logs_dmuon_figures(tmp_path):
+    """The README's main job: debug model, DMuon-Z3, 2 ranks, 20 steps, TensorBoard on."""
+    result = run_train(tmp_path, "--metrics.enable_tensorboard", "true")
+    steps, comm = parse(result)
+    assert sorted(steps) == list(range(1, 21))
+    assert steps[20][0] < 0.8 * steps[1][0], steps
+    assert len(comm) == 20
+    for elements, megabytes, design in comm:
+        assert elements == design == pytest.approx(7.6677, abs=1e-4)  # 3(N-1)/N * P_M, P_M = 5,111,808
+        assert megabytes == pytest.approx(20.447, abs=1e-3)  # bf16 broadcasts x2, fp32 reduce
+    assert f"--config_file train_configs/debug_model.toml" in result.stdout  # run_train.sh prints its command
+    tags = _tensorboard_tags(tmp_path)
+    assert {"dmuon/comm_elements_per_rank", "dmuon/ns_ms", "dmuon/owner_imbalance", "grad_norm"} <= tags
+
+
+def _tensorboard_tags(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for dirpath, _, files in os.walk(folder):
+        if any(f.startswith("events.out.tfevents") for f in files):
+            accumulator = EventAccumulator(dirpath)
+            accumulator.Reload()
+            tags |= set(accumulator.Tags()["scalars"])
+    return tags
+
+
+def test_hsdp_config_runs(tmp_path):
+    steps, comm = parse(run_train(tmp_path, "--training.steps", "3", config="debug_model_hsdp.toml", ngpu=4))
+    assert sorted(steps) == [1, 2, 3]
+    # rank 0 is a shard owner in the replicate stage: it moves at least the design's average
+    assert all(elements >= design for elements, _, design in comm)
+
+
+def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
+    steps, comm = parse(
+        run_train(
+            tmp_path, "--training.steps", "3", "--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1", "--optimizer.reshard_after_forward", "false",
+        )
+    )
+    assert sorted(steps) == [1, 2, 3]
+    assert all(elements == design == pytest.approx(5.1118, abs=1e-4) for elements, _, design in comm)  # 2(N-1)/N
+
+
+def test_qwen3_debug_model_runs(tmp_path):
+    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--model.name", "qwen3"))
+    assert sorted(steps) == [1, 2] and len(comm) == 2
+
+
+def test_two_node_launch_on_one_machine(tmp_path):
+    """Two run_train.sh invocations, NNODES=2, one process each, rendezvous on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml", "NGPU": "1", "NNODES": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHON": sys.executable}
+    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true",
+           "--training.steps", "4"]
+    nodes = [
+        subprocess.Popen(cmd, cwd=ROOT, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=420)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    steps = {int(s): float(loss) for s, loss, _ in STEP.findall(outputs[0])}
+    assert sorted(steps) == [1, 2, 3, 4] and steps[4] < steps[1]
+    assert "--nnodes 2 --node_rank 0" in outputs[0]
+
+
+def test_config_error_stops_before_any_process_group(tmp_path):
+    result = run_train(tmp_path, "--training.stepz", "3", timeout=120)
+    assert result.returncode != 0
+    assert "command line: unknown key [training] stepz (did you mean 'steps'?)" in result.stdout + result.stderr
+    assert "Building device mesh" not in result.stdout + result.stderr

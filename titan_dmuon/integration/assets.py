@@ -1,0 +1,109 @@
+"""Tokenizer and dataset for the debug configs, made locally (nothing is downloaded).
+
+A deterministic synthetic corpus (template sentences over a small Zipfian
+vocabulary, so a model can learn it and the loss visibly falls) is written as
+JSONL with a "text" field, TorchTitan's ``c4_test`` format, and a byte-level
+BPE tokenizer (vocab 2000, within the debug models' 2048) is trained on it.
+
+    python -m titan_dmuon.integration.assets [--out assets/debug]
+
+is idempotent: existing files are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import tempfile
+
+DEFAULT_DIR = "assets/debug"
+VOCAB_SIZE = 2000
+SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
+
+_NOUNS = "model layer rank owner matrix gradient weight buffer token step shard group node cluster kernel batch".split()
+_ADJS = "small large sharded dense sparse fused quick slow exact noisy stable warm cold global local".split()
+_VERBS = "broadcasts reduces updates gathers holds trains frees owns scales sends receives computes".split()
+_ADVS = "quickly slowly exactly once twice again always rarely".split()
+_TEMPLATES = (
+    "the {a} {n} {v} the {a} {n} .",
+    "every {n} {v} one {n} {d} .",
+    "a {a} {n} {v} {d} and the {n} {v} the {n} .",
+    "when the {n} {v} , the {a} {n} {v} the {n} {d} .",
+)
+
+
+def tokenizer_dir(root: str) -> str:
+    return os.path.join(root, "tokenizer")
+
+
+def dataset_dir(root: str) -> str:
+    return os.path.join(root, "text")
+
+
+def _corpus(documents: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = {"a": _ADJS, "n": _NOUNS, "v": _VERBS, "d": _ADVS}
+
+    def pick(match: re.Match) -> str:  # Zipf-like: earlier words far more frequent
+        choices = words[match.group(1)]
+        return choices[min(int(rng.paretovariate(1.2)) - 1, len(choices) - 1)]
+
+    return [
+        " ".join(re.sub(r"\{(\w)\}", pick, rng.choice(_TEMPLATES)) for _ in range(rng.randint(4, 12)))
+        for _ in range(documents)
+    ]
+
+
+def ensure_debug_assets(root: str = DEFAULT_DIR, documents: int = 4000) -> str:
+    """Create the tokenizer and dataset under ``root`` unless present; returns ``root``."""
+    text_dir, tok_dir = dataset_dir(root), tokenizer_dir(root)
+    data_file = os.path.join(text_dir, "train.jsonl")
+    if not os.path.exists(data_file):
+        os.makedirs(text_dir, exist_ok=True)
+        _atomic_write(data_file, "".join(json.dumps({"text": doc}) + "\n" for doc in _corpus(documents)))
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        os.makedirs(tok_dir, exist_ok=True)
+        _train_tokenizer(data_file, tok_dir)
+    return root
+
+
+def _train_tokenizer(data_file: str, out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    with open(data_file) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    _atomic_write(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+    config = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "add_bos_token": True}
+    _atomic_write(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2))
+
+
+def _atomic_write(path: str, content: str) -> None:
+    """Write via rename so concurrent launchers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Create the debug tokenizer and dataset.")
+    parser.add_argument("--out", default=DEFAULT_DIR)
+    args = parser.parse_args()
+    print(f"debug assets ready in {ensure_debug_assets(args.out)}")
+
+
+if __name__ == "__main__":
+    main()

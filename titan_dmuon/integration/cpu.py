@@ -1,0 +1,116 @@
+"""TorchTitan 0.3.0 on a machine without an accelerator: every accommodation, in one place.
+
+Nothing here runs when an accelerator is present: on GPU clusters TorchTitan
+keeps its own device selection, NCCL, memory monitor and attention backend.
+On a CPU machine (the project's development and CI machine) five blockers
+are handled:
+
+1. device type: TorchTitan picks "cuda" when it sees no accelerator and copies
+   that choice into several modules at import time; ``enable`` sets "cpu" (so
+   the backend becomes gloo) before those modules are imported.
+2. the CUDA memory monitor and the CUDA barrier in ``set_pg_timeouts``: CPU
+   equivalents (peak RSS of the process; a plain barrier).
+3. FlexAttention has no CPU backward: ``use_sdpa_attention`` switches each
+   layer's inner attention to causal SDPA in the model config.
+4. gloo rejects FSDP2's PREMUL_SUM (used because TorchTitan sets the gradient
+   divide factor to 1): ``force_sum_reductions`` asks FSDP2 for plain sums.
+5. no tokenizer or dataset ships with TorchTitan: see ``assets.py``.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections import namedtuple
+
+import torch
+
+_MODULES_COPYING_DEVICE_TYPE = (
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.trainer",
+)
+
+
+def accelerator_present() -> bool:
+    return torch.accelerator.is_available()
+
+
+def enable() -> None:
+    """Point TorchTitan at the CPU and gloo. Call before importing torchtitan's trainer."""
+    if accelerator_present():
+        return
+    import torchtitan.tools.utils as titan_utils
+
+    if titan_utils.device_type == "cpu":
+        return  # already enabled
+    already = [m for m in _MODULES_COPYING_DEVICE_TYPE if m in sys.modules]
+    if already:
+        raise RuntimeError(
+            f"titan_dmuon CPU mode must be enabled before importing {already}: they copy the device type "
+            "at import time. Import titan_dmuon.integration.cpu and call enable() first."
+        )
+    titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
+
+    import torchtitan.components.metrics as titan_metrics
+    import torchtitan.distributed.utils as titan_dist_utils
+
+    titan_metrics.build_device_memory_monitor = CpuMemoryMonitor
+    titan_dist_utils.set_pg_timeouts = _set_pg_timeouts_cpu
+
+
+_MemStats = namedtuple(
+    "DeviceMemStats",
+    ["max_active_gib", "max_active_pct", "max_reserved_gib", "max_reserved_pct", "num_alloc_retries", "num_ooms"],
+)
+
+
+class CpuMemoryMonitor:
+    """TorchTitan's DeviceMemoryMonitor interface, backed by the process's peak RSS."""
+
+    device_name = "cpu"
+
+    def __init__(self) -> None:
+        import os
+
+        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    def get_peak_stats(self):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        gib, pct = peak / 2**30, 100 * peak / self.device_capacity
+        return _MemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        """Peak RSS cannot be reset; it stays the process-lifetime peak."""
+
+
+def _set_pg_timeouts_cpu(timeout, parallel_dims) -> None:
+    torch.distributed.barrier()
+    groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
+    for group in groups:
+        torch.distributed.set_timeout(timeout, group)
+
+
+def use_sdpa_attention(model_config) -> None:
+    """Switch every attention layer of a TorchTitan decoder config to causal SDPA."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+
+    for _, _, parent, attr in list(model_config.traverse(FlexAttention.Config)) + list(
+        model_config.traverse(VarlenAttention.Config)
+    ):
+        if isinstance(attr, int):
+            parent[attr] = ScaledDotProductAttention.Config()
+        else:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+
+
+def force_sum_reductions(model: torch.nn.Module) -> None:
+    """gloo has no PREMUL_SUM: make FSDP2 reduce with SUM (the divide factor is 1 anyway)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

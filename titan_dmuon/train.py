@@ -1,0 +1,70 @@
+"""Train a TorchTitan model from a TOML config, with DMuon when ``[optimizer] name = "dmuon"``.
+
+    torchrun --nproc_per_node 2 -m titan_dmuon.train --config_file train_configs/debug_model.toml \\
+        [--section.key value ...]
+
+(``run_train.sh`` wraps this.) Mirrors ``torchtitan.train.main``; the only
+differences are the TOML config and, on a machine without an accelerator,
+the CPU accommodations of ``titan_dmuon.integration.cpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from titan_dmuon.integration import cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--config_file" not in args and not any(a.startswith("--config_file=") for a in args):
+        sys.exit("usage: python -m titan_dmuon.train --config_file FILE.toml [--section.key value ...]")
+    config_file, overrides = _split_config_file(args)
+    cpu.enable()  # before TorchTitan's trainer is imported; a no-op with an accelerator
+
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    from titan_dmuon.integration.config import ConfigError, load_config
+
+    init_logger()
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    try:
+        config = load_config(config_file, overrides, world_size=world_size)
+    except ConfigError as e:
+        logger.error(f"config error: {e}")
+        sys.exit(2)
+    logger.info(f"titan_dmuon: {config_file}, optimizer {config.optimizer.name}")
+
+    trainer = None
+    try:
+        trainer = config.build()
+        if config.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
+
+
+def _split_config_file(args: list[str]) -> tuple[str, list[str]]:
+    rest, config_file, i = [], None, 0
+    while i < len(args):
+        if args[i] == "--config_file":
+            config_file, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--config_file="):
+            config_file = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return config_file, rest
+
+
+if __name__ == "__main__":
+    main()
