@@ -41,7 +41,7 @@ def test_shipped_configs_load(name):
 def test_toml_values_reach_torchtitan_fields():
     config = load_config(f"{CONFIGS}/debug_model.toml", world_size=2)
     assert config.training.steps == 20 and config.training.seq_len == 256
-    assert config.optimizer.lr == 0.02 and config.optimizer.adamw_betas == (0.9, 0.95)
+    assert config.optimizer.lr == 0.05 and config.optimizer.adamw_betas == (0.9, 0.95)
     assert config.optimizer.reshard_after_forward is True
     assert config.dataloader.dataset_path == "./assets/debug/text"
     assert config.hf_assets_path == "./assets/debug/tokenizer"
@@ -76,10 +76,10 @@ ERRORS = [
     ("[training]\nsteps = \"ten\"\n", [], 2, ["[training] steps = 'ten'", "expected an integer"]),
     ("[training]\nsteps = 0\n", [], 2, ["[training] steps = 0", "positive integer"]),
     ("[training]\nmax_norm = true\n", [], 2, ["[training] max_norm = True", "expected a number"]),
-    ("[optimizer]\nname = \"sgd\"\n", [], 2, ["[optimizer] name = 'sgd'", "one of 'dmuon', 'AdamW', 'Adam'"]),
+    ("[optimizer]\nname = \"sgd\"\n", [], 2, ["[optimizer] name = 'sgd'", "one of 'dmuon', 'AdamW', 'Adam', 'naive_muon'"]),
     (MINIMAL + "momentum = 1.5\n", [], 2, ["[optimizer] momentum = 1.5: expected a number in [0, 1)"]),
     (MINIMAL + "betas = [0.9, 0.99]\n", [], 2, ["[optimizer] betas applies to name = \"AdamW\" only", "adamw_betas"]),
-    ("[optimizer]\nname = \"AdamW\"\nmomentum = 0.9\n", [], 2, ["[optimizer] momentum applies to name = \"dmuon\" only"]),
+    ("[optimizer]\nname = \"AdamW\"\nmomentum = 0.9\n", [], 2, ["[optimizer] momentum applies to name = \"dmuon\" (or \"naive_muon\") only, not 'AdamW'"]),
     (MINIMAL + "adamw_betas = [0.9]\n", [], 2, ["[optimizer] adamw_betas = [0.9]", "a list of 2"]),
     (MINIMAL + "muon_params = [\"(\"]\n", [], 2, ["muon_params: bad regex '('"]),
     (MINIMAL + "[parallelism]\ndata_parallel_shard_degree = 3\n", [], 2, ["data_parallel_shard_degree(3)", "world size is 2"]),

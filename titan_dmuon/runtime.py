@@ -162,6 +162,8 @@ class DedicatedParams:
         self._pending_reduces: list[_PendingReduce] = []
         self._pending_replicate_broadcasts: dict[int, list] = {}  # unit index -> [(work, flat, members)]
         self._comm_stats: dict[str, tuple[Fraction, Fraction]] = {}  # source -> (elements, bytes)
+        self.buffer_bytes = 0  # packed-buffer memory allocated now on this rank
+        self.peak_buffer_bytes = 0  # its high-water mark since reset_peak_buffer_bytes()
 
     # ---- public ------------------------------------------------------------------
     @property
@@ -188,6 +190,9 @@ class DedicatedParams:
         """{collective label: (elements, bytes)} issued by DMuon on this rank since the last call."""
         out, self._comm_stats = self._comm_stats, {}
         return out
+
+    def reset_peak_buffer_bytes(self) -> None:
+        self.peak_buffer_bytes = self.buffer_bytes
 
     def theory_elements_per_rank(self) -> Fraction:
         """The design's per-step elements per rank (averaged over ranks) for this configuration."""
@@ -283,7 +288,7 @@ class DedicatedParams:
                 view.set_(storage.untyped_storage(), m.offset, m.entry.shape)
                 m.compute = nn.Parameter(view, requires_grad=m.param.requires_grad)
                 m.compute.register_post_accumulate_grad_hook(lambda p, m=m: self._on_grad_ready(m))
-            _free_storage(storage)
+            _free_storage(storage)  # allocated on first use
         self._initialized = True
         if self.replicate_group is not None and self.plan.replicate_size > 1:
             # Replicas may have been initialised differently: the global owner's copy wins.
@@ -469,7 +474,7 @@ class DedicatedParams:
             return
         self._finish_replicate_broadcast(unit)
         buffer = unit.buffer
-        _alloc_storage(buffer)
+        self._track_buffer(_alloc_storage(buffer))
         for segment in unit.segments:
             if segment.shard_owner == self.shard_rank:
                 for m in segment.members:
@@ -491,8 +496,12 @@ class DedicatedParams:
     def _free(self, unit: _Unit) -> None:
         self._wait_gathered(unit)
         if unit.buffer is not None:
-            _free_storage(unit.buffer)
+            self._track_buffer(-_free_storage(unit.buffer))
         unit.gathered = False
+
+    def _track_buffer(self, delta: int) -> None:
+        self.buffer_bytes += delta
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
 
     def _swap_in(self, unit: _Unit) -> None:
         for m in unit.members:
@@ -525,17 +534,23 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _free_storage(tensor: torch.Tensor) -> None:
+def _free_storage(tensor: torch.Tensor) -> int:
+    """Release the tensor's memory (views keep their metadata); returns the bytes freed."""
     storage = tensor.untyped_storage()
-    if storage.size() != 0:
+    freed = storage.size()
+    if freed:
         storage.resize_(0)
+    return freed
 
 
-def _alloc_storage(tensor: torch.Tensor) -> None:
+def _alloc_storage(tensor: torch.Tensor) -> int:
+    """Re-allocate a freed tensor's memory in place; returns the bytes allocated."""
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
+    if storage.size() == nbytes:
+        return 0
+    storage.resize_(nbytes)
+    return nbytes
 
 
 # ---- dedicate_params -------------------------------------------------------------------

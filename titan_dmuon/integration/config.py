@@ -69,7 +69,7 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
         )
 
     config = _base_config(settings.get("model", {}))
-    config.optimizer = optimizer_config_from(config.optimizer)
+    _use_dmuon_components(config)
     for key, setting in settings.get("job", {}).items():
         value = _check_plain(setting, "job", key, JOB_KEYS)
         if key == "dump_folder":
@@ -270,7 +270,7 @@ def _suggest(word: str, options) -> str:
 
 # ---- cross-key checks -------------------------------------------------------------------
 def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int | None) -> None:
-    from titan_dmuon.integration.optimizer import ADAMW_ONLY_KEYS, DMUON_ONLY_KEYS
+    from titan_dmuon.integration.optimizer import ADAMW_ONLY_KEYS, MUON_FAMILY_KEYS
     from titan_dmuon.integration.parallelize import check_supported
     from titan_dmuon.optimizer import OptionError, validate_options
 
@@ -281,13 +281,16 @@ def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int 
         return next(iter(settings.get(section, {}).values()), _Setting(None, "config", False)).source
 
     opt = config.optimizer
+    muon_family = opt.name in ("dmuon", "naive_muon")
     for key, setting in settings.get("optimizer", {}).items():
-        if opt.name == "dmuon" and key in ADAMW_ONLY_KEYS:
+        if muon_family and key in ADAMW_ONLY_KEYS:
             hint = f"; with name = \"dmuon\" use adamw_{key} for the non-Muon parameters" if key != "implementation" else ""
             raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"AdamW\" only{hint}")
-        if opt.name != "dmuon" and key in DMUON_ONLY_KEYS:
-            raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"dmuon\" only (name is {opt.name!r})")
-    if opt.name == "dmuon":
+        if not muon_family and key in MUON_FAMILY_KEYS:
+            raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}")
+        if opt.name == "naive_muon" and key == "reshard_after_forward":
+            raise ConfigError(f"{setting.source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; naive_muon follows parallelism.fsdp_reshard_after_forward")
+    if muon_family:
         options = {k: getattr(opt, k) for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")}
         options["eps"] = 1e-7
         try:
@@ -295,7 +298,8 @@ def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int 
         except OptionError as e:
             raise ConfigError(f"{where('optimizer', e.key)}: [optimizer] {e}") from None
         try:
-            check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
+            if opt.name == "dmuon":
+                check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
         except NotImplementedError as e:
             raise ConfigError(f"{where('optimizer', 'name')}: {e}") from None
         import re
@@ -347,7 +351,7 @@ def _finalize(config):
     from titan_dmuon.integration import cpu
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
     from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
-    from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
+    from titan_dmuon.integration.trainer import DMuonTrainer
 
     spec = config.model_spec
     if not cpu.accelerator_present():
@@ -360,9 +364,7 @@ def _finalize(config):
     else:
         parallelize = _bind(parallelize_without_dmuon, base_fn=spec.parallelize_fn)
     config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize)
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    values["metrics"] = _as(DMuonMetricsProcessor.Config, config.metrics)
-    return DMuonTrainer.Config(**values)
+    return DMuonTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def _bind(fn, **bound):
@@ -377,13 +379,16 @@ def _as(cls, instance):
     return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.init})
 
 
-def optimizer_config_from(base):
-    """TorchTitan's default optimizer config as a DMuonOptimizersContainer.Config (AdamW, same settings)."""
+def _use_dmuon_components(config) -> None:
+    """TorchTitan's optimizer and metrics configs as their DMuon-aware subclasses, same settings."""
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
+    from titan_dmuon.integration.trainer import DMuonMetricsProcessor
 
+    base = config.optimizer
     kwargs = base.param_groups[0].optimizer_kwargs if base.param_groups else {}
-    return DMuonOptimizersContainer.Config(
+    config.optimizer = DMuonOptimizersContainer.Config(
         name=base.param_groups[0].optimizer_name if base.param_groups else "AdamW",
         implementation=base.implementation,
         **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")},
     )
+    config.metrics = _as(DMuonMetricsProcessor.Config, config.metrics)

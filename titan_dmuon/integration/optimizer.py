@@ -7,16 +7,19 @@ param-group config, so ``name = "AdamW"`` behaves exactly as TorchTitan does.
 
 from __future__ import annotations
 
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+from titan_dmuon.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DMuon
 
-DMUON_ONLY_KEYS = (
+MUON_FAMILY_KEYS = (
     "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
     "adamw_weight_decay", "muon_params", "reshard_after_forward",
 )
@@ -26,8 +29,10 @@ ADAMW_ONLY_KEYS = ("betas", "eps", "implementation")
 class DMuonOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        name: Literal["dmuon", "AdamW", "Adam"] = "AdamW"
-        """"dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest; "AdamW"/"Adam": TorchTitan's own."""
+        name: Literal["dmuon", "AdamW", "Adam", "naive_muon"] = "AdamW"
+        """"dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest; "AdamW"/"Adam":
+        TorchTitan's own; "naive_muon": FSDP2 + Muon with a full-gradient all-gather in step (a
+        benchmark baseline; orthogonalises a fused q/k/v weight as one matrix)."""
         lr: float = 8e-4
         """Learning rate: Muon's with name = "dmuon", else AdamW's."""
         weight_decay: float = 0.1
@@ -55,29 +60,50 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
 
     def __init__(self, config: Config, *, model_parts) -> None:
-        if config.name == "dmuon":
+        if config.name in ("dmuon", "naive_muon"):
             kwargs = dict(
                 lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                 ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr,
                 adamw_betas=tuple(config.adamw_betas), adamw_eps=config.adamw_eps,
                 adamw_weight_decay=config.adamw_weight_decay,
             )
-            config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs=kwargs)]
+            factory = "DMuon" if config.name == "dmuon" else "NaiveFSDPMuon"
+            config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name=factory, optimizer_kwargs=kwargs)]
+            if config.name == "naive_muon":
+                config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
         else:
             kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
             config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name=config.name, optimizer_kwargs=kwargs)]
-        self._dmuon = config.name == "dmuon"
+        self._muon_family = config.name in ("dmuon", "naive_muon")
+        self.last_step_seconds = 0.0
         super().__init__(config, model_parts=model_parts)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str):
         if name == "DMuon":
             return DMuon
+        if name == "NaiveFSDPMuon":
+            return _naive_muon
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
         # DMuon has no fused/foreach variants: keep those keys out of its groups
-        return OptimizersContainer._build_param_groups(model, param_group_configs, {} if self._dmuon else impl_kwargs)
+        return OptimizersContainer._build_param_groups(model, param_group_configs, {} if self._muon_family else impl_kwargs)
+
+    def step(self, closure=None):
+        start = time.perf_counter()
+        result = super().step(closure)
+        self.last_step_seconds = time.perf_counter() - start
+        return result
 
     def dmuon_optimizers(self) -> list[DMuon]:
-        return [o for o in self.optimizers if isinstance(o, DMuon)]
+        return [o for o in self.optimizers if isinstance(o, DMuon) and not isinstance(o, NaiveFSDPMuon)]
+
+
+def _naive_muon(param_groups, *, muon_patterns):
+    patterns = [re.compile(p) for p in muon_patterns]
+    targets = [
+        p for group in param_groups for p, name in zip(group["params"], group["param_names"])
+        if any(pattern.search(name) for pattern in patterns)
+    ]
+    return NaiveFSDPMuon(param_groups, muon_params=targets)

@@ -1,18 +1,21 @@
-"""TorchTitan's Trainer and MetricsProcessor with DMuon's two additions.
+"""TorchTitan's Trainer and MetricsProcessor with DMuon's additions.
 
 * Gradient clipping. ``Trainer.train_step`` clips with torch's clip over all
   parameters, which cannot mix FSDP2's DTensor shards with owner-held plain
   gradients (and would count dedicated gradients wrongly). While a DMuon step
   runs, TorchTitan's clip entry point is titan_dmuon.clip_grad_norm_, which
   counts each gradient element exactly once.
-* DMuon's figures per step in the log line and in TensorBoard/W&B:
-  communication elements and bytes per rank next to the design's theory,
-  Newton–Schulz matrices and time, and the owner balance.
+* Figures per step in the log and in TensorBoard/W&B: the optimizer step's
+  time; DMuon's communication (elements and bytes per rank, next to the
+  design's figure), Newton–Schulz matrices and time, owner balance and
+  packed-buffer memory; and, with ``[metrics] count_all_comm = true``, every
+  collective of the step (FSDP2's too) counted by the CommLedger.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -22,10 +25,11 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_dmuon.grad_clip import clip_grad_norm_
+from titan_dmuon.ledger import CommLedger
 from titan_dmuon.runtime import dedicated_member
 
 
-def _dmuon_handles(optimizers) -> list:
+def dmuon_handles(optimizers) -> list:
     handles = []
     for opt in getattr(optimizers, "dmuon_optimizers", lambda: [])():
         for group in opt.param_groups:
@@ -49,9 +53,12 @@ class DMuonTrainer(Trainer):
         pass
 
     def train_step(self, data_iterator):
-        if not _dmuon_handles(self.optimizers):
-            return super().train_step(data_iterator)
-        with _replaced(titan_dist_utils, "clip_grad_norm_", _clip_for_titan):
+        with contextlib.ExitStack() as stack:
+            if dmuon_handles(self.optimizers):
+                stack.enter_context(_replaced(titan_dist_utils, "clip_grad_norm_", _clip_for_titan))
+            ledger = self.metrics_processor.ledger
+            if ledger is not None:
+                stack.enter_context(ledger)
             return super().train_step(data_iterator)
 
 
@@ -68,42 +75,66 @@ def _replaced(module, name: str, value):
 class DMuonMetricsProcessor(MetricsProcessor):
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
-        pass
+        count_all_comm: bool = False
+        """Count every collective of each step (FSDP2's and DMuon's) with the CommLedger and
+        log elements/bytes per rank per step. Costs a little Python per collective."""
 
-    _last_logged_step = 0
+    def __init__(self, config: Config, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        self.ledger = CommLedger() if config.count_all_comm else None
+        self._last_logged_step = 0
+        self._time_of_last_figures = time.perf_counter()
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        figures = self.dmuon_figures(step)
+        figures = self.step_figures(step)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **figures})
-        if figures:
-            logger.info(
+        parts = [f"step {figures['time/step(s)']:.3f}s, optimizer {1e3 * figures['time/optimizer_step(s)']:.1f} ms"]
+        if "comm/elements_per_rank" in figures:
+            parts.append(
+                f"all comm {figures['comm/elements_per_rank'] / 1e6:.4f}M elements/rank/step "
+                f"({figures['comm/MB_per_rank']:.3f} MB)"
+            )
+        if "dmuon/comm_elements_per_rank" in figures:
+            parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
                 f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
                 f"averaged over ranks)  NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
-                f"{figures['dmuon/owner_imbalance']:.2f}"
+                f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB"
             )
+        logger.info("titan_dmuon: " + "  ".join(parts))
 
-    def dmuon_figures(self, step: int) -> dict[str, float]:
-        """This rank's DMuon figures per step since the last log."""
-        handles = _dmuon_handles(self.optimizers)
-        if not handles:
-            return {}
+    def step_figures(self, step: int) -> dict[str, float]:
+        """This rank's figures, per step, since the last log."""
         steps = max(1, step - self._last_logged_step)
-        self._last_logged_step = step
-        elements, nbytes, theory = Fraction(0), Fraction(0), Fraction(0)
-        for handle in handles:
-            popped = handle.pop_comm_stats()
-            elements += sum(e for e, _ in popped.values())
-            nbytes += sum(b for _, b in popped.values())
-            theory += handle.theory_elements_per_rank()
-        stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]
-        return {
-            "dmuon/comm_elements_per_rank": float(elements / steps),
-            "dmuon/comm_MB_per_rank": float(nbytes / steps) / 1e6,
-            "dmuon/theory_elements_per_rank": float(theory),
-            "dmuon/ns_matrices": sum(s.get("ns_matrices", 0) for s in stats),
-            "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),
-            "dmuon/owner_imbalance": max(h.plan.imbalance for h in handles),
+        now = time.perf_counter()
+        figures = {
+            "time/step(s)": (now - self._time_of_last_figures) / steps,
+            "time/optimizer_step(s)": getattr(self.optimizers, "last_step_seconds", 0.0),
         }
-
+        self._last_logged_step, self._time_of_last_figures = step, now
+        if self.ledger is not None:
+            figures["comm/elements_per_rank"] = float(self.ledger.elements()) / steps
+            figures["comm/MB_per_rank"] = float(self.ledger.bytes()) / steps / 1e6
+            self.ledger.records.clear()
+        handles = dmuon_handles(self.optimizers)
+        if handles:
+            elements, nbytes, theory, peak = Fraction(0), Fraction(0), Fraction(0), 0
+            for handle in handles:
+                popped = handle.pop_comm_stats()
+                elements += sum(e for e, _ in popped.values())
+                nbytes += sum(b for _, b in popped.values())
+                theory += handle.theory_elements_per_rank()
+                peak += handle.peak_buffer_bytes
+                handle.reset_peak_buffer_bytes()
+            stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]
+            figures.update({
+                "dmuon/comm_elements_per_rank": float(elements / steps),
+                "dmuon/comm_MB_per_rank": float(nbytes / steps) / 1e6,
+                "dmuon/theory_elements_per_rank": float(theory),
+                "dmuon/ns_matrices": sum(s.get("ns_matrices", 0) for s in stats),
+                "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),
+                "dmuon/owner_imbalance": max(h.plan.imbalance for h in handles),
+                "dmuon/peak_buffer_MB": peak / 1e6,
+            })
+        return figures
