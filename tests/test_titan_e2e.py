@@ -60,6 +60,29 @@ def _tensorboard_tags(folder):
     return tags
 
 
+def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
+    """From the same seed checkpoint (written by one process) and the same data, the first
+    step of DMuon (Z3 and Z2) and of TorchTitan's AdamW sees the same loss and the same
+    global gradient norm. This checks loading unsharded weights onto owners, the gradient
+    scale (TorchTitan sums: divide factor 1) and the clip's count of owner-held plus
+    FSDP-sharded gradients (each element once)."""
+    seed = run_train(tmp_path / "seed", "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true",
+                     "--parallelism.data_parallel_shard_degree", "1", config="debug_model_adamw.toml", ngpu=1)
+    assert seed.returncode == 0, seed.stdout[-3000:]
+    load = ("--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
+            "--training.steps", "1")
+    runs = {
+        "adamw": parse(run_train(tmp_path / "a", *load, config="debug_model_adamw.toml"))[0],
+        "z3": parse(run_train(tmp_path / "b", *load))[0],
+        "z2": parse(run_train(tmp_path / "c", *load, "--training.steps", "3", config="debug_model_z2.toml"))[0],
+    }
+    assert sorted(runs["z2"]) == [1, 2, 3] and runs["z2"][3][0] < runs["z2"][1][0]  # and the Z2 config trains
+    loss, norm = runs["adamw"][1]
+    for name in ("z3", "z2"):
+        assert runs[name][1][0] == pytest.approx(loss, rel=1e-5), name
+        assert runs[name][1][1] == pytest.approx(norm, rel=1e-4), name
+
+
 def test_hsdp_config_runs(tmp_path):
     steps, comm = parse(run_train(tmp_path, "--training.steps", "3", config="debug_model_hsdp.toml", ngpu=4))
     assert sorted(steps) == [1, 2, 3]
@@ -78,9 +101,11 @@ def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
     assert all(elements == design == pytest.approx(5.1118, abs=1e-4) for elements, _, design in comm)  # 2(N-1)/N
 
 
-def test_qwen3_debug_model_runs(tmp_path):
-    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--model.name", "qwen3"))
+def test_qwen3_with_gradient_accumulation(tmp_path):
+    """qwen3's debug model, two micro-batches per step: DMuon moves its volume per micro-batch."""
+    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--model.name", "qwen3", "--training.global_batch_size", "8"))
     assert sorted(steps) == [1, 2] and len(comm) == 2
+    assert all(elements == design for elements, _, design in comm)
 
 
 def test_two_node_launch_on_one_machine(tmp_path):

@@ -88,6 +88,28 @@ class DMuon(torch.optim.Optimizer):
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         return dedicated_member(p) is not None
 
+    def state_dict(self):
+        """Also lands HSDP's in-flight post-step broadcasts first.
+
+        DCP asks every Stateful for its state before it reads a checkpoint into
+        the model's tensors in place; TorchTitan's zero-gradient step inside this
+        call starts broadcasts of the pre-load weights, which must not land after
+        the load."""
+        for handle in self.dedicated_handles():
+            handle.wait_for_replicate_broadcasts()
+        return super().state_dict()
+
+    def dedicated_handles(self) -> list:
+        """The dedicate_params handles of this optimizer's Muon parameters, in a fixed order."""
+        handles = []
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    found = dedicated_member(p)
+                    if found is not None and found[0] not in handles:
+                        handles.append(found[0])
+        return handles
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

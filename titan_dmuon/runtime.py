@@ -162,6 +162,7 @@ class DedicatedParams:
         self._pending_reduces: list[_PendingReduce] = []
         self._pending_replicate_broadcasts: dict[int, list] = {}  # unit index -> [(work, flat, members)]
         self._comm_stats: dict[str, tuple[Fraction, Fraction]] = {}  # source -> (elements, bytes)
+        self._not_held_keys: set[str] = set()  # state-dict keys of weights other ranks hold
         self.buffer_bytes = 0  # packed-buffer memory allocated now on this rank
         self.peak_buffer_bytes = 0  # its high-water mark since reset_peak_buffer_bytes()
 
@@ -264,6 +265,42 @@ class DedicatedParams:
         for unit in self._units:
             unit.module.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u))
             unit.module.register_forward_hook(lambda mod, args, out, u=unit: self._post_forward(u, out))
+        for module in self.owning_modules:  # (torch tags hooks with attributes: plain functions, not methods)
+            module.register_state_dict_post_hook(lambda *args: self._on_state_dict(*args))
+            module.register_load_state_dict_pre_hook(lambda *args: self._on_load_state_dict(*args))
+            module.register_load_state_dict_post_hook(lambda *args: self._after_load_state_dict(*args))
+
+    # ---- state dicts (DCP checkpoints) --------------------------------------------------
+    # A dedicated weight appears in ``state_dict()`` only on the ranks that hold it, under
+    # its normal name, with its current full value; other ranks leave the key out. DCP then
+    # writes each weight once (from a holder: all holders agree once post-step broadcasts
+    # have landed) and, on load, each rank requests exactly the weights it holds now, which
+    # reshards across world sizes, Z2/Z3, FSDP/HSDP and ownership plans.
+    def _members_of(self, module: nn.Module) -> list[_Member]:
+        return [m for m in self._members if m.module is module]
+
+    def _on_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        self._refresh_params()
+        self.wait_for_replicate_broadcasts()
+        for m in self._members_of(module):
+            key = prefix + m.name
+            if m.holds_full:  # the master weight, also while compute views are swapped in
+                state_dict[key] = m.param if isinstance(state_dict.get(key), nn.Parameter) else m.param.detach()
+            else:
+                state_dict.pop(key, None)
+
+    def _on_load_state_dict(self, module, state_dict, prefix, *args) -> None:
+        self._refresh_params()
+        self.wait_for_replicate_broadcasts()  # so that no older value lands after the load
+        for m in self._members_of(module):
+            if not m.holds_full:
+                state_dict.pop(prefix + m.name, None)  # its holders load it
+                self._not_held_keys.add(prefix + m.name)
+
+    def _after_load_state_dict(self, module, incompatible_keys) -> None:
+        """Weights this rank does not hold are not "missing" from what it was given."""
+        missing = incompatible_keys.missing_keys
+        missing[:] = [k for k in missing if k not in self._not_held_keys]
 
     def _lazy_init(self) -> None:
         """Allocate compute params on first forward, once the model is materialised."""

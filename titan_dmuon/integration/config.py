@@ -380,7 +380,8 @@ def _as(cls, instance):
 
 
 def _use_dmuon_components(config) -> None:
-    """TorchTitan's optimizer and metrics configs as their DMuon-aware subclasses, same settings."""
+    """TorchTitan's optimizer, metrics and checkpoint configs as DMuon-aware subclasses, same settings."""
+    from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
     from titan_dmuon.integration.trainer import DMuonMetricsProcessor
 
@@ -392,3 +393,4 @@ def _use_dmuon_components(config) -> None:
         **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")},
     )
     config.metrics = _as(DMuonMetricsProcessor.Config, config.metrics)
+    config.checkpoint = _as(DMuonCheckpointManager.Config, config.checkpoint)

@@ -26,18 +26,12 @@ from torchtitan.trainer import Trainer
 
 from titan_dmuon.grad_clip import clip_grad_norm_
 from titan_dmuon.ledger import CommLedger
-from titan_dmuon.runtime import dedicated_member
 
 
 def dmuon_handles(optimizers) -> list:
     handles = []
     for opt in getattr(optimizers, "dmuon_optimizers", lambda: [])():
-        for group in opt.param_groups:
-            if group["use_muon"]:
-                for p in group["params"]:
-                    handle = dedicated_member(p)[0]
-                    if handle not in handles:
-                        handles.append(handle)
+        handles += [h for h in opt.dedicated_handles() if h not in handles]
     return handles
 
 
@@ -51,6 +45,11 @@ class DMuonTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        # DMuon moves its volume once per forward/backward, i.e. per micro-batch
+        self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
 
     def train_step(self, data_iterator):
         with contextlib.ExitStack() as stack:
@@ -82,6 +81,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
     def __init__(self, config: Config, **kwargs) -> None:
         super().__init__(config, **kwargs)
         self.ledger = CommLedger() if config.count_all_comm else None
+        self.microbatches_per_step = 1
         self._last_logged_step = 0
         self._time_of_last_figures = time.perf_counter()
 
@@ -98,7 +98,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
             parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
                 f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
-                f"averaged over ranks)  NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
+                f"averaged over ranks, {self.microbatches_per_step} micro-batch(es))  NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
                 f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB"
             )
@@ -124,7 +124,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 popped = handle.pop_comm_stats()
                 elements += sum(e for e, _ in popped.values())
                 nbytes += sum(b for _, b in popped.values())
-                theory += handle.theory_elements_per_rank()
+                theory += handle.theory_elements_per_rank() * self.microbatches_per_step
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]

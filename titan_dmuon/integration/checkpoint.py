@@ -1,0 +1,122 @@
+"""TorchTitan's DCP CheckpointManager, checking a checkpoint before loading it.
+
+Saving needs nothing extra: DMuon's state-dict hooks (runtime.py) make every
+dedicated weight appear once per holder under its normal name, and its
+momentum lives in the optimizer state of its one global owner. Loading gets
+a check first, identical on every rank so that a bad checkpoint is an error
+everywhere rather than a hang in DCP's collectives:
+
+* the metadata must be readable and every data file complete (a save that was
+  killed never writes ``.metadata``, so TorchTitan skips such a folder; a
+  truncated file is caught here);
+* every model tensor this rank will load must exist with the same shape
+  (a checkpoint of another model is named by its first differing keys);
+* a checkpoint written by another optimizer (e.g. AdamW) loads weights, step,
+  data position and LR schedule, with fresh optimizer state and a warning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
+from torchtitan.tools import filesystem
+from torchtitan.tools.logging import logger
+
+DMUON_GROUP_MARKER = ".use_muon"  # a param-group key only DMuon writes
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this job; says which and why."""
+
+
+class DMuonCheckpointManager(CheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        if not from_hf and not filesystem.is_remote(checkpoint_id):
+            state_dict = checked_state_dict(state_dict, checkpoint_id)
+        return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def checked_state_dict(state_dict: dict, checkpoint_id: str) -> dict:
+    """``state_dict`` ready for ``dcp.load``, or a CheckpointError raised on every rank."""
+    problems, metadata = [], None
+    try:
+        metadata = FileSystemReader(checkpoint_id).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read metadata means the same thing
+        problems.append(
+            f"cannot read its .metadata ({type(e).__name__}: {e}); the checkpoint is incomplete or corrupt. "
+            "Delete the folder or set checkpoint.load_step to an earlier step"
+        )
+    if metadata is not None:
+        problems += _incomplete_files(metadata, checkpoint_id)
+        problems += _model_mismatches(state_dict, metadata)
+    problems = _everywhere(problems)
+    if problems:
+        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"checkpoint {checkpoint_id} cannot be loaded: {listed}")
+
+    if OPTIMIZER in state_dict:
+        ours = _writes_dmuon_state(state_dict[OPTIMIZER])
+        theirs = any(k.startswith(f"{OPTIMIZER}.param_groups.") and k.endswith(DMUON_GROUP_MARKER) for k in metadata.state_dict_metadata)
+        if ours != theirs:
+            logger.warning(
+                f"checkpoint {checkpoint_id} was written by {'DMuon' if theirs else 'another optimizer (e.g. AdamW)'} "
+                f"and this job uses {'DMuon' if ours else 'another optimizer'}: loading the model weights, training "
+                "step, data position and LR schedule; the optimizer state (momentum, Adam moments) starts fresh."
+            )
+            state_dict = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+    return state_dict
+
+
+def _writes_dmuon_state(optimizers) -> bool:
+    return bool(getattr(optimizers, "dmuon_optimizers", lambda: [])())
+
+
+def _incomplete_files(metadata, checkpoint_id: str) -> list[str]:
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = os.path.join(checkpoint_id, name)
+        if not os.path.isfile(path):
+            problems.append(f"data file {name} is missing")
+        elif os.path.getsize(path) < size:
+            problems.append(f"data file {name} is truncated ({os.path.getsize(path)} bytes, needs {size})")
+    return problems
+
+
+def _model_mismatches(state_dict: dict, metadata) -> list[str]:
+    problems = []
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # Stateful components (optimizer, dataloader, ...) check themselves
+        entry = metadata.state_dict_metadata.get(key)
+        if entry is None:
+            problems.append(f"it has no {key!r} (a checkpoint of another model?)")
+        elif not isinstance(entry, TensorStorageMetadata):
+            problems.append(f"{key!r} is not a tensor in it")
+        elif tuple(entry.size) != tuple(value.shape):
+            problems.append(f"{key!r} has shape {tuple(entry.size)} in it but {tuple(value.shape)} in this model")
+    return problems
+
+
+def _everywhere(problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank (one all-gather), so all ranks stop together."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problems
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    merged: list[str] = []
+    for rank_problems in gathered:
+        merged += [p for p in rank_problems if p not in merged]
+    return merged
