@@ -84,12 +84,11 @@ class _Segment:
     shard_owner: int
     start: int
     stop: int
-    members: list[_Member]
+    members: list[_Member]  # sorted by replicate owner: one replicate-stage collective per owner
 
-    def by_replicate_owner(self, plan: OwnershipPlan) -> list[tuple[int, list[_Member]]]:
-        return [
-            (r, list(ms)) for r, ms in itertools.groupby(self.members, key=lambda m: plan.replicate_owner(m.entry))
-        ]
+
+def _by_replicate_owner(plan: OwnershipPlan, members: list[_Member]) -> list[tuple[int, list[_Member]]]:
+    return [(r, list(ms)) for r, ms in itertools.groupby(members, key=lambda m: plan.replicate_owner(m.entry))]
 
 
 @dataclass(eq=False)
@@ -109,7 +108,6 @@ class _Unit:
 
 @dataclass(eq=False)
 class _PendingReduce:
-    unit: _Unit
     segment: _Segment
     flat: torch.Tensor
     members: list[_Member]  # members with a gradient, in `flat` order
@@ -160,7 +158,7 @@ class DedicatedParams:
         self._recording_order = True
         self._callback_queued = False
         self._pending_reduces: list[_PendingReduce] = []
-        self._pending_replicate_broadcasts: dict[int, list] = {}  # unit index -> [(work, flat, members)]
+        self._pending_replicate_broadcasts: dict[int, list] = {}  # unit index -> [(work, flat, members, src)]
         self._comm_stats: dict[str, tuple[Fraction, Fraction]] = {}  # source -> (elements, bytes)
         self._not_held_keys: set[str] = set()  # state-dict keys of weights other ranks hold
         self.buffer_bytes = 0  # packed-buffer memory allocated now on this rank
@@ -404,7 +402,7 @@ class DedicatedParams:
                     "dmuon.shard_reduce", dist.reduce, flat, self.plan.shard_size,
                     group_dst=segment.shard_owner, group=self.shard_group,
                 )
-            self._pending_reduces.append(_PendingReduce(unit, segment, flat, with_grad, work, "shard"))
+            self._pending_reduces.append(_PendingReduce(segment, flat, with_grad, work, "shard"))
         self._free(unit)
         self._swap_out(unit)
 
@@ -440,18 +438,16 @@ class DedicatedParams:
 
     def _start_replicate_reduce(self, pending: _PendingReduce) -> None:
         offset = 0
-        for replicate_owner, members in itertools.groupby(
-            pending.members, key=lambda m: self.plan.replicate_owner(m.entry)
-        ):
-            members = list(members)
+        for replicate_owner, members in _by_replicate_owner(self.plan, pending.members):
             numel = sum(m.entry.numel for m in members)
-            flat = pending.flat[offset : offset + numel]
+            # its own buffer: the owner keeps it as .grad, and the rest of the segment can go
+            flat = pending.flat[offset : offset + numel].clone()
             offset += numel
             work = self._collective(
                 "dmuon.replicate_reduce", dist.reduce, flat, self.plan.replicate_size,
                 group_dst=replicate_owner, group=self.replicate_group,
             )
-            self._pending_reduces.append(_PendingReduce(pending.unit, pending.segment, flat, members, work, "replicate"))
+            self._pending_reduces.append(_PendingReduce(pending.segment, flat, members, work, "replicate"))
 
     def _accumulate_grads(self, pending: _PendingReduce) -> None:
         offset = 0
@@ -481,7 +477,7 @@ class DedicatedParams:
             for segment in unit.segments:
                 if segment.shard_owner != self.shard_rank:
                     continue
-                for replicate_owner, members in segment.by_replicate_owner(self.plan):
+                for replicate_owner, members in _by_replicate_owner(self.plan, segment.members):
                     if replicate_owner == self.replicate_rank:
                         flat = torch.cat([m.param.detach().reshape(-1) for m in members])
                     else:
