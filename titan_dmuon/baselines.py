@@ -28,7 +28,7 @@ class NaiveFSDPMuon(DMuon):
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         return id(p) in self._muon_ids
 
-    def _muon_group_step(self, group: dict, handles: list) -> tuple[int, float]:
+    def _muon_group_step(self, group: dict) -> tuple[int, float]:
         count = 0
         for p in group["params"]:
             if p.grad is None:

@@ -6,8 +6,8 @@ kind, the group, the element count and the dtype. Elements are counted as a
 bandwidth-optimal algorithm moves them, per rank of the group:
 
     broadcast / reduce / all-gather (output S) / reduce-scatter (input S) /
-    all-to-all (S per rank) / gather / scatter:   (n-1)/n * S
-    all-reduce of S:                              2(n-1)/n * S
+    all-to-all (S per rank):   (n-1)/n * S
+    all-reduce of S:           2(n-1)/n * S
 
 Counts are exact ``Fraction`` s so they can be compared with theory exactly.
 ``theory_elements_per_rank`` gives the per-step figure the design promises.

@@ -116,21 +116,20 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        handles: list = []
         ns_matrices = ns_seconds = 0.0
         for group in self.param_groups:
             if group["use_muon"]:
-                matrices, seconds = self._muon_group_step(group, handles)
+                matrices, seconds = self._muon_group_step(group)
                 ns_matrices += matrices
                 ns_seconds += seconds
             else:
                 self._adamw_group_step(group)
-        for handle in handles:  # same order on every rank: it follows the param groups
+        for handle in self.dedicated_handles():  # same order on every rank: it follows the param groups
             handle.after_step()
         self.last_step_stats = {"ns_matrices": ns_matrices, "ns_seconds": ns_seconds}
         return loss
 
-    def _muon_group_step(self, group: dict, handles: list) -> tuple[int, float]:
+    def _muon_group_step(self, group: dict) -> tuple[int, float]:
         params, grads, buffers, blocks = [], [], [], []
         for p in group["params"]:
             found = dedicated_member(p)
@@ -140,9 +139,7 @@ class DMuon(torch.optim.Optimizer):
                     "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
                     "Build DMuon after the model is materialised, as with FSDP2."
                 )
-            handle, member = found
-            if handle not in handles:
-                handles.append(handle)
+            member = found[1]
             if not member.runs_ns or p.grad is None:
                 continue
             state = self.state[p]

@@ -24,19 +24,25 @@ from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanEntry:
-    """One dedicated matrix: its name, shape, layer unit, NS row blocks and owner."""
+class MatrixSpec:
+    """One dedicated matrix as every rank sees it: name, shape, layer unit, NS row blocks."""
 
     fqn: str
     shape: tuple[int, int]
     unit: int
     blocks: tuple[Block, ...]
-    owner: int
-    ns_flops: int
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEntry(MatrixSpec):
+    """A matrix with its owner (global rank r * N + s) and its NS cost."""
+
+    owner: int
+    ns_flops: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,14 +107,6 @@ class OwnershipPlan:
             owned = [e.fqn for e in self.entries if e.owner == rank]
             lines.append(f"  rank {rank}: {len(owned)} matrices, {load[rank]:.3e} NS FLOPs")
         return "\n".join(lines)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MatrixSpec:
-    fqn: str
-    shape: tuple[int, int]
-    unit: int
-    blocks: tuple[Block, ...]
 
 
 def build_plan(

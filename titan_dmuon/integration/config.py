@@ -22,11 +22,14 @@ import dataclasses
 import difflib
 import importlib
 import os
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from titan_dmuon.muon_math import NS_EPS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -270,19 +273,26 @@ def _suggest(word: str, options) -> str:
 
 # ---- cross-key checks -------------------------------------------------------------------
 def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int | None) -> None:
+    def where(section: str, *keys: str) -> str:
+        """Where the value came from: the key's source, else the section's, else the defaults."""
+        for key in keys:
+            if key in settings.get(section, {}):
+                return settings[section][key].source
+        return next(iter(settings.get(section, {}).values()), _Setting(None, "defaults", False)).source
+
+    _validate_optimizer(config, settings.get("optimizer", {}), where)
+    _validate_training(config.training, where)
+    _validate_parallelism(config.parallelism, world_size, where)
+
+
+def _validate_optimizer(config, optimizer_settings: dict[str, _Setting], where) -> None:
     from titan_dmuon.integration.optimizer import ADAMW_ONLY_KEYS, MUON_FAMILY_KEYS
     from titan_dmuon.integration.parallelize import check_supported
     from titan_dmuon.optimizer import OptionError, validate_options
 
-    def where(section, *keys):
-        for key in keys:
-            if key in settings.get(section, {}):
-                return settings[section][key].source
-        return next(iter(settings.get(section, {}).values()), _Setting(None, "config", False)).source
-
     opt = config.optimizer
     muon_family = opt.name in ("dmuon", "naive_muon")
-    for key, setting in settings.get("optimizer", {}).items():
+    for key, setting in optimizer_settings.items():
         if muon_family and key in ADAMW_ONLY_KEYS:
             hint = f"; with name = \"dmuon\" use adamw_{key} for the non-Muon parameters" if key != "implementation" else ""
             raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"AdamW\" only{hint}")
@@ -290,34 +300,34 @@ def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int 
             raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}")
         if opt.name == "naive_muon" and key == "reshard_after_forward":
             raise ConfigError(f"{setting.source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; naive_muon follows parallelism.fsdp_reshard_after_forward")
-    if muon_family:
-        options = {k: getattr(opt, k) for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")}
-        options["eps"] = 1e-7
+    if not muon_family:
+        return
+    keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
+    try:
+        validate_options({**{k: getattr(opt, k) for k in keys}, "eps": NS_EPS})
+    except OptionError as e:
+        raise ConfigError(f"{where('optimizer', e.key)}: [optimizer] {e}") from None
+    for pattern in opt.muon_params:
         try:
-            validate_options(options)
-        except OptionError as e:
-            raise ConfigError(f"{where('optimizer', e.key)}: [optimizer] {e}") from None
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"{where('optimizer', 'muon_params')}: [optimizer] muon_params: bad regex {pattern!r} ({e})") from None
+    if opt.name == "dmuon":
         try:
-            if opt.name == "dmuon":
-                check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
+            check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
         except NotImplementedError as e:
             raise ConfigError(f"{where('optimizer', 'name')}: {e}") from None
-        import re
 
-        for pattern in opt.muon_params:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ConfigError(f"{where('optimizer', 'muon_params')}: [optimizer] muon_params: bad regex {pattern!r} ({e})") from None
 
-    training = config.training
+def _validate_training(training, where) -> None:
     for key in ("steps", "local_batch_size", "seq_len"):
         if getattr(training, key) <= 0:
             raise ConfigError(f"{where('training', key)}: [training] {key} = {getattr(training, key)}: expected a positive integer")
     if training.max_norm <= 0:
         raise ConfigError(f"{where('training', 'max_norm')}: [training] max_norm = {training.max_norm}: expected a positive number")
 
-    p = config.parallelism
+
+def _validate_parallelism(p, world_size: int | None, where) -> None:
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "tensor_parallel_degree": p.tensor_parallel_degree,
@@ -330,19 +340,20 @@ def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int 
     shard = p.data_parallel_shard_degree
     if shard != -1 and shard < 1:
         raise ConfigError(f"{where('parallelism', 'data_parallel_shard_degree')}: [parallelism] data_parallel_shard_degree = {shard}: expected -1 (use the remaining ranks) or an integer >= 1")
-    if world_size is not None:
-        others = 1
-        for degree in degrees.values():
-            others *= degree
-        product = " * ".join(f"{k}({v})" for k, v in degrees.items())
-        if shard == -1 and world_size % others:
-            raise ConfigError(f"{where('parallelism')}: [parallelism] {product} = {others} does not divide the world size {world_size}")
-        if shard != -1 and shard * others != world_size:
-            raise ConfigError(
-                f"{where('parallelism', 'data_parallel_shard_degree', 'data_parallel_replicate_degree')}: [parallelism] "
-                f"data_parallel_shard_degree({shard}) * {product} = {shard * others}, but the world size is {world_size}; "
-                "the degrees must multiply to the number of processes (data_parallel_shard_degree = -1 infers it)"
-            )
+    if world_size is None:
+        return
+    others = 1
+    for degree in degrees.values():
+        others *= degree
+    product = " * ".join(f"{k}({v})" for k, v in degrees.items())
+    if shard == -1 and world_size % others:
+        raise ConfigError(f"{where('parallelism')}: [parallelism] {product} = {others} does not divide the world size {world_size}")
+    if shard != -1 and shard * others != world_size:
+        raise ConfigError(
+            f"{where('parallelism', 'data_parallel_shard_degree', 'data_parallel_replicate_degree')}: [parallelism] "
+            f"data_parallel_shard_degree({shard}) * {product} = {shard * others}, but the world size is {world_size}; "
+            "the degrees must multiply to the number of processes (data_parallel_shard_degree = -1 infers it)"
+        )
 
 
 # ---- into TorchTitan's objects --------------------------------------------------------
