@@ -19,7 +19,7 @@ cpu.enable()  # before TorchTitan's modules are imported
 
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
-from tests.helpers import ADAMW, MUON, Setup, batches, distribute, full_state, local_slice, make_mesh, toy_model  # noqa: E402
+from tests.helpers import ADAMW, MUON, baseline, batches, distribute, full_state, local_slice, make_mesh, toy_model  # noqa: E402
 from titan_dmuon.integration.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.integration.optimizer import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.toy_model import loss_fn  # noqa: E402
@@ -46,13 +46,7 @@ def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode=
     if optimizer == "dmuon":
         setup = distribute(model, mode, world)
     else:  # TorchTitan's own AdamW on FSDP2
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = make_mesh(mode, world)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        setup = Setup(model, model, None, None, mesh)
+        setup = baseline(model, "fsdp_adamw", world, mesh=make_mesh(mode, world))
     kwargs = dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"]) if optimizer == "dmuon" else dict(lr=1e-2)
     setup.opt = DMuonOptimizersContainer(DMuonOptimizersContainer.Config(name=optimizer, **kwargs), model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)

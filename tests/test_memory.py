@@ -7,7 +7,6 @@ layers (the running one and the prefetched one). Between steps only the
 owners' weights remain: P_M/N per rank.
 """
 
-import torch
 
 from tests.helpers import batches, distribute, toy_model, train
 

@@ -43,7 +43,7 @@ def test_main_job_trains_and_logs_dmuon_figures(tmp_path):
     for elements, megabytes, design in comm:
         assert elements == design == pytest.approx(7.6677, abs=1e-4)  # 3(N-1)/N * P_M, P_M = 5,111,808
         assert megabytes == pytest.approx(20.447, abs=1e-3)  # bf16 broadcasts x2, fp32 reduce
-    assert f"--config_file train_configs/debug_model.toml" in result.stdout  # run_train.sh prints its command
+    assert "--config_file train_configs/debug_model.toml" in result.stdout  # run_train.sh prints its command
     tags = _tensorboard_tags(tmp_path)
     assert {"dmuon/comm_elements_per_rank", "dmuon/ns_ms", "dmuon/owner_imbalance", "grad_norm"} <= tags
 

@@ -682,7 +682,7 @@ def dedicate_params(
     else:
         my_replicate, my_shard = 0, mesh.get_local_rank()
     members = []
-    for (fqn, p, owner_module, name), entry in zip(resolved, plan.entries):
+    for (_, p, owner_module, name), entry in zip(resolved, plan.entries):
         holds_full = plan.shard_owner(entry) == my_shard
         runs_ns = holds_full and plan.replicate_owner(entry) == my_replicate
         members.append(_Member(entry=entry, param=p, module=owner_module, name=name, holds_full=holds_full, runs_ns=runs_ns))

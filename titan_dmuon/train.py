@@ -17,10 +17,9 @@ from titan_dmuon.integration import cpu
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--config_file" not in args and not any(a.startswith("--config_file=") for a in args):
+    config_file, overrides = _split_config_file(list(sys.argv[1:] if argv is None else argv))
+    if not config_file:
         sys.exit("usage: python -m titan_dmuon.train --config_file FILE.toml [--section.key value ...]")
-    config_file, overrides = _split_config_file(args)
     cpu.enable()  # before TorchTitan's trainer is imported; a no-op with an accelerator
 
     import torch
@@ -52,11 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("Process group destroyed")
 
 
-def _split_config_file(args: list[str]) -> tuple[str, list[str]]:
+def _split_config_file(args: list[str]) -> tuple[str | None, list[str]]:
     rest, config_file, i = [], None, 0
     while i < len(args):
         if args[i] == "--config_file":
-            config_file, i = args[i + 1], i + 2
+            config_file, i = (args[i + 1] if i + 1 < len(args) else None), i + 2
             continue
         if args[i].startswith("--config_file="):
             config_file = args[i].split("=", 1)[1]

@@ -360,7 +360,6 @@ def _validate_parallelism(p, world_size: int | None, where) -> None:
 def _finalize(config):
     """Swap in DMuon-aware components and the CPU accommodations where needed."""
     from titan_dmuon.integration import cpu
-    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
     from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
     from titan_dmuon.integration.trainer import DMuonTrainer
 

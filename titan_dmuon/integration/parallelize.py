@@ -49,7 +49,7 @@ def parallelize_with_dmuon(
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh, validate_config
 
-    check_supported(parallel_dims=parallel_dims, parallelism=parallelism, compile_config=compile_config, training=training)
+    check_supported(parallelism=parallelism, compile_config=compile_config, training=training)
     if any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
         raise NotImplementedError("DMuon supports dense decoders; this model has MoE layers (expert weights are 3-D)")
     spmd = parallelism.spmd_backend in ("full_dtensor", "spmd_types")
@@ -132,7 +132,7 @@ def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Modu
     return model
 
 
-def check_supported(*, parallel_dims=None, parallelism, compile_config, training) -> None:
+def check_supported(*, parallelism, compile_config, training) -> None:
     """DMuon's TorchTitan limits, checked before any process group exists (and again here)."""
     unsupported = {
         "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
