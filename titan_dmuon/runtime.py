@@ -235,7 +235,7 @@ class DedicatedParams:
         ``init_weights``). Owners' weights are untouched.
         """
         self._refresh_params()
-        placeholders = [m for m in self._members if m.module is module and not m.holds_full]
+        placeholders = [m for m in self._members_of(module) if not m.holds_full]
         for m in placeholders:
             m.param.data = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
         try:

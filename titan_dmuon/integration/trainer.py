@@ -53,7 +53,7 @@ class DMuonTrainer(Trainer):
 
     def train_step(self, data_iterator):
         with contextlib.ExitStack() as stack:
-            if dmuon_handles(self.optimizers):
+            if self.optimizers.dmuon_optimizers():  # cheap: no per-parameter scan on the hot path
                 stack.enter_context(_replaced(titan_dist_utils, "clip_grad_norm_", _clip_for_titan))
             ledger = self.metrics_processor.ledger
             if ledger is not None:
