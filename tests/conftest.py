@@ -4,6 +4,14 @@ from tests.pool import WorkerPool
 
 
 @pytest.fixture(scope="session")
+def pool1():
+    """One gloo rank: a process group of size 1."""
+    pool = WorkerPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def pool2():
     pool = WorkerPool(2)
     yield pool

@@ -132,7 +132,9 @@ class _Both:
             o.zero_grad()
 
 
-def baseline(model: nn.Module, kind: str, world: int, *, mesh=None, reshard: bool = True) -> Setup:
+def baseline(
+    model: nn.Module, kind: str, world: int, *, mesh=None, reshard: bool = True, mp_policy: MixedPrecisionPolicy | None = None
+) -> Setup:
     """kind: "fsdp_adamw" (FSDP2 + AdamW everywhere), "naive" (FSDP2 + Muon with a
     full-gradient all-gather in step), "ddp_muon" (DDP all-reduce + torch.optim.Muon)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -150,9 +152,10 @@ def baseline(model: nn.Module, kind: str, world: int, *, mesh=None, reshard: boo
             torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=ADAMW["adamw_lr"]),
         )
     else:
+        kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **kw)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **kw)
         if kind == "fsdp_adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=ADAMW["adamw_lr"])
         elif kind == "naive":
@@ -197,28 +200,57 @@ def full_state(setup: Setup) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets):
-    """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest."""
+def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1):
+    """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
+
+    ``slices``: the global batch is processed as that many equal slices (one per data-parallel
+    rank) whose gradients are averaged as a pairwise tree, ((g0 + g1) + (g2 + g3)) / 4, which is
+    the order HSDP 2 x 2 sums them in (shard group, then replicate group); with 2 ranks the result
+    is bitwise what any distributed reduction computes ((g0 + g1) / 2 is exact in any order).
+
+    A 3-D expert weight (E, rows, cols) is E matrices: each expert's slice is its own
+    torch.optim.Muon leaf (its own momentum and shape-based LR), copied in and out every step."""
     model = copy.deepcopy(model)
     targets = targets_fn(model)
     ids = {id(p) for p in targets}
     others = [p for p in model.parameters() if id(p) not in ids]
-    opt_muon = torch.optim.Muon(targets, **muon)
+    experts = [(p, e, nn.Parameter(p.detach()[e].clone())) for p in targets if p.ndim == 3 for e in range(p.shape[0])]
+    opt_muon = torch.optim.Muon([p for p in targets if p.ndim == 2] + [leaf for _, _, leaf in experts], **muon)
     opt_adamw = torch.optim.AdamW(
         others, lr=adamw["adamw_lr"], betas=adamw["adamw_betas"], eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"]
     )
     losses, norms = [], []
-    for x, y in data:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
+    params = list(model.parameters())
+    for batch in data:
+        loss, per_slice = 0.0, []
+        for i in range(slices):
+            x, y = local_slice(batch, i, slices)
+            part = loss_fn(model(x), y) / slices
+            per_slice.append(torch.autograd.grad(part, params, allow_unused=True))
+            loss += part.item()
+        while len(per_slice) > 1:
+            pairs = [per_slice[i : i + 2] for i in range(0, len(per_slice), 2)]
+            per_slice = [pair[0] if len(pair) == 1 else [_add(a, b) for a, b in zip(*pair)] for pair in pairs]
+        for p, g in zip(params, per_slice[0]):
+            p.grad = g  # None where no slice reached the parameter, as with a single backward
+        losses.append(loss)
         if max_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        for p, e, leaf in experts:
+            leaf.grad = p.grad[e].clone()
         opt_muon.step()
+        with torch.no_grad():
+            for p, e, leaf in experts:
+                p[e].copy_(leaf)
+                leaf.grad = p.grad = None  # (the 3-D weight is in neither optimizer)
         opt_adamw.step()
         opt_muon.zero_grad()
         opt_adamw.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
+
+
+def _add(a, b):
+    return a if b is None else b if a is None else a + b
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -234,3 +266,23 @@ def global_loss(local_losses: list[float], group=None) -> list[float]:
     t = torch.tensor(local_losses, dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return (t / dist.get_world_size(group)).tolist()
+
+
+def allocation_peak(fn) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated when it started.
+
+    Counts every allocation and free of the CPU allocator (storage resizes included)
+    from the profiler's memory events; the GPU equivalent is torch.cuda.max_memory_allocated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda e: e.start_ns(),
+    )
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return peak

@@ -26,7 +26,7 @@ def _sizes(dims):
     return p_m, sum(p.numel() for p in model.parameters()) - p_m
 
 
-def _measure(rank, world, config, dims, hsdp=False):
+def _measure(rank, world, config, dims, hsdp=False, **dedicate_kwargs):
     """Per-rank elements per step, over 2 steps recorded after 2 warm-up steps.
 
     Warm-up absorbs one-time traffic: DDP's bucket rebuild (2 tiny broadcasts
@@ -35,7 +35,7 @@ def _measure(rank, world, config, dims, hsdp=False):
     mesh = make_mesh("hsdp" if hsdp else "z3", world)
     model = toy_model(**dims)
     if config in DMUON_MODES:
-        setup = distribute(model, DMUON_MODES[config], world, mesh=mesh)
+        setup = distribute(model, DMUON_MODES[config], world, mesh=mesh, **dedicate_kwargs)
     else:
         kind, _, mode = config.rpartition("_")
         setup = baseline(model, kind, world, mesh=mesh, reshard=mode == "z3")
@@ -50,6 +50,7 @@ def _measure(rank, world, config, dims, hsdp=False):
                 setup.opt.step()
             setup.opt.zero_grad()
     half = Fraction(1, 2)
+    handle = getattr(setup, "handle", None)
     return {
         "total": ledger.elements() * half,
         "dmuon": ledger.elements(source="dmuon") * half,
@@ -57,6 +58,11 @@ def _measure(rank, world, config, dims, hsdp=False):
         "step": ledger.elements(phase="step") * half,
         "step_kinds": sorted({(r.source, r.kind) for r in ledger.select(phase="step")}),
         "dtypes": sorted({(r.source, str(r.dtype)) for r in ledger.records}),
+        "launches": Fraction(ledger.launches(source="dmuon"), 2),
+        "other_launches": Fraction(ledger.launches(source="other"), 2),
+        "kept": handle.kept_unit_numel if handle else 0,
+        "first_unit": sum(e.numel for e in handle.plan.entries if e.unit == 0) if handle else 0,
+        "units": len({e.unit for e in handle.plan.entries}) if handle else 0,
     }
 
 
@@ -77,17 +83,22 @@ def _check_one_d(results, n, dims):
         naive = r[f"naive_{mode}"]
         assert naive["total"] - fsdp[mode] * step * p_other == theory_elements_per_rank(f"naive_fsdp_{mode}", shard_size=n, numel=p_m)
         assert naive["step"] == step * p_m
-        # DMuon: its own collectives hit the theory; FSDP2 handles the rest; nothing in step()
+        # DMuon: its own collectives hit the theory; FSDP2 handles the rest. Z3 keeps the last
+        # layer from forward to backward: one layer's re-broadcast less than FSDP2-Z3 + AdamW.
         dm = r[f"dmuon_{mode}"]
-        assert dm["dmuon"] == theory_elements_per_rank(f"dmuon_{mode}", shard_size=n, numel=p_m)
+        kept = dm["kept"]
+        assert kept == (p_m // dims["n_layers"] if mode == "z3" else 0)
+        assert dm["dmuon"] == theory_elements_per_rank(f"dmuon_{mode}", shard_size=n, numel=p_m, kept_unit_numel=kept)
         assert dm["other"] == fsdp[mode] * step * p_other
-        assert dm["total"] == r[f"fsdp_adamw_{mode}"]["total"]  # DMuon-Zk costs what FSDP2-Zk + AdamW costs
-        assert dm["step"] == 0 and dm["step_kinds"] == []
+        assert dm["total"] == r[f"fsdp_adamw_{mode}"]["total"] - step * kept
+        # the update needs no collective: step() only launches the next forward's first broadcast early
+        assert dm["step_kinds"] == [("dmuon.forward_broadcast", "broadcast")]
+        assert dm["step"] == step * dm["first_unit"]
     ddp = r["dmuon_ddp"]
     assert ddp["dmuon"] == theory_elements_per_rank("dmuon_ddp", shard_size=n, numel=p_m)
     assert ddp["other"] == 2 * step * p_other  # DDP's all-reduce of the rest
     assert ddp["total"] == r["ddp_muon_z2"]["total"] == 2 * step * (p_m + p_other)
-    assert ddp["step"] == 0
+    assert ddp["step"] == step * ddp["first_unit"]
 
 
 ONE_D = ["fsdp_adamw_z2", "fsdp_adamw_z3", "naive_z2", "naive_z3", "dmuon_z2", "dmuon_z3", "dmuon_ddp", "ddp_muon_z2"]
@@ -106,13 +117,16 @@ def test_gloo_one_d_matches_theory(world, pool2, pool4):
 
 def _check_hsdp(dmuon_results, fsdp_results, r, n, dims):
     p_m, p_other = _sizes(dims)
-    assert _mean(dmuon_results, "dmuon") == theory_elements_per_rank("dmuon_z3", shard_size=n, replicate_size=r, numel=p_m)
-    # DMuon-HSDP costs exactly what FSDP2-HSDP + AdamW costs (averaged over ranks)
-    assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total")
-    # the only collectives in step() are the post-step broadcasts to replicate peers
+    kept, first = dmuon_results[0]["kept"], dmuon_results[0]["first_unit"]
+    assert kept == p_m // dims["n_layers"]
+    theory = theory_elements_per_rank("dmuon_z3", shard_size=n, replicate_size=r, numel=p_m, kept_unit_numel=kept)
+    assert _mean(dmuon_results, "dmuon") == theory
+    # DMuon-HSDP costs what FSDP2-HSDP + AdamW costs (averaged over ranks), less the kept layer's re-broadcast
+    assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total") - Fraction(n - 1, n) * kept
+    # step() launches the post-step broadcasts to replicate peers and the next forward's first broadcast
     for res in dmuon_results:
-        assert {k for k in res["step_kinds"]} <= {("dmuon.replicate_broadcast", "broadcast")}
-    assert _mean(dmuon_results, "step") == Fraction(r - 1, r) * Fraction(p_m, n)
+        assert {k for k in res["step_kinds"]} <= {("dmuon.replicate_broadcast", "broadcast"), ("dmuon.forward_broadcast", "broadcast")}
+    assert _mean(dmuon_results, "step") == Fraction(r - 1, r) * Fraction(p_m, n) + Fraction(n - 1, n) * first
 
 
 def test_gloo_hsdp_matches_theory(pool4):

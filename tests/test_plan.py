@@ -62,3 +62,43 @@ def test_digest_changes_when_the_plan_does(change):
         specs = list(reversed(specs))
     other = build_plan(specs, replicate_size=1, shard_size=2 if change != "mesh" else 3).digest()
     assert other != base
+
+
+# ---- balance on realistic shape mixes -------------------------------------------------------
+def _llama_specs(layers, dim, hidden, kv_dim):
+    """TorchTitan llama3 block shapes: a fused wqkv (NS per q, k, v block), wo, w1, w2, w3."""
+    specs = []
+    for layer in range(layers):
+        qkv = (((0, dim),), ((dim, dim + kv_dim),), ((dim + kv_dim, dim + 2 * kv_dim),))
+        shapes = {"wqkv": ((dim + 2 * kv_dim, dim), qkv), "wo": ((dim, dim), None), "w1": ((hidden, dim), None),
+                  "w2": ((dim, hidden), None), "w3": ((hidden, dim), None)}
+        for name, (shape, blocks) in shapes.items():
+            specs.append(MatrixSpec(fqn=f"layers.{layer}.{name}", shape=shape, unit=layer, blocks=blocks or (((0, shape[0]),),)))
+    return specs
+
+
+def _toy_specs():
+    from titan_dmuon.toy_model import ToyConfig, ToyTransformer, muon_targets
+
+    model = ToyTransformer(ToyConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [
+        MatrixSpec(fqn=names[id(p)], shape=tuple(p.shape), unit=int(names[id(p)].split(".")[1]), blocks=(((0, p.shape[0]),),))
+        for p in muon_targets(model)
+    ]
+
+
+@pytest.mark.parametrize(
+    "specs, ranks, bound",
+    [
+        (_toy_specs(), 4, 1.05),  # round-robin assignment: 1.21
+        (_llama_specs(32, 4096, 14336, 1024), 64, 1.07),  # llama3 8B; round-robin: 1.26
+        (_llama_specs(80, 8192, 28672, 1024), 64, 1.02),  # llama3 70B
+    ],
+    ids=["toy@4", "llama3-8B@64", "llama3-70B@64"],
+)
+def test_owner_balance_on_realistic_shapes(specs, ranks, bound):
+    """Longest-processing-time first by NS FLOPs: the busiest rank's Newton–Schulz work stays
+    within a few percent of the mean (it is on every step's critical path)."""
+    plan = build_plan(specs, replicate_size=1, shard_size=ranks)
+    assert plan.imbalance <= bound, plan.imbalance

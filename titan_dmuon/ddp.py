@@ -22,5 +22,9 @@ def wrap_ddp(module: nn.Module, handle: DedicatedParams, **ddp_kwargs) -> Distri
     if ddp_kwargs.get("process_group") not in (None, handle.mesh.get_group()):
         raise ValueError("wrap_ddp uses the handle's mesh as the process group; do not pass another one")
     ddp_kwargs["process_group"] = handle.mesh.get_group()
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, handle.fqns)
+    # DDP matches names as named_parameters() spells them, wrapper segments included
+    # (an activation-checkpointed block adds "_checkpoint_wrapped_module.")
+    dedicated = {id(p) for p in handle.params}
+    names = [name for name, p in module.named_parameters() if id(p) in dedicated]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     return DistributedDataParallel(module, **ddp_kwargs)

@@ -19,23 +19,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_dmuon.runtime import dedicated_member, refresh_registry
+from titan_dmuon.runtime import find_dedicated
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
-    """Clip in place to ``max_norm``; returns the exact global norm (a collective)."""
+    """Clip in place to ``max_norm``; returns the exact global norm (a collective).
+
+    No host sync unless ``error_if_nonfinite`` (which must read the norm, as torch's does)."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    refresh_registry()
     params = list(parameters)
     owned, sharded, replicated = [], [], []
     meshes = []
     for p in params:
-        found = dedicated_member(p)
+        found = find_dedicated(p)
         if found is not None:
             meshes.append(found[0].mesh)
             if p.grad is not None:
@@ -67,6 +68,11 @@ def clip_grad_norm_(
     else:
         total = (reduced + local) ** (1.0 / norm_type)
 
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
+            "set error_if_nonfinite=False to skip this check"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in (owned, [g.to_local() for g in sharded], replicated):
         if grads:
@@ -94,7 +100,9 @@ def _replication_factor(grad: DTensor) -> int:
 def _common_mesh(meshes: list):
     if not meshes:
         return None
-    ranks = {tuple(m.mesh.flatten().tolist()) for m in meshes}
+    distinct = list({id(m): m for m in meshes}.values())
+    # (DeviceMesh.mesh is a CPU tensor: reading it never syncs with a device)
+    ranks = {tuple(m.mesh.flatten().tolist()) for m in distinct} if len(distinct) > 1 else {()}
     if len(ranks) > 1:
         raise NotImplementedError(
             "clip_grad_norm_ found gradients on device meshes over different ranks; it supports one "

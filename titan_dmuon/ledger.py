@@ -26,18 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default="other")
+from titan_dmuon.runtime.comm import comm_source, current_launch, current_source
+
+__all__ = ["CommLedger", "CommRecord", "comm_source", "theory_elements_per_rank"]
+
 _phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase", default="")
-
-
-@contextlib.contextmanager
-def comm_source(name: str) -> Iterator[None]:
-    """Label the collectives issued inside (DMuon's runtime names its own this way)."""
-    token = _source.set(name)
-    try:
-        yield
-    finally:
-        _source.reset(token)
 
 
 @dataclass(frozen=True)
@@ -48,6 +41,7 @@ class CommRecord:
     group_ranks: tuple[int, ...]
     numel: int  # S in the formulas above
     dtype: torch.dtype
+    launch: int | None = None  # id of the coalesced group it went out in; None: a launch of its own
 
     @property
     def group_size(self) -> int:
@@ -145,7 +139,10 @@ class CommLedger(TorchDispatchMode):
     def _record(self, kind: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
         self.records.append(
-            CommRecord(kind=kind, source=_source.get(), phase=_phase.get(), group_ranks=ranks, numel=numel, dtype=dtype)
+            CommRecord(
+                kind=kind, source=current_source(), phase=_phase.get(), group_ranks=ranks, numel=numel, dtype=dtype,
+                launch=current_launch(),
+            )
         )
 
     # ---- queries -----------------------------------------------------------------
@@ -167,6 +164,11 @@ class CommLedger(TorchDispatchMode):
 
     def bytes(self, **filters) -> Fraction:
         return sum((r.bytes for r in self.select(**filters)), Fraction(0))
+
+    def launches(self, **filters) -> int:
+        """Collective launches on this rank: a coalesced group (NCCL's ncclGroup) counts once."""
+        records = self.select(**filters)
+        return len({r.launch for r in records if r.launch is not None}) + sum(r.launch is None for r in records)
 
     def by_label(self) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
         """(source, kind) -> (calls, elements, bytes) on this rank."""
@@ -251,14 +253,21 @@ CONFIGURATIONS = (
 
 
 def theory_elements_per_rank(
-    configuration: str, *, shard_size: int, numel: int, replicate_size: int = 1
+    configuration: str, *, shard_size: int, numel: int, replicate_size: int = 1, kept_unit_numel: int = 0
 ) -> Fraction:
     """Elements per rank per step for the Muon-target parameters (design-facts units).
+
+    DMuon-Z3 keeps the last layer's buffer from forward to backward (its backward
+    comes right after, as TorchTitan does for FSDP2's last layers), which saves
+    its re-broadcast: ``kept_unit_numel`` of those elements (the handle's
+    ``kept_unit_numel``), (N-1)/N of them per rank.
 
     With ``replicate_size`` R > 1 (HSDP) DMuon adds a replicate-group reduce and
     a post-step broadcast; each involves only the R owners of a matrix, so
     averaged over all R*N ranks each costs (R-1)/R * numel/N per rank.
     """
+    if kept_unit_numel and configuration != "dmuon_z3":
+        raise ValueError(f"kept_unit_numel applies to dmuon_z3 only, not {configuration!r}")
     n, r, p = shard_size, replicate_size, numel
     step = Fraction(n - 1, n) * p
     shard_terms = {
@@ -273,7 +282,7 @@ def theory_elements_per_rank(
     }
     if configuration not in shard_terms:
         raise ValueError(f"unknown configuration {configuration!r}; expected one of {CONFIGURATIONS}")
-    total = shard_terms[configuration] * step
+    total = shard_terms[configuration] * step - Fraction(n - 1, n) * kept_unit_numel
     if configuration.startswith("alltoall"):
         total += 2 * Fraction(n - 1, n * n) * p
     if r > 1:

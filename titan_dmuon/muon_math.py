@@ -34,18 +34,24 @@ def newton_schulz(
     """
     if matrices.ndim != 3:
         raise ValueError(f"newton_schulz expects (batch, rows, cols), got {tuple(matrices.shape)}")
-    a, b, c = coefficients
     x = matrices.bfloat16()
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
+    x = _newton_schulz_wide_(x.clone() if x is matrices or x._base is matrices else x, steps, coefficients, eps)
+    return x.mT if transposed else x
+
+
+def _newton_schulz_wide_(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float) -> torch.Tensor:
+    """Newton–Schulz on a bf16 batch with rows <= cols; normalises ``x`` in place (as torch.optim.Muon)."""
+    a, b, c = coefficients
     norms = torch.linalg.vector_norm(x.flatten(1), dim=1).clamp(min=eps)
-    x = x / norms[:, None, None]
+    x.div_(norms[:, None, None])
     for _ in range(steps):
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
-    return x.mT if transposed else x
+    return x
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -127,35 +133,49 @@ def muon_step(
     eps: float = NS_EPS,
     adjust_lr_fn: str | None = None,
 ) -> int:
-    """Apply one Muon step to full matrices in place; returns the number of NS matrices.
+    """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
-    ``blocks[i]`` lists the row blocks of ``params[i]`` orthogonalised
-    separately. Blocks of equal shape share one batched Newton–Schulz call.
+    A parameter is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of
+    E independent matrices (MoE experts). ``blocks[i]`` lists the row blocks of
+    each of ``params[i]``'s matrices, orthogonalised separately. Every block
+    of every matrix is one Newton–Schulz matrix; blocks with the same shape up
+    to transposition share one batched call, one shape group at a time, stacked
+    straight into bf16, so at most one group's stack is alive at once.
     """
-    updates = [
-        momentum_update(g, buf, momentum=momentum, nesterov=nesterov)
-        for g, buf in zip(grads, momentum_buffers)
-    ]
-    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i, (update, param_blocks) in enumerate(zip(updates, blocks)):
-        for b, block in enumerate(param_blocks):
-            by_shape.setdefault((block_rows(block), update.shape[1]), []).append((i, b))
-    orthogonal: dict[tuple[int, int], torch.Tensor] = {}
-    for members in by_shape.values():
-        stacked = torch.stack([_take_rows(updates[i], blocks[i][b]) for i, b in members])
-        result = newton_schulz(stacked, steps=ns_steps, coefficients=ns_coefficients, eps=eps)
-        for k, key in enumerate(members):
-            orthogonal[key] = result[k]
+    for grad, buffer in zip(grads, momentum_buffers):
+        buffer.lerp_(grad, 1 - momentum)
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (short, long) -> (param, matrix, block)
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
+        cols = param.shape[-1]
+        for e in range(param.shape[0] if param.ndim == 3 else 1):
+            for b, block in enumerate(param_blocks):
+                rows = block_rows(block)
+                groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
+    for param in params:
         param.mul_(1 - lr * weight_decay)
-        for b, block in enumerate(param_blocks):
-            update = orthogonal[(i, b)]
-            scale = adjusted_lr(lr, adjust_lr_fn, update.shape)
+    for (short, long), members in groups.items():
+        stack = torch.empty((len(members), short, long), dtype=torch.bfloat16, device=params[members[0][0]].device)
+        for k, (i, e, b) in enumerate(members):
+            grad = _take_rows(_matrix(grads[i], e), blocks[i][b])
+            buffer = _take_rows(_matrix(momentum_buffers[i], e), blocks[i][b])
+            update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
+            stack[k].copy_(update.mT if update.shape[0] > update.shape[1] else update)
+        orthogonal = _newton_schulz_wide_(stack, ns_steps, ns_coefficients, eps)
+        del stack
+        for k, (i, e, b) in enumerate(members):
+            param, block = _matrix(params[i], e), blocks[i][b]
+            rows = block_rows(block)
+            update = orthogonal[k].mT if rows > param.shape[1] else orthogonal[k]
+            scale = adjusted_lr(lr, adjust_lr_fn, (rows, param.shape[1]))
             offset = 0
             for start, stop in block:
                 param[start:stop].add_(update[offset : offset + stop - start], alpha=-scale)
                 offset += stop - start
-    return sum(len(members) for members in by_shape.values())
+    return sum(len(members) for members in groups.values())
+
+
+def _matrix(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    return tensor[index] if tensor.ndim == 3 else tensor
 
 
 def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:

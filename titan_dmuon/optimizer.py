@@ -10,15 +10,17 @@ carrying their learning rate under ``"lr"``, so LR schedulers scale both.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
-from titan_dmuon.runtime import dedicated_member, refresh_registry
+from titan_dmuon.runtime import find_dedicated, find_local_experts
 
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
@@ -29,7 +31,8 @@ class DMuon(torch.optim.Optimizer):
 
     Group options: any of the keyword arguments below, e.g.
     ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
-    After each ``step()``, ``last_step_stats`` holds this rank's NS figures.
+    After each ``step()``, ``last_step_stats`` holds this rank's Newton–Schulz
+    figures (matrices, time); reading the time syncs with the device once.
     """
 
     def __init__(
@@ -54,7 +57,6 @@ class DMuon(torch.optim.Optimizer):
             ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
-        refresh_registry()
         user_groups = list(params)
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
@@ -83,10 +85,17 @@ class DMuon(torch.optim.Optimizer):
                     group.update({v: options[k] for k, v in _ADAMW_KEYS.items()})
                 groups.append(group)
         super().__init__(groups, {})
-        self.last_step_stats: dict[str, float] = {}
+        self._ns_timer: DeviceTimer | None = None
+        self._ns_matrices = 0
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
-        return dedicated_member(p) is not None
+        return find_dedicated(p) is not None or find_local_experts(p) is not None
+
+    @property
+    def last_step_stats(self) -> dict[str, float]:
+        """This rank's Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time in the last step."""
+        seconds = self._ns_timer.seconds() if self._ns_timer is not None else 0.0
+        return {"ns_matrices": self._ns_matrices, "ns_seconds": seconds}
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.
@@ -105,7 +114,7 @@ class DMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
-                    found = dedicated_member(p)
+                    found = find_dedicated(p)
                     if found is not None and found[0] not in handles:
                         handles.append(found[0])
         return handles
@@ -116,49 +125,58 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ns_matrices = ns_seconds = 0.0
+        handles = self.dedicated_handles()  # same order on every rank: it follows the param groups
+        for handle in handles:
+            handle.wait_for_replicate_broadcasts()  # the last step's sends read the weights we update now
+        self._ns_matrices = 0
         for group in self.param_groups:
             if group["use_muon"]:
-                matrices, seconds = self._muon_group_step(group)
-                ns_matrices += matrices
-                ns_seconds += seconds
+                self._muon_group_step(group)
             else:
                 self._adamw_group_step(group)
-        for handle in self.dedicated_handles():  # same order on every rank: it follows the param groups
+        for handle in handles:
             handle.after_step()
-        self.last_step_stats = {"ns_matrices": ns_matrices, "ns_seconds": ns_seconds}
         return loss
 
-    def _muon_group_step(self, group: dict) -> tuple[int, float]:
+    def _muon_group_step(self, group: dict) -> None:
         params, grads, buffers, blocks = [], [], [], []
         for p in group["params"]:
-            found = dedicated_member(p)
-            if found is None:
+            dedicated, local = find_dedicated(p), find_local_experts(p)
+            if dedicated is None and local is None:
                 raise RuntimeError(
                     "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
                     "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
                     "Build DMuon after the model is materialised, as with FSDP2."
                 )
-            member = found[1]
-            if not member.runs_ns or p.grad is None:
+            if p.grad is None or (dedicated is not None and not dedicated[1].runs_ns):
                 continue
             state = self.state[p]
-            if "momentum_buffer" not in state:
+            if "momentum_buffer" not in state:  # (local experts: a DTensor like p, on every rank)
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            buffers.append(state["momentum_buffer"])
-            blocks.append(member.entry.blocks)
+            if dedicated is not None:
+                params.append(p)
+                grads.append(p.grad)
+                buffers.append(state["momentum_buffer"])
+                blocks.append(dedicated[1].entry.blocks)
+            else:
+                weights = _whole_local_experts(p, local[1].fqn)
+                if weights.shape[0] == 0:
+                    continue  # FSDP2 gave this rank no expert of this weight
+                params.append(weights)
+                grads.append(_local(p.grad))
+                buffers.append(_local(state["momentum_buffer"]))
+                blocks.append(local[1].blocks)
         if not params:
-            return 0, 0.0
-        start = time.perf_counter()
-        muon_step(
-            params, grads, buffers, blocks,
-            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-            nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-            eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-        )
-        return len(params), time.perf_counter() - start
+            return
+        if self._ns_timer is None:
+            self._ns_timer = DeviceTimer(params[0].device)
+        with self._ns_timer.timing(accumulate=self._ns_matrices > 0):
+            self._ns_matrices += muon_step(
+                params, grads, buffers, blocks,
+                lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
+                eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+            )
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -183,6 +201,24 @@ class DMuon(torch.optim.Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False, decoupled_weight_decay=True,
         )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole_local_experts(param: torch.Tensor, fqn: str) -> torch.Tensor:
+    """This rank's experts of a 3-D weight, each whole (FSDP2 / EP shard it on dim 0)."""
+    if isinstance(param, DTensor):
+        for placement in param.placements:
+            # Shard(0), or _StridedShard(0) under FSDP2 + expert parallelism: whole experts per rank
+            if not (placement.is_replicate() or getattr(placement, "dim", None) == 0):
+                raise RuntimeError(
+                    f"expert weight {fqn!r} is sharded {param.placements}: DMuon updates experts in place only "
+                    "when every rank holds whole experts (sharded on dim 0). Use dedicate_params(..., "
+                    "expert_sharding='dedicated') to give each expert weight one owner instead."
+                )
+    return _local(param)
 
 
 class OptionError(ValueError):
@@ -212,3 +248,38 @@ def validate_options(options: dict) -> None:
     betas = options["adamw_betas"]
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise OptionError("adamw_betas", betas, "two numbers in [0, 1)")
+
+
+class DeviceTimer:
+    """Times work queued on a device without syncing the host: events are recorded now
+    and read at log time (on the CPU, where work is synchronous, a host clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._module = None if device.type == "cpu" else torch.get_device_module(device)
+        self._spans: list = []
+
+    @contextlib.contextmanager
+    def timing(self, *, accumulate: bool = False):
+        if not accumulate:
+            self._spans = []
+        if self._module is None:
+            start = time.perf_counter()
+            yield
+            self._spans.append(time.perf_counter() - start)
+            return
+        begin, end = self._module.Event(enable_timing=True), self._module.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self._spans.append((begin, end))
+
+    def seconds(self) -> float:
+        """The timed spans since the last non-accumulating ``timing()``; waits for them on a device."""
+        total = 0.0
+        for span in self._spans:
+            if isinstance(span, float):
+                total += span
+            else:
+                span[1].synchronize()
+                total += span[0].elapsed_time(span[1]) / 1e3
+        return total

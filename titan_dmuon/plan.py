@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,16 +26,28 @@ from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
 
 @dataclass(frozen=True, kw_only=True)
 class MatrixSpec:
-    """One dedicated matrix as every rank sees it: name, shape, layer unit, NS row blocks."""
+    """One dedicated weight as every rank sees it: name, shape, layer unit, NS row blocks.
+
+    A weight is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of E
+    independent matrices (MoE experts); ``blocks`` are the row blocks of each matrix.
+    """
 
     fqn: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     unit: int
     blocks: tuple[Block, ...]
 
     @property
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
+
+    @property
+    def matrices(self) -> int:
+        """Matrices in the stack (1 for a 2-D weight)."""
+        return self.shape[0] if len(self.shape) == 3 else 1
+
+    def ns_flops(self, ns_steps: int = NS_STEPS) -> int:
+        return self.matrices * sum(ns_flops(block_rows(b), self.shape[-1], ns_steps) for b in self.blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +63,7 @@ class OwnershipPlan:
     replicate_size: int
     shard_size: int
     entries: tuple[PlanEntry, ...]
+    local_load: tuple[int, ...] = ()  # per rank: NS FLOPs of experts it updates in place (not dedicated)
 
     @property
     def world_size(self) -> int:
@@ -65,7 +79,8 @@ class OwnershipPlan:
 
     @property
     def ns_flops_per_rank(self) -> list[int]:
-        load = [0] * self.world_size
+        """Each rank's Newton–Schulz work per step: dedicated weights it owns, plus its local experts."""
+        load = list(self.local_load) or [0] * self.world_size
         for e in self.entries:
             load[e.owner] += e.ns_flops
         return load
@@ -91,7 +106,7 @@ class OwnershipPlan:
 
     def digest(self) -> str:
         payload = json.dumps(
-            [self.replicate_size, self.shard_size]
+            [self.replicate_size, self.shard_size, list(self.local_load)]
             + [[e.fqn, e.shape, e.unit, e.blocks, e.owner] for e in self.entries]
         )
         return hashlib.sha256(payload.encode()).hexdigest()
@@ -99,7 +114,7 @@ class OwnershipPlan:
     def describe(self) -> str:
         load = self.ns_flops_per_rank
         lines = [
-            f"OwnershipPlan: {len(self.entries)} matrices, {self.total_numel:,} elements, "
+            f"OwnershipPlan: {len(self.entries)} dedicated weights, {self.total_numel:,} elements, "
             f"mesh replicate={self.replicate_size} x shard={self.shard_size}, "
             f"NS FLOPs max/mean={self.imbalance:.3f}"
         ]
@@ -110,17 +125,24 @@ class OwnershipPlan:
 
 
 def build_plan(
-    specs: Sequence[MatrixSpec], *, replicate_size: int, shard_size: int, ns_steps: int = NS_STEPS
+    specs: Sequence[MatrixSpec],
+    *,
+    replicate_size: int,
+    shard_size: int,
+    ns_steps: int = NS_STEPS,
+    initial_load: Sequence[int] | None = None,
 ) -> OwnershipPlan:
-    """Assign each matrix to one rank, longest-processing-time first by NS FLOPs.
+    """Assign each weight to one rank, longest-processing-time first by NS FLOPs.
 
-    Ties go to the lowest rank and the specs are visited in a fixed order
-    (cost, then position), so the result depends only on names and shapes.
+    ``initial_load`` is NS work each rank has already (MoE experts that stay on
+    the rank that holds them), so dedicated weights even out the total. Ties go
+    to the lowest rank and the specs are visited in a fixed order (cost, then
+    position), so the result depends only on names and shapes.
     """
-    costs = [
-        sum(ns_flops(block_rows(b), s.shape[1], ns_steps) for b in s.blocks) for s in specs
-    ]
-    load = [0] * (replicate_size * shard_size)
+    costs = [s.ns_flops(ns_steps) for s in specs]
+    load = list(initial_load) if initial_load is not None else [0] * (replicate_size * shard_size)
+    if len(load) != replicate_size * shard_size:
+        raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
     owners = [0] * len(specs)
     for i in sorted(range(len(specs)), key=lambda i: (-costs[i], i)):
         rank = min(range(len(load)), key=lambda r: (load[r], r))
@@ -130,7 +152,10 @@ def build_plan(
         PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, owner=o, ns_flops=c)
         for s, o, c in zip(specs, owners, costs)
     )
-    return OwnershipPlan(replicate_size=replicate_size, shard_size=shard_size, entries=entries)
+    return OwnershipPlan(
+        replicate_size=replicate_size, shard_size=shard_size, entries=entries,
+        local_load=tuple(initial_load) if initial_load is not None else (),
+    )
 
 
 def validate_across_ranks(

@@ -2,7 +2,8 @@
 
 Its Muon targets are the attention and MLP projections, like TorchTitan's
 llama3: ``muon_targets(model)`` lists them, ``qkv_splits(model)`` gives the row
-split of fused q/k/v weights.
+split of fused q/k/v weights. With ``num_experts`` the MLP is a mixture of
+experts with TorchTitan's 3-D expert layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class ToyConfig:
     n_kv_heads: int = 2
     hidden_dim: int = 48
     fused_qkv: bool = False
+    num_experts: int = 0  # > 0: the MLP is a mixture of experts with 3-D expert weights
+    top_k: int = 2
+    routed_experts: int | None = None  # route tokens to the first k experts only (the rest get none)
 
 
 class Attention(nn.Module):
@@ -64,17 +68,48 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, weights stacked as TorchTitan stores them:
+    w1, w3 ``(E, hidden, dim)``, w2 ``(E, dim, hidden)``; router ``gate`` ``(E, dim)``."""
+
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        e, h, d = cfg.num_experts, cfg.hidden_dim, cfg.dim
+        self.top_k, self.routed = cfg.top_k, cfg.routed_experts or cfg.num_experts
+        self.gate = nn.Linear(d, e, bias=False)
+        self.w1 = nn.Parameter(torch.randn(e, h, d) * d**-0.5)
+        self.w2 = nn.Parameter(torch.randn(e, d, h) * h**-0.5)
+        self.w3 = nn.Parameter(torch.randn(e, h, d) * d**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.gate(tokens)
+        logits[:, self.routed :] = float("-inf")  # unrouted experts get no token anywhere
+        weights, experts = logits.softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(tokens)
+        for e in range(self.routed):
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            h = tokens[token]
+            y = (F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)) @ self.w2[e].T
+            out = out.index_add(0, token, y * weights[token, slot, None])
+        return out.reshape(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ToyConfig) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.num_experts:
+            self.moe = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        mlp = self.moe if hasattr(self, "moe") else self.feed_forward
+        return x + mlp(self.ffn_norm(x))
 
 
 class ToyTransformer(nn.Module):
@@ -94,8 +129,8 @@ class ToyTransformer(nn.Module):
 
 
 def muon_targets(model: ToyTransformer) -> list[nn.Parameter]:
-    """Attention and MLP projection weights, in module order."""
-    return [p for name, p in model.named_parameters() if ".attention.w" in name or ".feed_forward.w" in name]
+    """Attention and MLP projection weights (experts and router included), in module order."""
+    return [p for name, p in model.named_parameters() if any(k in name for k in (".attention.w", ".feed_forward.w", ".moe."))]
 
 
 def qkv_splits(model: ToyTransformer) -> dict[nn.Parameter, tuple[int, ...]]:

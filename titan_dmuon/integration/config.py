@@ -370,7 +370,7 @@ def _finalize(config):
         settings = DedicationSettings(
             muon_params=tuple(config.optimizer.muon_params), reshard_after_forward=config.optimizer.reshard_after_forward
         )
-        parallelize = _bind(parallelize_with_dmuon, settings=settings)
+        parallelize = _bind(parallelize_with_dmuon, settings=settings, base_fn=spec.parallelize_fn)
     else:
         parallelize = _bind(parallelize_without_dmuon, base_fn=spec.parallelize_fn)
     config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize)

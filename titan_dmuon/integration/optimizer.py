@@ -8,7 +8,6 @@ param-group config, so ``name = "AdamW"`` behaves exactly as TorchTitan does.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,7 +16,7 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_dmuon.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
-from titan_dmuon.optimizer import DMuon
+from titan_dmuon.optimizer import DeviceTimer, DMuon
 
 MUON_FAMILY_KEYS = (
     "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
@@ -75,8 +74,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
             kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
             config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name=config.name, optimizer_kwargs=kwargs)]
         self._muon_family = config.name in ("dmuon", "naive_muon")
-        self.last_step_seconds = 0.0
         super().__init__(config, model_parts=model_parts)
+        self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str):
@@ -91,10 +90,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return OptimizersContainer._build_param_groups(model, param_group_configs, {} if self._muon_family else impl_kwargs)
 
     def step(self, closure=None):
-        start = time.perf_counter()
-        result = super().step(closure)
-        self.last_step_seconds = time.perf_counter() - start
-        return result
+        with self._step_timer.timing():
+            return super().step(closure)
+
+    @property
+    def last_step_seconds(self) -> float:
+        """The last step's time on the device (read at log time: no sync in the step itself)."""
+        return self._step_timer.seconds()
 
     def dmuon_optimizers(self) -> list[DMuon]:
         return [o for o in self.optimizers if isinstance(o, DMuon) and not isinstance(o, NaiveFSDPMuon)]

@@ -1,29 +1,45 @@
-"""Parallelizing TorchTitan decoders (llama3, qwen3) with dedicated Muon weights.
+"""Parallelizing TorchTitan models with dedicated Muon weights.
 
-Order, as TorchTitan's own ``parallelize_llama``: SPMD-annotate parameters
-(default backends), activation checkpointing, then data parallelism. DMuon
-slots in before FSDP2: the attention and MLP projections are dedicated on the
-data-parallel mesh and every ``fully_shard`` call ignores them.
+DMuon runs the model family's own ``parallelize_fn`` (TorchTitan's
+``parallelize_llama``, ``parallelize_qwen3``, ``parallelize_deepseekv3``, ...)
+unchanged and steps in at its first ``fully_shard`` call. By then TorchTitan
+has SPMD-annotated the parameters, applied expert parallelism, wrapped
+activation checkpointing and compiled the blocks, and nothing is sharded yet:
+DMuon dedicates the Muon targets there, on the data-parallel mesh, and every
+``fully_shard`` call of the family then ignores them. FSDP2's units, its
+mixed precision, reshard policy, MoE expert placement (Shard(0)/Shard(1),
+expert-FSDP mesh), symmetric memory and prefetching stay exactly TorchTitan's.
 
-Mesh choice: FSDP (dp_shard > 1) -> 1-D shard mesh; HSDP (dp_replicate > 1 and
+Mesh: FSDP (dp_shard > 1) -> 1-D shard mesh; HSDP (dp_replicate > 1 and
 dp_shard > 1) -> 2-D (dp_replicate, dp_shard); DDP (dp_replicate > 1 only)
 -> 1-D replicate mesh, broadcast/reduce like DMuon-Z2 (the all-reduce floor).
+
+Experts (3-D): where TorchTitan shards them on dim 0 (whole experts per rank:
+at most as many FSDP ranks as experts, or expert parallelism) they stay with
+FSDP2 and each rank runs Muon on its own experts; otherwise (more FSDP ranks
+than experts, or DDP) each expert weight is dedicated to one owner.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
 from titan_dmuon.runtime import canonical_fqn, dedicate_params
 
 DEFAULT_MUON_PARAMS = (
-    r"\.attention\.(qkv_linear\.)?w(q|k|v|o|qkv)\.weight$",
-    r"\.feed_forward\.w[123]\.weight$",
+    # attention: q/k/v/o, fused wqkv, MLA (wq or wq_a/wq_b, wkv_a, wkv_b)
+    r"\.attention\.(qkv_linear\.)?w(q|k|v|o|qkv|q_a|q_b|kv_a|kv_b)\.weight$",
+    r"\.feed_forward\.w[123]\.weight$",  # dense MLP
+    r"\.moe\.routed_experts\.inner_experts\.w(1_EFD|2_EDF|3_EFD)$",  # routed experts, 3-D
+    r"\.moe\.shared_experts\.w[123]\.weight$",  # shared experts
+    r"\.moe\.router\.gate\.weight$",  # router (on Muon, as TorchTitan's recipe for Kimi/Moonlight)
 )
 
 
@@ -42,70 +58,106 @@ def parallelize_with_dmuon(
     compile_config,
     ac_config,
     dump_folder: str,
+    base_fn,
     settings: DedicationSettings,
 ) -> nn.Module:
-    """TorchTitan ``parallelize_fn`` for dense decoders with DMuon."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
-    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh, validate_config
-
+    """TorchTitan ``parallelize_fn``: the family's own ``base_fn`` with DMuon's dedication."""
     check_supported(parallelism=parallelism, compile_config=compile_config, training=training)
-    if any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
-        raise NotImplementedError("DMuon supports dense decoders; this model has MoE layers (expert weights are 3-D)")
-    spmd = parallelism.spmd_backend in ("full_dtensor", "spmd_types")
-    if spmd:
-        validate_config(parallel_dims, model)
-        model.parallelize(parallel_dims)
-    if ac_config is not None:
-        ac_config.build(dump_folder=dump_folder).apply(model)
-
-    fsdp_reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, pp_enabled=False)
-    ddp_like = parallel_dims.dp_shard == 1 and parallel_dims.dp_replicate > 1
-    reshard = settings.reshard_after_forward
-    if reshard is None:
-        reshard = False if ddp_like else fsdp_reshard
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        cast_forward_inputs=False,
-    )
-    handle = dedicate_params(
-        model,
-        muon_parameters(model, settings.muon_params),
-        dedication_mesh(parallel_dims, spmd),
-        reshard_after_forward=reshard,
-        mp_policy=mp_policy,
-        units=list(model.layers.values()),
-        split_rows=fused_qkv_blocks(model),
-        gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
-    )
-
-    _draw_dedicated_weights_in_full(handle)
-
-    if spmd:
-        dp_mesh, dp_mesh_dims = resolve_fsdp_mesh(parallel_dims)
-    else:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        dp_mesh, dp_mesh_dims = parallel_dims.get_mesh(names), None
-    fsdp = {"mesh": dp_mesh, "mp_policy": mp_policy, "ignored_params": handle.ignored_params}
-    if dp_mesh_dims is not None:
-        fsdp["dp_mesh_dims"] = dp_mesh_dims
-    # the same units as TorchTitan's apply_fsdp_to_decoder for dense models
-    last_reshard = parallelism.fsdp_reshard_after_forward == "always"
-    if model.enable_weight_tying:
-        fully_shard([m for m in (model.tok_embeddings, model.norm, model.lm_head) if m is not None], **fsdp, reshard_after_forward=last_reshard)
-    else:
-        if model.tok_embeddings is not None:
-            fully_shard(model.tok_embeddings, **fsdp, reshard_after_forward=fsdp_reshard)
-        if model.norm is not None and model.lm_head is not None:
-            fully_shard([model.norm, model.lm_head], **fsdp, reshard_after_forward=last_reshard)
-    for block in model.layers.values():
-        fully_shard(block, **fsdp, reshard_after_forward=fsdp_reshard)
-    fully_shard(model, **fsdp)
-    disable_fsdp_gradient_division(model)
+    dedication = _Dedication(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, settings=settings)
+    with _ignoring_dedicated_weights(dedication):
+        model = base_fn(
+            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
+        )
+    if dedication.handle is None:
+        raise RuntimeError(
+            f"{type(model).__name__}'s parallelize function applied no fully_shard: DMuon dedicates its weights "
+            "at the first one (TorchTitan's apply_fsdp_to_decoder); use optimizer.name = 'AdamW' for this model"
+        )
+    _draw_dedicated_weights_in_full(dedication.handle)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
     return model
+
+
+class _Dedication:
+    """Dedicates the Muon targets once, when TorchTitan is about to shard the model."""
+
+    def __init__(self, model: nn.Module, *, parallel_dims, training, parallelism, settings: DedicationSettings) -> None:
+        self.model, self.parallel_dims, self.training, self.parallelism = model, parallel_dims, training, parallelism
+        self.settings = settings
+        self.handle = None
+
+    def ensure(self):
+        if self.handle is not None:
+            return self.handle
+        from torchtitan.config import TORCH_DTYPE_MAP
+        from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+
+        dims, model = self.parallel_dims, self.model
+        fsdp_reshard = get_fsdp_reshard_after_forward_policy(self.parallelism.fsdp_reshard_after_forward, pp_enabled=False)
+        ddp_like = dims.dp_shard == 1 and dims.dp_replicate > 1
+        reshard = self.settings.reshard_after_forward
+        if reshard is None:
+            reshard = False if ddp_like else fsdp_reshard
+        self.handle = dedicate_params(
+            model,
+            muon_parameters(model, self.settings.muon_params),
+            dedication_mesh(dims, self.parallelism.spmd_backend != "partial_dtensor"),
+            reshard_after_forward=reshard,
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_param],
+                reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
+                cast_forward_inputs=False,
+            ),
+            split_rows=fused_qkv_blocks(model),
+            gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
+            expert_sharding=expert_sharding(model, dims),
+        )
+        return self.handle
+
+
+@contextlib.contextmanager
+def _ignoring_dedicated_weights(dedication: _Dedication):
+    """Every ``fully_shard`` TorchTitan's modules call dedicates first (once), then ignores the
+    dedicated weights. (TorchTitan's ``apply_fsdp_to_decoder`` cannot exclude parameters.)"""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def fully_shard(module, *args, ignored_params=None, **kwargs):
+        ignored = set(ignored_params or ()) | dedication.ensure().ignored_params
+        return torch_fully_shard(module, *args, ignored_params=ignored, **kwargs)
+
+    callers = [m for name, m in list(sys.modules.items()) if name.startswith("torchtitan.") and getattr(m, "fully_shard", None) is torch_fully_shard]
+    for module in callers:
+        module.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        for module in callers:
+            module.fully_shard = torch_fully_shard
+
+
+def expert_sharding(model: nn.Module, parallel_dims) -> str:
+    """Where TorchTitan's FSDP2 keeps whole experts per rank (dim-0 shards), DMuon leaves the experts
+    there ("local"); where it splits them on dim 1 (more FSDP ranks than experts), DMuon dedicates
+    each expert weight to one owner instead. Mirrors ``apply_fsdp_to_decoder``'s rule."""
+    experts = [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
+    if not experts:
+        return "auto"
+    if parallel_dims.ep > 1:
+        efsdp_ep = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
+        if efsdp_ep > min(experts):
+            raise NotImplementedError(
+                f"expert parallelism with {efsdp_ep} expert-FSDP x EP ranks and {min(experts)} experts: TorchTitan "
+                "then splits each expert across ranks (Shard(1)), and DMuon needs whole experts per rank under "
+                "expert parallelism; lower data_parallel_shard_degree or raise expert_parallel_degree so their "
+                "product is at most the number of experts"
+            )
+        return "local"
+    if parallel_dims.dp_shard == 1:
+        return "dedicated"  # DDP: every rank would hold every expert
+    fsdp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    return "local" if fsdp_size <= min(experts) else "dedicated"
 
 
 def _draw_dedicated_weights_in_full(handle) -> None:
@@ -138,18 +190,23 @@ def check_supported(*, parallelism, compile_config, training) -> None:
         "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
         "parallelism.pipeline_parallel_degree": parallelism.pipeline_parallel_degree,
         "parallelism.context_parallel_degree": parallelism.context_parallel_degree,
-        "parallelism.expert_parallel_degree": parallelism.expert_parallel_degree,
     }
     for key, degree in unsupported.items():
         if degree != 1:
             raise NotImplementedError(
-                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism only "
-                "(FSDP, HSDP, DDP); set it to 1 or use optimizer.name = 'AdamW'"
+                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and "
+                "expert parallelism only; set it to 1 or use optimizer.name = 'AdamW'"
             )
-    if compile_config.enable:
-        raise NotImplementedError("compile.enable = true is not supported with optimizer.name = 'dmuon' yet")
+    if parallelism.spmd_backend == "full_dtensor":
+        raise NotImplementedError(
+            "parallelism.spmd_backend = 'full_dtensor' makes every parameter a DTensor before FSDP2, and DMuon's "
+            "dedicated weights are plain tensors on their owners; use 'spmd_types' (the default) or 'partial_dtensor'"
+        )
     if training.enable_cpu_offload:
-        raise NotImplementedError("training.enable_cpu_offload = true is not supported with optimizer.name = 'dmuon'")
+        raise NotImplementedError(
+            "training.enable_cpu_offload = true is not supported with optimizer.name = 'dmuon' (owners keep their "
+            "weights on the device); set it to false or use optimizer.name = 'AdamW'"
+        )
 
 
 def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
@@ -158,8 +215,11 @@ def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
     for name, param in model.named_parameters():
         fqn = canonical_fqn(name)
         if any(p.search(fqn) for p in compiled):
-            if param.ndim != 2:
-                raise ValueError(f"optimizer.muon_params matched {fqn!r} of shape {tuple(param.shape)}; Muon needs 2-D weights")
+            if param.ndim not in (2, 3):
+                raise ValueError(
+                    f"optimizer.muon_params matched {fqn!r} of shape {tuple(param.shape)}; Muon needs 2-D weights "
+                    "or 3-D expert weights (experts, rows, cols)"
+                )
             chosen.append(param)
     if not chosen:
         raise ValueError(f"optimizer.muon_params {list(patterns)} matched no parameter of the model")

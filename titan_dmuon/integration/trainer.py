@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.ledger import CommLedger
+from titan_dmuon.ledger import CommLedger, theory_elements_per_rank
 
 
 def dmuon_handles(optimizers) -> list:
@@ -38,7 +38,19 @@ def dmuon_handles(optimizers) -> list:
 def _clip_for_titan(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False):
     if pp_mesh is not None or ep_enabled:
         raise NotImplementedError("DMuon's gradient clipping supports data parallelism only (no PP/EP)")
-    return clip_grad_norm_(parameters, max_norm, norm_type)
+    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+
+def _design_elements(handle) -> Fraction:
+    """The design's elements per rank per micro-batch for this handle (Z3 counts the kept last layer
+    once the first step has shown which layer runs last)."""
+    return theory_elements_per_rank(
+        f"dmuon_z{3 if handle.reshard_after_forward else 2}",
+        shard_size=handle.plan.shard_size,
+        replicate_size=handle.plan.replicate_size,
+        numel=handle.plan.total_numel,
+        kept_unit_numel=handle.kept_unit_numel,
+    )
 
 
 class DMuonTrainer(Trainer):
@@ -98,7 +110,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
             parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
                 f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
-                f"averaged over ranks, {self.microbatches_per_step} micro-batch(es))  NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
+                f"averaged over ranks, {self.microbatches_per_step} micro-batch(es); {figures['dmuon/launches_per_step']:.0f} launches)  "
+                f"NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
                 f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB"
             )
@@ -119,12 +132,13 @@ class DMuonMetricsProcessor(MetricsProcessor):
             self.ledger.records.clear()
         handles = dmuon_handles(self.optimizers)
         if handles:
-            elements, nbytes, theory, peak = Fraction(0), Fraction(0), Fraction(0), 0
+            elements, nbytes, theory, peak, launches = Fraction(0), Fraction(0), Fraction(0), 0, 0
             for handle in handles:
                 popped = handle.pop_comm_stats()
-                elements += sum(e for e, _ in popped.values())
-                nbytes += sum(b for _, b in popped.values())
-                theory += handle.theory_elements_per_rank() * self.microbatches_per_step
+                elements += sum(e for e, _, _ in popped.values())
+                nbytes += sum(b for _, b, _ in popped.values())
+                launches += sum(n for _, _, n in popped.values())
+                theory += _design_elements(handle) * self.microbatches_per_step
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]
@@ -132,6 +146,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 "dmuon/comm_elements_per_rank": float(elements / steps),
                 "dmuon/comm_MB_per_rank": float(nbytes / steps) / 1e6,
                 "dmuon/theory_elements_per_rank": float(theory),
+                "dmuon/launches_per_step": launches / steps,
                 "dmuon/ns_matrices": sum(s.get("ns_matrices", 0) for s in stats),
                 "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),
                 "dmuon/owner_imbalance": max(h.plan.imbalance for h in handles),

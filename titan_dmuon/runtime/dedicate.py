@@ -1,0 +1,301 @@
+"""``dedicate_params``: validate the request, build the ownership plan, lay out the units."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from titan_dmuon.muon_math import row_blocks
+from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, validate_across_ranks
+from titan_dmuon.runtime.handle import DedicatedParams, LocalExperts
+from titan_dmuon.runtime.unit import Bucket, Member, Segment, Unit
+
+HSDP_DIM_NAMES = ("dp_replicate", "dp_shard")
+_HSDP_ALIASES = {HSDP_DIM_NAMES, ("dp_replicate", "fsdp")}  # TorchTitan's legacy backend names the shard dim "fsdp"
+
+# Live handles, held weakly: how DMuon and the clip utility find dedicated weights
+# without keeping any model alive.
+_live_handles: weakref.WeakSet = weakref.WeakSet()
+
+
+def find_dedicated(param: torch.Tensor) -> tuple[DedicatedParams, Member] | None:
+    """(handle, member) if ``param`` is a dedicated weight of a live handle, else None."""
+    for handle in list(_live_handles):
+        member = handle.member_of(param)
+        if member is not None:
+            return handle, member
+    return None
+
+
+def find_local_experts(param: torch.Tensor) -> tuple[DedicatedParams, LocalExperts] | None:
+    """(handle, record) if ``param`` is a 3-D expert weight a live handle leaves where it lives."""
+    for handle in list(_live_handles):
+        experts = handle.local_expert_of(param)
+        if experts is not None:
+            return handle, experts
+    return None
+
+
+def dedicate_params(
+    module: nn.Module,
+    params: Iterable[nn.Parameter],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    units: Sequence[nn.Module] | None = None,
+    split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
+    gradient_divide_factor: float | None = None,
+    expert_sharding: str = "auto",
+) -> DedicatedParams:
+    """Give each of ``params`` one owner rank on ``mesh``; call before ``fully_shard``/DDP.
+
+    Args:
+        module: the model (or the part of it that contains ``params``).
+        params: Muon-target weights of ``module``: 2-D matrices, and 3-D MoE expert
+            weights ``(E, rows, cols)``, each expert's matrix orthogonalised on its own.
+        mesh: 1-D DeviceMesh (FSDP shard group or DDP group) or 2-D mesh with
+            dims ``("dp_replicate", "dp_shard")`` (HSDP).
+        reshard_after_forward: True (Z3): free each layer's packed buffer after
+            forward and re-broadcast it for backward. False (Z2): keep it.
+        mp_policy: compute (``param_dtype``) and gradient-reduction
+            (``reduce_dtype``) dtypes, as for FSDP2. Owners keep the master weights.
+        units: modules that each get one packed buffer (usually the
+            transformer blocks). Default: for each parameter, its outermost
+            ancestor that is an element of an ``nn.ModuleList``/``nn.ModuleDict``,
+            else the module that registers it.
+        split_rows: per parameter, the row blocks orthogonalised separately:
+            row counts (``[q_rows, k_rows, v_rows]`` for a fused q/k/v weight)
+            or per block a list of ``(start, stop)`` row ranges (interleaved layouts).
+        gradient_divide_factor: divide summed gradients by this; default the
+            data-parallel world size (an average). TorchTitan, which normalises
+            the loss by the global token count, uses 1.0.
+        expert_sharding: where 3-D expert weights are updated. ``"local"``: they
+            stay with FSDP2 (or expert parallelism), which must shard them on dim 0
+            so every rank holds whole experts; each rank runs Muon on its own
+            experts, no collective of DMuon's (they are not in ``ignored_params``).
+            ``"dedicated"``: one owner per weight, like the 2-D ones (DDP, or fewer
+            experts than shard ranks). ``"auto"``: local when the shard group has
+            no more ranks than the weight has experts, else dedicated.
+    """
+    if expert_sharding not in ("auto", "local", "dedicated"):
+        raise ValueError(f"expert_sharding must be 'auto', 'local' or 'dedicated', got {expert_sharding!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be a bool (True = Z3, False = Z2), got {reshard_after_forward!r} "
+            f"of type {type(reshard_after_forward).__name__}"
+        )
+    replicate_size, shard_size = _check_mesh(mesh)
+    _check_not_wrapped(module)
+    params = list(params)
+    sites = _registration_sites(module)
+    split_rows = dict(split_rows or {})
+    seen: set[int] = set()
+    resolved: list[tuple[str, nn.Parameter, nn.Module, str]] = []
+    for p in params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"dedicate_params expects nn.Parameter objects, got {type(p).__name__}")
+        where = sites.get(id(p))
+        if where is None:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} is not a parameter of the given module; "
+                "pass parameters obtained from module.parameters()"
+            )
+        fqn, owner_module, name = where[0]
+        if len(where) > 1:
+            raise ValueError(
+                f"parameter {fqn!r} is registered in several places ({[w[0] for w in where]}); "
+                "tied weights cannot be dedicated"
+            )
+        if id(p) in seen:
+            raise ValueError(f"parameter {fqn!r} is listed twice")
+        if find_dedicated(p) is not None:
+            raise ValueError(f"parameter {fqn!r} is already dedicated by an earlier dedicate_params call")
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"parameter {fqn!r} has shape {tuple(p.shape)}: only 2-D weights and 3-D expert weights "
+                "(experts, rows, cols) can be dedicated (Muon orthogonalises matrices; leave biases, norms "
+                "and embeddings to AdamW)"
+            )
+        seen.add(id(p))
+        resolved.append((fqn, p, owner_module, name))
+    for p in split_rows:
+        if id(p) not in seen:
+            raise ValueError("split_rows names a parameter that is not being dedicated")
+
+    def blocks_of(fqn, p):
+        try:
+            return tuple(row_blocks(p.shape[-2:], split_rows.get(p)))
+        except ValueError as e:
+            raise ValueError(f"parameter {fqn!r}: {e}") from None
+
+    def stays_local(p) -> bool:
+        return p.ndim == 3 and (expert_sharding == "local" or (expert_sharding == "auto" and p.shape[0] >= shard_size))
+
+    local = [LocalExperts(fqn=fqn, module=m, name=n, blocks=blocks_of(fqn, p)) for fqn, p, m, n in resolved if stays_local(p)]
+    resolved = [r for r in resolved if not stays_local(r[1])]
+    for fqn, p, _, _ in resolved:
+        if isinstance(p, DTensor):
+            raise ValueError(f"parameter {fqn!r} is already a DTensor: call dedicate_params before fully_shard")
+    unit_modules = _assign_units(module, resolved, units)
+
+    specs = []
+    unit_index: dict[int, int] = {}
+    for (fqn, p, _, _), unit_module in zip(resolved, unit_modules):
+        idx = unit_index.setdefault(id(unit_module), len(unit_index))
+        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p)))
+    local_load = _local_expert_load(local, replicate_size, shard_size) if local else None
+    plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, initial_load=local_load)
+    validate_across_ranks(plan, [mesh.get_group(d) for d in range(mesh.ndim)], _mesh_device(mesh))
+
+    if mesh.ndim == 2:
+        my_replicate, my_shard = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    else:
+        my_replicate, my_shard = 0, mesh.get_local_rank()
+    members = []
+    for (_, p, owner_module, name), entry in zip(resolved, plan.entries):
+        holds_full = plan.shard_owner(entry) == my_shard
+        runs_ns = holds_full and plan.replicate_owner(entry) == my_replicate
+        members.append(Member(entry=entry, module=owner_module, name=name, param=p, holds_full=holds_full, runs_ns=runs_ns))
+        if not holds_full:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    modules_by_index = {unit_index[id(mod)]: mod for mod in unit_modules}
+    unit_objs = [
+        _layout_unit(idx, modules_by_index[idx], [m for m in members if m.entry.unit == idx], plan)
+        for idx in range(len(unit_index))
+    ]
+    handle = DedicatedParams(
+        module=module,
+        plan=plan,
+        mesh=mesh,
+        members=members,
+        units=unit_objs,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        gradient_divide_factor=float(gradient_divide_factor or plan.world_size),
+        local_experts=local,
+    )
+    _live_handles.add(handle)
+    return handle
+
+
+def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:
+    """NS FLOPs per rank of experts that stay where FSDP2's dim-0 shard puts them
+    (torch.chunk: ceil(E/N) whole experts per shard index, the last ones fewer or none)."""
+    load = [0] * shard_size
+    for experts in local:
+        num_experts = experts.module._parameters[experts.name].shape[0]
+        per_expert = experts.spec_flops(experts.module._parameters[experts.name].shape)
+        chunk = -(-num_experts // shard_size)
+        for s in range(shard_size):
+            load[s] += per_expert * max(0, min(chunk, num_experts - s * chunk))
+    return load * replicate_size
+
+
+def _layout_unit(index: int, module: nn.Module, members: list[Member], plan: OwnershipPlan) -> Unit:
+    """Buffer order: by shard owner (one broadcast segment each), then by global owner (one reduce bucket each)."""
+    ordered = sorted(members, key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
+    segments, offset = [], 0
+    for shard_owner, in_segment in itertools.groupby(ordered, key=lambda m: plan.shard_owner(m.entry)):
+        start, buckets = offset, []
+        for replicate_owner, in_bucket in itertools.groupby(in_segment, key=lambda m: plan.replicate_owner(m.entry)):
+            in_bucket = list(in_bucket)
+            for m in in_bucket:
+                m.offset = offset
+                offset += m.entry.numel
+            buckets.append(Bucket(shard_owner=shard_owner, replicate_owner=replicate_owner, members=in_bucket))
+        segments.append(Segment(shard_owner=shard_owner, start=start, stop=offset, buckets=buckets))
+    return Unit(index=index, module=module, members=ordered, segments=segments, numel=offset)
+
+
+def _check_mesh(mesh) -> tuple[int, int]:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return 1, mesh.size()
+    if mesh.ndim == 2:
+        names = tuple(mesh.mesh_dim_names or ())
+        if names not in _HSDP_ALIASES:
+            raise ValueError(
+                f"a 2-D mesh must have dims named {HSDP_DIM_NAMES} (replicate x shard, HSDP); got {names or 'no names'}. "
+                'Build it with init_device_mesh(device, (R, N), mesh_dim_names=("dp_replicate", "dp_shard"))'
+            )
+        return mesh.size(0), mesh.size(1)
+    raise ValueError(f"mesh must be 1-D (DDP/FSDP) or 2-D (HSDP), got {mesh.ndim} dims {mesh.mesh_dim_names}")
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        raise ValueError("dedicate_params must be called before wrapping the model in DistributedDataParallel")
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            raise ValueError(
+                f"module {name or '<root>'!r} is already sharded by fully_shard: call dedicate_params first, "
+                "then fully_shard(..., ignored_params=handle.ignored_params)"
+            )
+
+
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_fqn(name: str) -> str:
+    """A parameter name without activation-checkpoint / compile wrapper segments,
+    so plans and checkpoints do not depend on those wrappers."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _registration_sites(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    sites: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                fqn = canonical_fqn(f"{mod_name}.{name}" if mod_name else name)
+                sites.setdefault(id(p), []).append((fqn, mod, name))
+    return sites
+
+
+def _assign_units(module: nn.Module, resolved, units: Sequence[nn.Module] | None) -> list[nn.Module]:
+    """For each dedicated parameter, the module whose forward gathers it."""
+    parent_of: dict[int, nn.Module] = {}
+    containers = (nn.ModuleList, nn.ModuleDict)
+    for mod in module.modules():
+        for child in mod.children():
+            parent_of[id(child)] = mod
+
+    def ancestors(mod: nn.Module) -> list[nn.Module]:
+        chain = [mod]
+        while id(chain[-1]) in parent_of:
+            chain.append(parent_of[id(chain[-1])])
+        return chain
+
+    if units is not None:
+        unit_ids = {id(u) for u in units}
+        out = []
+        for fqn, _, owner_module, _ in resolved:
+            found = [a for a in ancestors(owner_module) if id(a) in unit_ids]
+            if not found:
+                raise ValueError(f"parameter {fqn!r} is not inside any of the given units")
+            out.append(found[0])
+        return out
+    out = []
+    for _, _, owner_module, _ in resolved:
+        chain = ancestors(owner_module)
+        in_container = [a for a in chain if isinstance(parent_of.get(id(a)), containers)]
+        out.append(in_container[-1] if in_container else owner_module)
+    return out

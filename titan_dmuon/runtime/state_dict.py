@@ -1,0 +1,49 @@
+"""State dicts (DCP checkpoints) of dedicated weights.
+
+A dedicated weight appears in ``state_dict()`` only on the ranks that hold it,
+under its normal name, with its current full value; other ranks leave the
+key out. DCP then writes each weight once (from a holder: all holders agree
+once the HSDP post-step broadcasts have landed) and, on load, each rank
+requests exactly the weights it holds now, which reshards across world sizes,
+Z2/Z3, FSDP/HSDP and ownership plans.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]:
+    """Hooks on a module that registers dedicated weights (``handle``: its DedicatedParams)."""
+    not_held_keys: set[str] = set()
+
+    def on_state_dict(module, state_dict, prefix, local_metadata) -> None:
+        handle.refresh()
+        handle.wait_for_replicate_broadcasts()
+        for m in handle.members_of(module):
+            key = prefix + m.name
+            if m.holds_full:  # the master weight, also while compute views are swapped in
+                state_dict[key] = m.param if isinstance(state_dict.get(key), nn.Parameter) else m.param.detach()
+            else:
+                state_dict.pop(key, None)
+
+    def before_load(module, state_dict, prefix, *args) -> None:
+        handle.refresh()
+        handle.wait_for_replicate_broadcasts()  # so that no older value lands after the load
+        handle.discard_gathered_weights()  # a buffer gathered before the load holds old values
+        for m in handle.members_of(module):
+            if not m.holds_full:
+                state_dict.pop(prefix + m.name, None)  # its holders load it
+                not_held_keys.add(prefix + m.name)
+
+    def after_load(module, incompatible_keys) -> None:
+        """Weights this rank does not hold are not "missing" from what it was given."""
+        missing = incompatible_keys.missing_keys
+        missing[:] = [k for k in missing if k not in not_held_keys]
+
+    return [
+        module.register_state_dict_post_hook(on_state_dict),
+        module.register_load_state_dict_pre_hook(before_load),
+        module.register_load_state_dict_post_hook(after_load),
+    ]
