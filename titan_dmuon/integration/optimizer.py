@@ -1,8 +1,14 @@
 """``optimizer.name = "dmuon"`` for TorchTitan: an OptimizersContainer that builds DMuon.
 
 TorchTitan 0.3.0 resolves optimizers from a fixed table; this container adds
-"DMuon" to it and turns the flat ``[optimizer]`` keys into TorchTitan's
-param-group config, so ``name = "AdamW"`` behaves exactly as TorchTitan does.
+"DMuon" to it. With ``name = "dmuon"`` the Muon targets (dedicated weights and
+experts updated in place) go to one DMuon optimizer, claimed before any
+pattern; every other parameter keeps TorchTitan's own param groups (its
+AdamW/Adam, fused or foreach as ``implementation`` says), so a config's
+groups (no weight decay on embeddings, Adam on the router, ...) keep their
+settings. The catch-all group (pattern ``.*``) takes the flat keys: ``lr``,
+``betas``, ``eps``, ``weight_decay`` with AdamW/Adam, ``adamw_*`` with dmuon.
+``name = "AdamW"`` is then exactly TorchTitan's container.
 """
 
 from __future__ import annotations
@@ -11,18 +17,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.tools.logging import logger
 
 from titan_dmuon.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
+from titan_dmuon.runtime import find_dedicated, find_local_experts
 
 MUON_FAMILY_KEYS = (
     "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
     "adamw_weight_decay", "muon_params", "reshard_after_forward",
 )
-ADAMW_ONLY_KEYS = ("betas", "eps", "implementation")
+ADAMW_ONLY_KEYS = ("betas", "eps")
+CATCH_ALL = ".*"
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
@@ -49,7 +59,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] | None = None
         """Muon per-shape learning-rate scaling, as torch.optim.Muon (unset = "original")."""
         adamw_lr: float = 8e-4
-        """AdamW learning rate for the non-Muon parameters (embeddings, norms, head)."""
+        """AdamW learning rate of the catch-all param group (pattern ".*"), for the non-Muon
+        parameters (embeddings, norms, head); other param groups keep their own settings."""
         adamw_betas: tuple[float, float] = (0.9, 0.95)
         adamw_eps: float = 1e-8
         adamw_weight_decay: float = 0.1
@@ -59,21 +70,24 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
 
     def __init__(self, config: Config, *, model_parts) -> None:
-        if config.name in ("dmuon", "naive_muon"):
+        self._muon_kwargs = None
+        if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
             kwargs = dict(
                 lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                 ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr,
                 adamw_betas=tuple(config.adamw_betas), adamw_eps=config.adamw_eps,
                 adamw_weight_decay=config.adamw_weight_decay,
             )
-            factory = "DMuon" if config.name == "dmuon" else "NaiveFSDPMuon"
-            config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name=factory, optimizer_kwargs=kwargs)]
-            if config.name == "naive_muon":
-                config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
+            config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
+            config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
         else:
-            kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
-            config.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name=config.name, optimizer_kwargs=kwargs)]
-        self._muon_family = config.name in ("dmuon", "naive_muon")
+            config.param_groups = param_groups_with_catch_all(config)
+            if config.name == "dmuon":
+                self._muon_kwargs = dict(
+                    lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum,
+                    nesterov=config.nesterov, ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn,
+                )
+        self._name = config.name
         super().__init__(config, model_parts=model_parts)
         self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)
 
@@ -86,12 +100,34 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
-        # DMuon has no fused/foreach variants: keep those keys out of its groups
-        return OptimizersContainer._build_param_groups(model, param_group_configs, {} if self._muon_family else impl_kwargs)
+        if self._name == "naive_muon":  # DMuon's classes have no fused/foreach variants
+            return OptimizersContainer._build_param_groups(model, param_group_configs, {})
+        if self._muon_kwargs is None:
+            return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        muon = [(n, p) for n, p in named if find_dedicated(p) is not None or find_local_experts(p) is not None]
+        muon_ids = {id(p) for _, p in muon}
+        rest = [(n, p) for n, p in named if id(p) not in muon_ids]
+        kept = []
+        for group in param_group_configs:
+            pattern = re.compile(group.pattern)
+            if any(pattern.search(n) for n, _ in rest) or not any(pattern.search(n) for n, _ in named):
+                kept.append(group)  # (a pattern that matches nothing at all keeps TorchTitan's error)
+            else:
+                logger.info(f"Optimizer param group {group.pattern!r}: all its parameters are on Muon (optimizer.muon_params)")
+        groups, patterns = OptimizersContainer._build_param_groups(_Named(rest), kept, impl_kwargs)
+        muon_group = {"params": [p for _, p in muon], "param_names": [canonical_fqn(n) for n, _ in muon], **self._muon_kwargs}
+        return {"DMuon": [muon_group], **groups}, {"DMuon": ["optimizer.muon_params"], **patterns}
 
     def step(self, closure=None):
+        """Each optimizer once. (Not ``super().step()``: once any plain OptimizersContainer has been
+        built, its ``step`` is hook-wrapped too, and step pre-hooks such as MoE load balancing,
+        with its all-reduce, would run twice.)"""
+        if closure is not None:
+            raise ValueError("OptimizersContainer does not support closures")
         with self._step_timer.timing():
-            return super().step(closure)
+            for optimizer in self.optimizers:
+                optimizer.step()
 
     @property
     def last_step_seconds(self) -> float:
@@ -100,6 +136,33 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def dmuon_optimizers(self) -> list[DMuon]:
         return [o for o in self.optimizers if isinstance(o, DMuon) and not isinstance(o, NaiveFSDPMuon)]
+
+
+class _Named:
+    """The parameters TorchTitan's param-group builder may assign (those Muon does not take)."""
+
+    def __init__(self, named) -> None:
+        self._named = named
+
+    def named_parameters(self):
+        return iter(self._named)
+
+
+def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
+    """The config's param groups, with the catch-all group (added if missing) set from the flat keys."""
+    if config.name == "dmuon":
+        flat = dict(
+            lr=config.adamw_lr, betas=tuple(config.adamw_betas), eps=config.adamw_eps,
+            weight_decay=config.adamw_weight_decay,
+        )
+        optimizer_name = "AdamW"
+    else:
+        flat = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+        optimizer_name = config.name
+    specific = [g for g in config.param_groups if g.pattern != CATCH_ALL]
+    catch_all = next((g for g in config.param_groups if g.pattern == CATCH_ALL), None)
+    extra = dict(catch_all.optimizer_kwargs) if catch_all is not None else {}
+    return specific + [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})]
 
 
 def _naive_muon(param_groups, *, muon_patterns):
