@@ -40,11 +40,12 @@ class NaiveFSDPMuon(DMuon):
                 state["momentum_buffer"] = torch.zeros_like(p)
             update = momentum_update(p.grad, state["momentum_buffer"], momentum=group["momentum"], nesterov=group["nesterov"])
             full = update.full_tensor()  # the step's all-gather
+            stack = full if full.ndim == 3 else full[None]  # 3-D: MoE experts, one matrix each
             orthogonal = newton_schulz(
-                full[None], steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"]
-            )[0]
+                stack, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"]
+            ).reshape(full.shape)
             mine = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None)
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(mine, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape))
-            count += 1
+            p.add_(mine, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape[-2:]))
+            count += stack.shape[0]
         return count, 0.0
