@@ -7,9 +7,15 @@ run_train.sh (rounds interleave the configurations, so machine noise hits all
 of them alike), then prints one table of ratios against FSDP2+AdamW (same
 reshard mode) and writes bench_out/debug_model.png. Times are medians over
 the steps after the first two; communication is counted by the CommLedger
-(every collective of a step, FSDP2's included). Memory: the rank's peak RSS
-(CPU; peak device memory on GPU) and DMuon's packed-buffer peak, which is
-P_M per rank in Z2 and about two layers in Z3.
+(every collective of a step, FSDP2's included). Launches per rank per step
+come from the same ledger (``CommLedger.launches()``), read by the
+benchmark-only hook in benchmarks/_launch_hook (the trainer's log line
+carries DMuon's launches but not FSDP2's): "gloo" is what ran here (gloo
+cannot coalesce, so each of DMuon's per-owner broadcasts/reduces is its own
+launch), "coalesced" counts each of DMuon's launch groups once (one unit, one
+direction), which is what NCCL runs. FSDP2's launches are the same either
+way. Memory: the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
+packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3.
 
 Needs matplotlib for the plot (pip install -e '.[bench]').
 """
@@ -67,7 +73,15 @@ seed = 0
 LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
     r"\s+all comm ([\d.]+)M elements/rank/step \(([\d.]+) MB\)(?:.*?peak buffers ([\d.]+) MB)?"
+    r"(?:.*?\n.*?bench launches: all ([\d.]+) dmuon ([\d.]+) other ([\d.]+) dmuon_groups ([\d.]+))?"
 )
+HOOK = os.path.join(ROOT, "benchmarks", "_launch_hook")
+
+
+def hook_env() -> dict:
+    """Environment that makes every rank log its collective launches (benchmarks/_launch_hook)."""
+    path = os.pathsep.join(p for p in (HOOK, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "DMUON_BENCH_LAUNCHES": "1"}
 
 
 def run(name: str, steps: int, ngpu: int, workdir: str) -> list[dict]:
@@ -75,7 +89,7 @@ def run(name: str, steps: int, ngpu: int, workdir: str) -> list[dict]:
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
-    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
+    env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
@@ -88,6 +102,9 @@ def run(name: str, steps: int, ngpu: int, workdir: str) -> list[dict]:
             "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
             "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
             "buffers_mb": float(m[8]) if m[8] else 0.0,
+            # launches per rank per step (None if the hook's line is missing)
+            "launch_all": float(m[9]) if m[9] else None, "launch_dmuon": float(m[10]) if m[10] else None,
+            "launch_other": float(m[11]) if m[11] else None, "launch_groups": float(m[12]) if m[12] else None,
         })
     return rows
 
@@ -107,33 +124,88 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
                 rows[name] += [row for row in run(name, args.steps, args.ngpu, workdir) if row["step"] > 2]
 
-    summary = {}
-    for name, data in rows.items():
-        step = statistics.median(d["step_s"] for d in data)
-        opt = statistics.median(d["opt_ms"] for d in data) / 1e3
-        summary[name] = {
-            "step_s": step, "opt_share": opt / step, "comm_m": statistics.median(d["comm_m"] for d in data),
-            "comm_mb": statistics.median(d["comm_mb"] for d in data), "rss_gib": max(d["rss_gib"] for d in data),
-            "buffers_mb": max(d["buffers_mb"] for d in data),
-            "loss": statistics.median(d["loss"] for d in data if d["step"] == args.steps),
-        }
+    summary = {name: summarize(data, args.steps) for name, data in rows.items()}
+    table = text_table(summary, f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)")
+    markdown = markdown_table(summary, args.steps)
+    print(table)
+    print()
+    print(markdown)
+    with open(os.path.join(args.out, "debug_model.txt"), "w") as f:
+        f.write(table + "\n\n" + markdown + "\n")
+    plot(summary, os.path.join(args.out, "debug_model.png"))
+
+
+def _median(data: list[dict], key: str):
+    values = [d[key] for d in data if d.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(data: list[dict], steps: int) -> dict:
+    step = _median(data, "step_s")
+    opt = _median(data, "opt_ms") / 1e3
+    out = {
+        "step_s": step, "opt_share": opt / step, "comm_m": _median(data, "comm_m"), "comm_mb": _median(data, "comm_mb"),
+        "rss_gib": max(d["rss_gib"] for d in data), "buffers_mb": max(d["buffers_mb"] for d in data),
+        "loss": statistics.median(d["loss"] for d in data if d["step"] == steps),
+    }
+    for key in ("launch_all", "launch_dmuon", "launch_other", "launch_groups"):
+        out[key] = _median(data, key)
+    if out["launch_other"] is not None:
+        # what NCCL would launch: FSDP2's (and the loss/norm all-reduces) + one per DMuon launch group
+        out["launch_coalesced"] = out["launch_other"] + out["launch_groups"]
+    else:
+        out["launch_coalesced"] = None
+    return out
+
+
+def _base(summary: dict, name: str) -> dict:
+    return summary["FSDP2+AdamW " + name[-2:]]
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def text_table(summary: dict, title: str) -> str:
     header = (
         f"{'configuration':<22}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
-        f"{'comm MB':>9}{'vs AdamW':>9}{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}"
+        f"{'comm MB':>9}{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'vs AdamW':>9}"
+        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}"
     )
-    lines = [f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)", header]
+    lines = [title, header]
     for name, s in summary.items():
-        base = summary["FSDP2+AdamW " + name[-2:]]
+        base = _base(summary, name)
+        ratio = s["launch_coalesced"] / base["launch_coalesced"] if s["launch_coalesced"] and base["launch_coalesced"] else None
         lines.append(
             f"{name:<22}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
-            f"{s['comm_m']:>12.3f}{s['comm_mb']:>9.2f}{s['comm_mb'] / base['comm_mb']:>9.2f}"
-            f"{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
+            f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
+            f"{_fmt(s['launch_all'], '.0f'):>12}{_fmt(s['launch_dmuon'], '.0f'):>8}{_fmt(s['launch_coalesced'], '.0f'):>10}"
+            f"{_fmt(ratio, '.2f'):>9}{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
         )
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "debug_model.txt"), "w") as f:
-        f.write(table + "\n")
-    plot(summary, os.path.join(args.out, "debug_model.png"))
+    return "\n".join(lines)
+
+
+def markdown_table(summary: dict, steps: int) -> str:
+    lines = [
+        "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
+        "| launches / rank / step: gloo (DMuon's) | coalesced (NCCL) | vs AdamW | DMuon buffers peak "
+        f"| loss at step {steps} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        base = _base(summary, name)
+        bold = name.startswith("DMuon")
+        label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
+        label = f"**{label.replace('DMuon ', 'DMuon-')}**" if bold else label
+        ratio = s["launch_coalesced"] / base["launch_coalesced"] if s["launch_coalesced"] and base["launch_coalesced"] else None
+        buffers = f"{s['buffers_mb']:.2f} MB" if s["buffers_mb"] else "–"
+        lines.append(
+            f"| {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
+            f"| {s['comm_mb']:.2f} MB | {s['comm_mb'] / base['comm_mb']:.3f} "
+            f"| {_fmt(s['launch_all'], '.0f')} ({_fmt(s['launch_dmuon'], '.0f')}) | {_fmt(s['launch_coalesced'], '.0f')} "
+            f"| {_fmt(ratio, '.2f')} | {buffers} | {s['loss']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(summary: dict, path: str) -> None:
@@ -143,11 +215,12 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     panels = [
         ("step time (s)", [summary[n]["step_s"] for n in names]),
         ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
         ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
+        ("launches per rank per step (coalesced)", [summary[n]["launch_coalesced"] or 0 for n in names]),
     ]
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
     for ax, (title, values) in zip(axes, panels):

@@ -1,0 +1,173 @@
+"""TorchTitan models in-process on the gloo pools, parallelized exactly as the trainer does it.
+
+Tiny models of each family are built from TorchTitan's own layer builders with
+small numbers (the shipped debug models cost seconds per step on 2 CPU cores);
+``build`` runs DMuon's parallelize step (the family's own parallelize_fn with
+DMuon's dedication) or TorchTitan's own, materialises and initialises the
+model as ``Trainer.__init__`` does, and builds the optimizer container;
+``train`` runs steps with TorchTitan's loss normalisation (sum over local tokens
+divided by the global token count; FSDP2 sums).
+"""
+
+from __future__ import annotations
+
+from titan_dmuon.integration import cpu
+
+cpu.enable()  # before TorchTitan's trainer-side modules are imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+VOCAB = 256
+SEQ = 16
+
+
+def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
+    """(model config, family parallelize_fn, post_optimizer_build_fn)"""
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    layers = llama3._build_llama3_layers(
+        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=2 * dim, fuse_qkv=fuse_qkv,
+        rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=500000, scaling="llama"), attn_backend="flex",
+    )
+    config = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=llama3._output_linear_init(dim)),
+    )
+    return config, llama3.model_registry("debugmodel")
+
+
+def tiny_qwen3_moe(*, experts: int = 8, dim: int = 64, n_layers: int = 2):
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=32,
+        num_experts=experts, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=16, max_seq_len=64, theta=1000000.0),
+    )
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+    )
+    return config, qwen3.model_registry("debugmodel_moe")
+
+
+def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
+    """MLA attention, a dense first layer, routed + shared experts."""
+    import torchtitan.models.deepseek_v3 as ds
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    layers = ds._build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.70, dense_hidden_dim=128,
+        moe_hidden_dim=32, num_experts=experts, num_shared_experts=2, router_top_k=2, router_score_func="softmax",
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=64),
+    )
+    config = ds.DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=dim, layers=layers, mtp_layers=[],
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=ds._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=ds._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=ds._output_linear_init(dim)),
+    )
+    return config, ds.model_registry("debugmodel")
+
+
+def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1):
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(
+        dp_replicate=replicate, dp_shard=world // replicate, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+        spmd_backend="partial_dtensor",  # expert parallelism runs on gloo only with this backend
+    )
+
+
+def build(model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, **optimizer_kwargs):
+    """(model, optimizer container) as TorchTitan's Trainer would build them."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+
+    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
+    from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
+
+    model_config, spec = model_and_spec
+    cpu.use_sdpa_attention(model_config)
+    with torch.device("meta"):
+        model = model_config.build()
+    kwargs = dict(
+        parallel_dims=dims, training=TrainingConfig(), compile_config=CompileConfig(), ac_config=None,
+        dump_folder="/tmp", parallelism=ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=dims.ep),
+    )
+    if optimizer == "dmuon":
+        settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs})
+        model = parallelize_with_dmuon(model, base_fn=spec.parallelize_fn, settings=settings, **kwargs)
+    else:
+        model = parallelize_without_dmuon(model, base_fn=spec.parallelize_fn, **kwargs)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    if state is not None:  # full tensors: shard those FSDP2 keeps as DTensors
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        current = model.state_dict()
+        model.load_state_dict({
+            k: distribute_tensor(v, current[k].device_mesh, current[k].placements, src_data_rank=None)
+            if isinstance(current.get(k), DTensor) else v
+            for k, v in state.items()
+        })
+    model.train()
+    config = DMuonOptimizersContainer.Config(name=optimizer, implementation="for-loop", **optimizer_kwargs)
+    container = config.build(model_parts=[model])
+    if spec.post_optimizer_build_fn is not None:
+        spec.post_optimizer_build_fn(container, [model], dims)
+    return model, container
+
+
+def batches(steps: int, world: int, *, batch: int = 2, seed: int = 1, routed_vocab: int = VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, routed_vocab, (batch * world, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def train(model, container, dims, data) -> list[float]:
+    """Global mean loss per step (TorchTitan's normalisation; DMuon's clipping, max_norm 1)."""
+    from titan_dmuon import clip_grad_norm_
+
+    world = dist.get_world_size()
+    rank = dims.get_mesh("batch").get_local_rank() if world > 1 else 0
+    losses = []
+    for tokens in data:
+        b = tokens.shape[0] // world
+        local = tokens[rank * b : (rank + 1) * b]
+        logits = model(local[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum") / (
+            tokens.shape[0] * SEQ
+        )
+        loss.backward()
+        clip_grad_norm_([p for p in model.parameters()], 1.0)
+        container.step()
+        container.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return losses
+
+
+def initial_state(model_and_spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights a plain (unparallelized) build initialises, under TorchTitan's state-dict names
+    (a fused wqkv is saved as wq/wk/wv): the same start for models built differently."""
+    model_config, _ = model_and_spec
+    cpu.use_sdpa_attention(model_config)
+    with torch.device("meta"):
+        model = model_config.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
