@@ -1,5 +1,9 @@
 """TorchTitan's Trainer and MetricsProcessor with DMuon's additions.
 
+* Setup at build time. TorchTitan's entry point applies command-line
+  overrides after the config function ran, so the config DMuonTrainer is
+  given is checked again (setup.prepare_for_build, before any process group)
+  and the parallelize step is bound to ITS optimizer settings.
 * Gradient clipping. ``Trainer.train_step`` clips with torch's clip over all
   parameters, which cannot mix FSDP2's DTensor shards with owner-held plain
   gradients (and would count dedicated gradients wrongly). While a DMuon step
@@ -47,6 +51,13 @@ class DMuonTrainer(Trainer):
         pass
 
     def __init__(self, config: Config) -> None:
+        from titan_dmuon.integration.setup import ConfigError, prepare_for_build
+
+        try:
+            config = prepare_for_build(config)
+        except ConfigError as e:
+            logger.error(f"config error: {e}")
+            raise
         super().__init__(config)
         # DMuon moves its volume once per forward/backward, i.e. per micro-batch
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
