@@ -18,7 +18,7 @@ cpu.enable()  # TorchTitan's device choice, before anything builds a trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
 from titan_dmuon.integration.config import ConfigError, load_config  # noqa: E402
-from titan_dmuon.integration.parallelize import DedicationSettings, DMuonParallelize  # noqa: E402
+from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS, DedicationSettings, DMuonParallelize  # noqa: E402
 from titan_dmuon.integration.setup import prepare_for_build  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +107,8 @@ def test_with_dmuon_keeps_what_it_is_not_given():
     assert (opt.name, opt.lr, opt.weight_decay, opt.adamw_lr, opt.reshard_after_forward) == ("dmuon", 0.02, 0.1, 8e-4, None)
     again = with_dmuon(config, momentum=0.9, muon_params=(r"\.w1\.weight$",))
     assert (again.optimizer.lr, again.optimizer.momentum, again.optimizer.muon_params) == (0.02, 0.9, [r"\.w1\.weight$"])
+    default = with_dmuon(again, muon_params=None, reshard_after_forward=None).optimizer
+    assert default.muon_params == list(DEFAULT_MUON_PARAMS) and default.reshard_after_forward is None
 
 
 # (with_dmuon keywords, a change to the config first, the same job as TOML)

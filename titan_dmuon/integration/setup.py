@@ -91,7 +91,7 @@ def with_dmuon(
     checks. One left out keeps the config's value; on a plain TorchTitan config
     that is what TOML gives an unset key: ``lr`` and ``weight_decay`` from its
     AdamW, the others DMuon's defaults (``reshard_after_forward=None`` mirrors
-    ``parallelism.fsdp_reshard_after_forward``; ``muon_params`` selects the
+    ``parallelism.fsdp_reshard_after_forward``; ``muon_params=None`` selects the
     attention and MLP projections). Like TorchTitan's registry functions this
     builds on ``config``: use the result, not the argument. Raises ConfigError
     naming the first bad setting.
@@ -109,6 +109,10 @@ def with_dmuon(
     for key, value in options.items():
         if value is UNSET:
             continue
+        if key == "muon_params" and value is None:
+            from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
+
+            value = DEFAULT_MUON_PARAMS
         try:
             value = convert(value, hints[key], from_cli=False)
         except (TypeError, ValueError) as e:
