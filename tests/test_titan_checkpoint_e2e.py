@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.test_titan_e2e import ROOT, STEP, run_train
+from tests.test_titan_e2e import DMUON, ROOT, STEP, run_train
 from tests.test_titan_python_config import USER_MODULE
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
@@ -204,3 +204,11 @@ def test_readme_checkpoint_commands_run_as_written(tmp_path):
     third, losses = sh(commands[2])
     assert third.returncode == 0 and sorted(losses) == [9, 10, 11, 12], third.stdout[-3000:]
     assert "Loading the checkpoint from ./outputs/checkpoint/step-8" in third.stdout
+    # the HSDP config's run (test_titan_e2e has none of its own): rank 0 is a shard owner in the
+    # replicate stage, so it moves at least the design's average, the same every step. The first
+    # step after a resume counts as one step (root cause of a bug: the figures were divided by the
+    # steps since step 0, so a job resumed at step 8 logged about 1/9 of its traffic at step 9);
+    # it also carries what loading the checkpoint moved (one replicate-stage broadcast).
+    comm = [(float(e), float(d)) for e, _, d in DMUON.findall(third.stdout)]
+    assert len(comm) == 4 and len(set(comm[1:])) == 1 and comm[1][0] >= comm[1][1], comm
+    assert comm[1][0] <= comm[0][0] < 2 * comm[1][0], comm
