@@ -4,13 +4,17 @@
 #   ./run_train.sh                                              # debug model, DMuon Z3, this machine
 #   CONFIG_FILE=train_configs/debug_model_hsdp.toml NGPU=4 ./run_train.sh
 #   ./run_train.sh --training.steps 50 --optimizer.lr 0.01     # overrides: --section.key value
+#   CONFIG=llama3_debugmodel_dmuon ./run_train.sh              # a Python config (TorchTitan's own entry point)
+#   MODULE=my_configs CONFIG=my_job ./run_train.sh             # ... from your own config registry module
 #
 # Multi-node (run on every node; NODE_RANK 0 is the rendezvous host):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run_train.sh
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run_train.sh
 #
 # Environment:
-#   CONFIG_FILE   TOML job config (default train_configs/debug_model.toml)
+#   CONFIG_FILE   TOML job config (default train_configs/debug_model.toml), run by titan_dmuon.train
+#   MODULE/CONFIG TorchTitan's Python config instead: python -m torchtitan.train --module $MODULE
+#                 --config $CONFIG (MODULE defaults to titan_dmuon, whose configs mirror train_configs/)
 #   NGPU          processes per node (default: the number of GPUs, or 2 on a CPU machine)
 #   NNODES        number of nodes (default 1); NODE_RANK this node's index (default 0)
 #   MASTER_ADDR / MASTER_PORT   rendezvous host and port for multi-node (default 127.0.0.1:29500)
@@ -20,7 +24,18 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+if [ -n "${MODULE:-}${CONFIG:-}" ]; then
+  if [ -n "${CONFIG_FILE:-}" ]; then
+    echo "run_train.sh: set CONFIG_FILE (TOML) or MODULE/CONFIG (a Python config), not both" >&2; exit 2
+  fi
+  if [ -z "${CONFIG:-}" ]; then
+    echo "run_train.sh: MODULE=$MODULE needs CONFIG=<config function>" >&2; exit 2
+  fi
+  ENTRY=(-m torchtitan.train --module "${MODULE:-titan_dmuon}" --config "$CONFIG")
+else
+  CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+  ENTRY=(-m titan_dmuon.train --config_file "$CONFIG_FILE")
+fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -31,8 +46,9 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
 
-# debug configs read a locally made tokenizer and dataset (nothing is downloaded)
-if grep -q 'assets/debug' "$CONFIG_FILE"; then
+# debug configs read a locally made tokenizer and dataset (nothing is downloaded); the
+# Python ones make it themselves
+if [ -n "${CONFIG_FILE:-}" ] && grep -q 'assets/debug' "$CONFIG_FILE"; then
   "$PYTHON" -m titan_dmuon.integration.assets --out assets/debug >/dev/null
 fi
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
@@ -47,6 +63,6 @@ fi
 
 CMD=("$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${LAUNCH[@]}"
      --local-ranks-filter "$LOG_RANK" --role rank --tee 3
-     -m titan_dmuon.train --config_file "$CONFIG_FILE" "$@")
+     "${ENTRY[@]}" "$@")
 echo "+ ${CMD[*]}"
 exec "${CMD[@]}"

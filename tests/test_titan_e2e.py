@@ -87,11 +87,7 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
         assert runs[name][1][1] == pytest.approx(norm, rel=1e-4), name
 
 
-def test_hsdp_config_runs(tmp_path):
-    steps, comm = parse(run_train(tmp_path, "--training.steps", "3", config="debug_model_hsdp.toml", ngpu=4))
-    assert sorted(steps) == [1, 2, 3]
-    # rank 0 is a shard owner in the replicate stage: it moves at least the design's average
-    assert all(elements >= design for elements, _, design in comm)
+# The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_readme_checkpoint_commands_run_as_written.
 
 
 def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):

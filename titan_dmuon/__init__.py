@@ -9,6 +9,10 @@ The TorchTitan-free core:
   AdamW to everything else;
 * :func:`clip_grad_norm_` clips over FSDP2 shards and owner-held gradients;
 * :class:`CommLedger` counts every collective in the design's units.
+
+``titan_dmuon.with_dmuon(config, lr=...)`` turns a TorchTitan 0.3.0
+``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.setup``); it is
+imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 """
 
 from titan_dmuon.baselines import NaiveFSDPMuon
@@ -31,3 +35,11 @@ __all__ = [
     "wrap_ddp",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "with_dmuon":  # the TorchTitan plugin, loaded only when asked for
+        from titan_dmuon.integration.setup import with_dmuon
+
+        return with_dmuon
+    raise AttributeError(f"module 'titan_dmuon' has no attribute {name!r}")

@@ -226,7 +226,7 @@ class OptionError(ValueError):
 
     def __init__(self, key: str, value, expected: str) -> None:
         super().__init__(f"{key} = {value!r}: expected {expected}")
-        self.key = key
+        self.key, self.value, self.expected = key, value, expected
 
 
 def validate_options(options: dict) -> None:

@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = None
     try:
-        trainer = config.build()
+        try:
+            trainer = config.build()
+        except ConfigError:
+            sys.exit(2)  # DMuonTrainer logged it; nothing was started
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:

@@ -13,6 +13,7 @@ is idempotent: existing files are kept.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -58,15 +59,25 @@ def _corpus(documents: int, seed: int = 0) -> list[str]:
 
 
 def ensure_debug_assets(root: str = DEFAULT_DIR, documents: int = 4000) -> str:
-    """Create the tokenizer and dataset under ``root`` unless present; returns ``root``."""
+    """Create the tokenizer and dataset under ``root`` unless present; returns ``root``.
+
+    Every rank of a job may call this at once (TorchTitan runs the config
+    function on each): one makes the files under a lock, the others wait.
+    """
     text_dir, tok_dir = dataset_dir(root), tokenizer_dir(root)
     data_file = os.path.join(text_dir, "train.jsonl")
-    if not os.path.exists(data_file):
-        os.makedirs(text_dir, exist_ok=True)
-        _atomic_write(data_file, "".join(json.dumps({"text": doc}) + "\n" for doc in _corpus(documents)))
-    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-        os.makedirs(tok_dir, exist_ok=True)
-        _train_tokenizer(data_file, tok_dir)
+    tok_files = [os.path.join(tok_dir, name) for name in ("tokenizer.json", "tokenizer_config.json")]  # written in order
+    if os.path.exists(data_file) and os.path.exists(tok_files[-1]):
+        return root
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(data_file):
+            os.makedirs(text_dir, exist_ok=True)
+            _atomic_write(data_file, "".join(json.dumps({"text": doc}) + "\n" for doc in _corpus(documents)))
+        if not all(os.path.exists(f) for f in tok_files):
+            os.makedirs(tok_dir, exist_ok=True)
+            _train_tokenizer(data_file, tok_dir)
     return root
 
 

@@ -12,23 +12,30 @@ everywhere rather than a hang in DCP's collectives:
 * every model tensor this rank will load must exist with the same shape
   (a checkpoint of another model is named by its first differing keys);
 * a checkpoint written by another optimizer (e.g. AdamW) loads weights, step,
-  data position and LR schedule, with fresh optimizer state and a warning.
+  data position and LR schedule, with fresh optimizer state and a warning;
+* the data position can only be loaded at the data-parallel degree it was
+  saved with (TorchTitan keeps one dataloader state per dp rank and cannot
+  reshard it): after a change of layout the job stops with one line naming
+  ``--checkpoint.exclude_from_loading dataloader``, which loads everything
+  else and restarts the data order.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
+from torchtitan.components.checkpoint import DATALOADER, OPTIMIZER, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
 DMUON_GROUP_MARKER = ".use_muon"  # a param-group key only DMuon writes
+_DATALOADER_RANK_KEY = re.compile(rf"^{DATALOADER}\.dp_rank_(\d+)$")  # one per data-parallel rank
 
 
 class CheckpointError(RuntimeError):
@@ -59,10 +66,13 @@ def checked_state_dict(state_dict: dict, checkpoint_id: str) -> dict:
     if metadata is not None:
         problems += _incomplete_files(metadata, checkpoint_id)
         problems += _model_mismatches(state_dict, metadata)
+        problems += _data_parallel_change(state_dict, metadata)
     problems = _everywhere(problems)
     if problems:
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CheckpointError(f"checkpoint {checkpoint_id} cannot be loaded: {listed}")
+        message = f"checkpoint {checkpoint_id} cannot be loaded: {listed}"
+        logger.error(f"checkpoint error: {message}")
+        raise CheckpointError(message)
 
     if OPTIMIZER in state_dict:
         ours = _writes_dmuon_state(state_dict[OPTIMIZER])
@@ -108,6 +118,21 @@ def _model_mismatches(state_dict: dict, metadata) -> list[str]:
         elif tuple(entry.size) != tuple(value.shape):
             problems.append(f"{key!r} has shape {tuple(entry.size)} in it but {tuple(value.shape)} in this model")
     return problems
+
+
+def _data_parallel_change(state_dict: dict, metadata) -> list[str]:
+    """The dataloader state of another data-parallel degree cannot be loaded (TorchTitan fails with a
+    missing ``dataloader.dp_rank_N`` or an assertion, depending on the direction)."""
+    dataloader = state_dict.get(DATALOADER)
+    current = getattr(dataloader, "dp_world_size", None)
+    saved = {int(m.group(1)) for k in metadata.state_dict_metadata if (m := _DATALOADER_RANK_KEY.match(k))}
+    if current is None or not saved or len(saved) == current:
+        return []
+    return [
+        f"it was saved with data-parallel degree {len(saved)} and this job has {current}, and the data position "
+        "cannot be resharded; to resume on this layout add --checkpoint.exclude_from_loading dataloader (weights, "
+        "optimizer state, step and LR schedule load; the data order restarts from the beginning)"
+    ]
 
 
 def _everywhere(problems: list[str]) -> list[str]:

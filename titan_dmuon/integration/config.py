@@ -14,6 +14,11 @@ config_registry), then each key overrides the field of the same name in the
 override the file (command line > TOML > TorchTitan defaults). Every key,
 type and value is checked before any process group starts; errors name the
 file (or the command line), the key, the bad value and what is expected.
+
+This is a thin layer over ``setup.py``: it reads the file into TorchTitan's
+config, then sets DMuon up exactly as ``with_dmuon`` does (same checks, same
+finalisation); only the checks that need to know which keys the file set
+(e.g. ``betas`` with name = "dmuon") live here.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ import dataclasses
 import difflib
 import importlib
 import os
-import re
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from titan_dmuon.muon_math import NS_EPS
+from titan_dmuon.integration.setup import (
+    ConfigError,
+    Naming,
+    convert,
+    describe,
+    dmuon_trainer_config,
+    finalize,
+    validate_dmuon,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,8 +57,7 @@ MODEL_KEYS = {"name": str, "flavor": str, "hf_assets_path": str}
 AC_MODES = ("selective", "full", "none")
 
 
-class ConfigError(ValueError):
-    """A bad job config: says where, which key, what value, and what is expected."""
+__all__ = ["ConfigError", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,7 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
             f"valid sections: {', '.join(['job', 'model', *TRAINER_SECTIONS])}"
         )
 
-    config = _base_config(settings.get("model", {}))
-    _use_dmuon_components(config)
+    config = dmuon_trainer_config(_base_config(settings.get("model", {})))
     for key, setting in settings.get("job", {}).items():
         value = _check_plain(setting, "job", key, JOB_KEYS)
         if key == "dump_folder":
@@ -88,8 +97,9 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
         for key, setting in settings.get(section, {}).items():
             _apply(target, section, key, setting)
 
-    _validate(config, settings, world_size)
-    return _finalize(config)
+    _check_optimizer_keys(config.optimizer, settings.get("optimizer", {}))
+    validate_dmuon(config, world_size=world_size, names=_TomlNames(settings))
+    return finalize(config)
 
 
 # ---- reading -------------------------------------------------------------------------
@@ -189,81 +199,12 @@ def _check_plain(setting: _Setting, section: str, key: str, allowed: dict[str, t
 def _coerce(setting: _Setting, section: str, key: str, annotation):
     """``setting.value`` as ``annotation``, or a ConfigError saying what was expected."""
     try:
-        return _convert(setting.value, annotation, setting.from_cli)
+        return convert(setting.value, annotation, from_cli=setting.from_cli)
     except (TypeError, ValueError) as e:
         raise ConfigError(
-            f"{setting.source}: [{section}] {key} = {setting.value!r}: expected {_describe(annotation)}"
+            f"{setting.source}: [{section}] {key} = {setting.value!r}: expected {describe(annotation)}"
             + (f" ({e})" if str(e) else "")
         ) from None
-
-
-def _convert(value, annotation, from_cli: bool):
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
-            return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, option, from_cli)
-            except (TypeError, ValueError) as e:
-                errors.append(e)
-        raise ValueError("")
-    if origin is Literal:
-        if from_cli and not any(isinstance(a, str) for a in args):
-            value = _convert(value, type(args[0]), True)
-        if value not in args:
-            raise ValueError("")
-        return value
-    if origin in (list, tuple):
-        if from_cli and isinstance(value, str):
-            value = [v.strip() for v in value.split(",")] if value else []
-        if not isinstance(value, list):
-            raise TypeError("")
-        if origin is tuple:
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(_convert(v, args[0], from_cli) for v in value)
-            if len(value) != len(args):
-                raise ValueError(f"{len(args)} values")
-            return tuple(_convert(v, a, from_cli) for v, a in zip(value, args))
-        return [_convert(v, args[0], from_cli) for v in value] if args else value
-    if annotation is bool:
-        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if not isinstance(value, bool):
-            raise TypeError("")
-        return value
-    if annotation is int:
-        if from_cli and isinstance(value, str):
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError("")
-        return value
-    if annotation is float:
-        if from_cli and isinstance(value, str):
-            value = float(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError("")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise TypeError("")
-        return value
-    raise TypeError(f"this key cannot be set from a TOML file (type {annotation})")
-
-
-def _describe(annotation) -> str:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("unset" if a is type(None) else _describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is list:
-        return f"a list of {_describe(args[0])}" if args else "a list"
-    if origin is tuple:
-        return f"a list of {len(args)} {_describe(args[0])}s"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names.get(annotation, str(annotation))
 
 
 def _suggest(word: str, options) -> str:
@@ -271,26 +212,35 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# ---- cross-key checks -------------------------------------------------------------------
-def _validate(config, settings: dict[str, dict[str, _Setting]], world_size: int | None) -> None:
-    def where(section: str, *keys: str) -> str:
+# ---- checks that depend on which keys were set ----------------------------------------------
+class _TomlNames(Naming):
+    """Errors name the file (or the command line) a value came from, and the key as [section] key."""
+
+    def __init__(self, settings: dict[str, dict[str, _Setting]]) -> None:
+        self.settings = settings
+
+    def where(self, section: str, *keys: str) -> str:
         """Where the value came from: the key's source, else the section's, else the defaults."""
+        table = self.settings.get(section, {})
         for key in keys:
-            if key in settings.get(section, {}):
-                return settings[section][key].source
-        return next(iter(settings.get(section, {}).values()), _Setting(None, "defaults", False)).source
+            if key in table:
+                return table[key].source
+        return next(iter(table.values()), _Setting(None, "defaults", False)).source
 
-    _validate_optimizer(config, settings.get("optimizer", {}), where)
-    _validate_training(config.training, where)
-    _validate_parallelism(config.parallelism, world_size, where)
+    def key(self, section: str, key: str) -> str:
+        return f"{self.where(section, key)}: [{section}] {key}"
+
+    def section(self, section: str, *keys: str) -> str:
+        return f"{self.where(section, *keys)}: [{section}]"
+
+    def source(self, section: str, *keys: str) -> str:
+        return f"{self.where(section, *keys)}: "
 
 
-def _validate_optimizer(config, optimizer_settings: dict[str, _Setting], where) -> None:
+def _check_optimizer_keys(opt, optimizer_settings: dict[str, _Setting]) -> None:
+    """Keys the file set that the chosen optimizer would ignore."""
     from titan_dmuon.integration.optimizer import ADAMW_ONLY_KEYS, MUON_FAMILY_KEYS
-    from titan_dmuon.integration.parallelize import check_supported
-    from titan_dmuon.optimizer import OptionError, validate_options
 
-    opt = config.optimizer
     muon_family = opt.name in ("dmuon", "naive_muon")
     for key, setting in optimizer_settings.items():
         if muon_family and key in ADAMW_ONLY_KEYS:
@@ -300,107 +250,3 @@ def _validate_optimizer(config, optimizer_settings: dict[str, _Setting], where) 
             raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}")
         if opt.name == "naive_muon" and key == "reshard_after_forward":
             raise ConfigError(f"{setting.source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; naive_muon follows parallelism.fsdp_reshard_after_forward")
-    if not muon_family:
-        return
-    keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
-    try:
-        validate_options({**{k: getattr(opt, k) for k in keys}, "eps": NS_EPS})
-    except OptionError as e:
-        raise ConfigError(f"{where('optimizer', e.key)}: [optimizer] {e}") from None
-    for pattern in opt.muon_params:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"{where('optimizer', 'muon_params')}: [optimizer] muon_params: bad regex {pattern!r} ({e})") from None
-    if opt.name == "dmuon":
-        try:
-            check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
-        except NotImplementedError as e:
-            raise ConfigError(f"{where('optimizer', 'name')}: {e}") from None
-
-
-def _validate_training(training, where) -> None:
-    for key in ("steps", "local_batch_size", "seq_len"):
-        if getattr(training, key) <= 0:
-            raise ConfigError(f"{where('training', key)}: [training] {key} = {getattr(training, key)}: expected a positive integer")
-    if training.max_norm <= 0:
-        raise ConfigError(f"{where('training', 'max_norm')}: [training] max_norm = {training.max_norm}: expected a positive number")
-
-
-def _validate_parallelism(p, world_size: int | None, where) -> None:
-    degrees = {
-        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-        "tensor_parallel_degree": p.tensor_parallel_degree,
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
-        "context_parallel_degree": p.context_parallel_degree,
-    }
-    for key, degree in {**degrees, "expert_parallel_degree": p.expert_parallel_degree}.items():
-        if degree < 1:
-            raise ConfigError(f"{where('parallelism', key)}: [parallelism] {key} = {degree}: expected an integer >= 1")
-    shard = p.data_parallel_shard_degree
-    if shard != -1 and shard < 1:
-        raise ConfigError(f"{where('parallelism', 'data_parallel_shard_degree')}: [parallelism] data_parallel_shard_degree = {shard}: expected -1 (use the remaining ranks) or an integer >= 1")
-    if world_size is None:
-        return
-    others = 1
-    for degree in degrees.values():
-        others *= degree
-    product = " * ".join(f"{k}({v})" for k, v in degrees.items())
-    if shard == -1 and world_size % others:
-        raise ConfigError(f"{where('parallelism')}: [parallelism] {product} = {others} does not divide the world size {world_size}")
-    if shard != -1 and shard * others != world_size:
-        raise ConfigError(
-            f"{where('parallelism', 'data_parallel_shard_degree', 'data_parallel_replicate_degree')}: [parallelism] "
-            f"data_parallel_shard_degree({shard}) * {product} = {shard * others}, but the world size is {world_size}; "
-            "the degrees must multiply to the number of processes (data_parallel_shard_degree = -1 infers it)"
-        )
-
-
-# ---- into TorchTitan's objects --------------------------------------------------------
-def _finalize(config):
-    """Swap in DMuon-aware components and the CPU accommodations where needed."""
-    from titan_dmuon.integration import cpu
-    from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
-    from titan_dmuon.integration.trainer import DMuonTrainer
-
-    spec = config.model_spec
-    if not cpu.accelerator_present():
-        cpu.use_sdpa_attention(spec.model)
-    if config.optimizer.name == "dmuon":
-        settings = DedicationSettings(
-            muon_params=tuple(config.optimizer.muon_params), reshard_after_forward=config.optimizer.reshard_after_forward
-        )
-        parallelize = _bind(parallelize_with_dmuon, settings=settings, base_fn=spec.parallelize_fn)
-    else:
-        parallelize = _bind(parallelize_without_dmuon, base_fn=spec.parallelize_fn)
-    config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize)
-    return DMuonTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
-
-
-def _bind(fn, **bound):
-    def parallelize_fn(model, **kwargs):
-        return fn(model, **kwargs, **bound)
-
-    parallelize_fn.__name__ = fn.__name__
-    return parallelize_fn
-
-
-def _as(cls, instance):
-    return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.init})
-
-
-def _use_dmuon_components(config) -> None:
-    """TorchTitan's optimizer, metrics and checkpoint configs as DMuon-aware subclasses, same settings."""
-    from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
-    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
-    from titan_dmuon.integration.trainer import DMuonMetricsProcessor
-
-    base = config.optimizer
-    kwargs = base.param_groups[0].optimizer_kwargs if base.param_groups else {}
-    config.optimizer = DMuonOptimizersContainer.Config(
-        name=base.param_groups[0].optimizer_name if base.param_groups else "AdamW",
-        implementation=base.implementation,
-        **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")},
-    )
-    config.metrics = _as(DMuonMetricsProcessor.Config, config.metrics)
-    config.checkpoint = _as(DMuonCheckpointManager.Config, config.checkpoint)

@@ -7,7 +7,9 @@ are handled:
 
 1. device type: TorchTitan picks "cuda" when it sees no accelerator and copies
    that choice into several modules at import time; ``enable`` sets "cpu" (so
-   the backend becomes gloo) before those modules are imported.
+   the backend becomes gloo) there and in every copy already made. Every
+   DMuon door calls it: titan_dmuon.train, titan_dmuon.config_registry (on
+   import), with_dmuon, and DMuonTrainer before it builds anything.
 2. the CUDA memory monitor and the CUDA barrier in ``set_pg_timeouts``: CPU
    equivalents (peak RSS of the process; a plain barrier).
 3. FlexAttention has no CPU backward: ``use_sdpa_attention`` switches each
@@ -25,34 +27,37 @@ from collections import namedtuple
 
 import torch
 
-_MODULES_COPYING_DEVICE_TYPE = (
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils",
-    "torchtitan.models.common.token_dispatcher",
-    "torchtitan.trainer",
-)
-
 
 def accelerator_present() -> bool:
     return torch.accelerator.is_available()
 
 
 def enable() -> None:
-    """Point TorchTitan at the CPU and gloo. Call before importing torchtitan's trainer."""
+    """Point TorchTitan at the CPU and gloo; a no-op with an accelerator, and idempotent.
+
+    TorchTitan's choice lives in ``torchtitan.tools.utils`` and several of its
+    modules copy it at import time (``from torchtitan.tools.utils import
+    device_type``). TorchTitan's own entry point imports its trainer before it
+    imports a config registry, so this cannot run first there: it sets the
+    choice and rewrites the copies in every torchtitan module already imported
+    (modules imported later copy "cpu" themselves).
+    """
     if accelerator_present():
         return
     import torchtitan.tools.utils as titan_utils
 
     if titan_utils.device_type == "cpu":
         return  # already enabled
-    already = [m for m in _MODULES_COPYING_DEVICE_TYPE if m in sys.modules]
-    if already:
-        raise RuntimeError(
-            f"titan_dmuon CPU mode must be enabled before importing {already}: they copy the device type "
-            "at import time. Import titan_dmuon.integration.cpu and call enable() first."
-        )
+    stale_type, stale_module = titan_utils.device_type, titan_utils.device_module
     titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torchtitan" or name.startswith("torchtitan.")):
+            continue
+        namespace = vars(module)
+        if namespace.get("device_type") is stale_type:
+            namespace["device_type"] = "cpu"
+        if namespace.get("device_module") is stale_module:
+            namespace["device_module"] = torch.cpu
 
     import torchtitan.components.metrics as titan_metrics
     import torchtitan.distributed.utils as titan_dist_utils

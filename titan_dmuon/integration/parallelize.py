@@ -23,8 +23,10 @@ than experts, or DDP) each expert weight is dedicated to one owner.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -47,6 +49,43 @@ DEFAULT_MUON_PARAMS = (
 class DedicationSettings:
     muon_params: tuple[str, ...] = DEFAULT_MUON_PARAMS
     reshard_after_forward: bool | None = None  # None: mirror FSDP's setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class DMuonParallelize:
+    """The model spec's ``parallelize_fn`` once DMuon is set up (``setup.finalize``).
+
+    What it does depends on the optimizer config (``name``, ``muon_params``,
+    ``reshard_after_forward``), and TorchTitan applies command-line overrides by
+    building a NEW config after the config function returned; TorchTitan then
+    calls this with the parallelism settings only. So nothing is read at setup
+    time: DMuonTrainer binds the optimizer config it is about to build
+    (``bind``) just before TorchTitan calls this.
+    """
+
+    base_fn: Callable
+    """The model's own parallelize_fn (DMuon runs it, stepping in at its first fully_shard)."""
+    dedication: DedicationSettings | None = None
+    bound: bool = False
+
+    def bind(self, optimizer_config) -> DMuonParallelize:
+        dedication = None
+        if optimizer_config.name == "dmuon":
+            dedication = DedicationSettings(
+                muon_params=tuple(optimizer_config.muon_params),
+                reshard_after_forward=optimizer_config.reshard_after_forward,
+            )
+        return dataclasses.replace(self, dedication=dedication, bound=True)
+
+    def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
+        if not self.bound:
+            raise RuntimeError(
+                "this parallelize_fn reads the optimizer config, which DMuonTrainer binds when it is built: "
+                "build the config with config.build() (a DMuonTrainer.Config)"
+            )
+        if self.dedication is None:
+            return parallelize_without_dmuon(model, base_fn=self.base_fn, **kwargs)
+        return parallelize_with_dmuon(model, base_fn=self.base_fn, settings=self.dedication, **kwargs)
 
 
 def parallelize_with_dmuon(

@@ -1,5 +1,9 @@
 """TorchTitan's Trainer and MetricsProcessor with DMuon's additions.
 
+* Setup at build time. TorchTitan's entry point applies command-line
+  overrides after the config function ran, so the config DMuonTrainer is
+  given is checked again (setup.prepare_for_build, before any process group)
+  and the parallelize step is bound to ITS optimizer settings.
 * Gradient clipping. ``Trainer.train_step`` clips with torch's clip over all
   parameters, which cannot mix FSDP2's DTensor shards with owner-held plain
   gradients (and would count dedicated gradients wrongly). While a DMuon step
@@ -59,11 +63,19 @@ class DMuonTrainer(Trainer):
         pass
 
     def __init__(self, config: Config) -> None:
+        from titan_dmuon.integration.setup import ConfigError, prepare_for_build
+
+        try:
+            config = prepare_for_build(config)
+        except ConfigError as e:
+            logger.error(f"config error: {e}")
+            raise
         super().__init__(config)
         # DMuon moves its volume once per forward/backward, i.e. per micro-batch
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
 
     def train_step(self, data_iterator):
+        self.metrics_processor.begin_step()
         with contextlib.ExitStack() as stack:
             if self.optimizers.dmuon_optimizers():  # cheap: no per-parameter scan on the hot path
                 stack.enter_context(_replaced(titan_dist_utils, "clip_grad_norm_", _clip_for_titan))
@@ -94,8 +106,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
         super().__init__(config, **kwargs)
         self.ledger = CommLedger() if config.count_all_comm else None
         self.microbatches_per_step = 1
-        self._last_logged_step = 0
-        self._time_of_last_figures = time.perf_counter()
+        self._steps_since_figures = 0
+        self._time_of_last_figures: float | None = None
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         figures = self.step_figures(step)
@@ -117,15 +129,24 @@ class DMuonMetricsProcessor(MetricsProcessor):
             )
         logger.info("titan_dmuon: " + "  ".join(parts))
 
+    def begin_step(self) -> None:
+        """DMuonTrainer calls this as each step starts. Figures are per step of THIS process: a
+        resumed job's first log comes at step N+1 after one step, not N+1 steps (that step also
+        carries what loading the checkpoint moved)."""
+        if self._time_of_last_figures is None:
+            self._time_of_last_figures = time.perf_counter()
+        self._steps_since_figures += 1
+
     def step_figures(self, step: int) -> dict[str, float]:
         """This rank's figures, per step, since the last log."""
-        steps = max(1, step - self._last_logged_step)
+        steps = max(1, self._steps_since_figures)
         now = time.perf_counter()
+        started = self._time_of_last_figures if self._time_of_last_figures is not None else now
         figures = {
-            "time/step(s)": (now - self._time_of_last_figures) / steps,
+            "time/step(s)": (now - started) / steps,
             "time/optimizer_step(s)": getattr(self.optimizers, "last_step_seconds", 0.0),
         }
-        self._last_logged_step, self._time_of_last_figures = step, now
+        self._steps_since_figures, self._time_of_last_figures = 0, now
         if self.ledger is not None:
             figures["comm/elements_per_rank"] = float(self.ledger.elements()) / steps
             figures["comm/MB_per_rank"] = float(self.ledger.bytes()) / steps / 1e6
