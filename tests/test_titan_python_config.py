@@ -120,7 +120,7 @@ SAME_ERRORS = [
     (dict(adjust_lr_fn="rms"), None, "[optimizer]\nname = \"dmuon\"\nadjust_lr_fn = \"rms\"\n"),
     (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
     ({}, ("parallelism", "tensor_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ntensor_parallel_degree = 2\n"),
-    ({}, ("compile", "enable", True), "[optimizer]\nname = \"dmuon\"\n[compile]\nenable = true\n"),
+    ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),
     ({}, ("training", "steps", 0), "[optimizer]\nname = \"dmuon\"\n[training]\nsteps = 0\n"),
 ]
 
@@ -184,7 +184,7 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.tensor_parallel_degree", "2"], None, "parallelism.tensor_parallel_degree = 2: optimizer.name = 'dmuon' supports data parallelism only"),
+        (["--parallelism.tensor_parallel_degree", "2"], None, "parallelism.tensor_parallel_degree = 2: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and expert parallelism only"),
         (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
     ],
 )
@@ -245,3 +245,22 @@ def test_data_parallel_degree_change_is_named(saved, now):
     assert "--checkpoint.exclude_from_loading dataloader" in problem and "data order restarts" in problem
     assert _data_parallel_change({"dataloader": _Loader(saved)}, metadata) == []
     assert _data_parallel_change({}, metadata) == []  # the dataloader excluded from loading
+
+
+def test_cuda_graph_capture_is_turned_off_for_dmuon(monkeypatch):
+    """TorchTitan captures forward+backward in a CUDA graph by default and then replays it without
+    running Python: DMuon's hooks would not run. with_dmuon turns it off, and so does the trainer
+    when a command-line override turns it back on; AdamW keeps TorchTitan's setting."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from titan_dmuon.integration.setup import prepare_for_build
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert llama3_debugmodel().training.disable_cuda_graphs is False  # TorchTitan's default
+    config = with_dmuon(llama3_debugmodel(), lr=0.02)
+    assert config.training.disable_cuda_graphs is True
+    config.training.disable_cuda_graphs = False  # as --training.no-disable_cuda_graphs would
+    assert prepare_for_build(config).training.disable_cuda_graphs is True
+    config.optimizer.name = "AdamW"
+    config.training.disable_cuda_graphs = False
+    assert prepare_for_build(config).training.disable_cuda_graphs is False

@@ -63,7 +63,8 @@ def llama3_8b_dmuon():
     config.dump_folder = "./outputs"
     config.hf_assets_path = "./assets/hf/Llama-3.1-8B"
     _set(config.lr_scheduler, warmup_steps=200, decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1)
-    _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=1000)
+    # DMuon's hooks run every step; TorchTitan's default CUDA-graph capture would skip them
+    _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=1000, disable_cuda_graphs=True)
     _set(config.dataloader, dataset="c4", dataset_path="./data/c4")
     _set(config.parallelism, data_parallel_replicate_degree=4, data_parallel_shard_degree=8,
          fsdp_reshard_after_forward="default")
@@ -79,7 +80,7 @@ def llama3_70b_dmuon():
     config.dump_folder = "./outputs"
     config.hf_assets_path = "./assets/hf/Llama-3.1-70B"
     _set(config.lr_scheduler, warmup_steps=2000, decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1)
-    _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=10000)
+    _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=10000, disable_cuda_graphs=True)
     _set(config.dataloader, dataset="c4", dataset_path="./data/c4")
     _set(config.parallelism, data_parallel_replicate_degree=8, data_parallel_shard_degree=8,
          tensor_parallel_degree=1, fsdp_reshard_after_forward="default")

@@ -54,7 +54,11 @@ def _patch(module) -> None:
         ledger = getattr(self, "ledger", None)
         line = None
         if ledger is not None:
-            steps = max(1, step - self._last_logged_step)
+            # steps since the last log, as the trainer counts them for its own figures
+            if hasattr(self, "_steps_since_figures"):
+                steps = max(1, self._steps_since_figures)
+            else:
+                steps = max(1, step - getattr(self, "_last_logged_step", step - 1))
             other = ledger.select(source="other")
             kinds: dict[str, int] = {}
             for record in other:

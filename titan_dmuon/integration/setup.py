@@ -275,8 +275,24 @@ def _validate_parallelism(p, world_size: int | None, names: Naming) -> None:
 def finalize(config):
     """The model spec for DMuon, then a fresh config object, so that TorchTitan's own
     checks (``Trainer.Config.__post_init__``) see the final values."""
+    _without_cuda_graphs(config)
     _finalize_model_spec(config)
     return type(config)(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def _without_cuda_graphs(config) -> None:
+    """TorchTitan captures forward+backward in a CUDA graph by default on NVIDIA and then only
+    replays it: DMuon's hooks would not run and its buffers would be replayed into. Off, loudly."""
+    if config.optimizer.name != "dmuon" or config.training.disable_cuda_graphs:
+        return
+    from torchtitan.tools.logging import logger
+
+    logger.warning(
+        "training.disable_cuda_graphs = false: DMuon's hooks (weight broadcasts, gradient reduces, HSDP replica "
+        "sync) must run every step, and a captured CUDA graph replays the step without them; turning CUDA "
+        "graphs off. Set training.disable_cuda_graphs = true to silence this."
+    )
+    config.training.disable_cuda_graphs = True
 
 
 def _finalize_model_spec(config) -> None:
@@ -297,6 +313,7 @@ def prepare_for_build(config):
     cpu.enable()
     world_size = os.environ.get("WORLD_SIZE")
     validate_dmuon(config, world_size=int(world_size) if world_size else None)
+    _without_cuda_graphs(config)
     _finalize_model_spec(config)
     spec = config.model_spec
     config.model_spec = dataclasses.replace(spec, parallelize_fn=spec.parallelize_fn.bind(config.optimizer))

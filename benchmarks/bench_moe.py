@@ -1,0 +1,227 @@
+"""Side by side on this machine: TorchTitan's qwen3 MoE debug model with DMuon vs FSDP2+AdamW vs naive FSDP2+Muon.
+
+    python benchmarks/bench_moe.py [--steps 4] [--seq 64] [--batch 2] [--ngpu 2] [--out bench_out]
+
+TorchTitan's own ``qwen3_moe_debug`` (8 MoE layers, 64 experts of [768, 256],
+top-8; 316M parameters) trains through run_train.sh with each optimizer, one
+configuration after the other, FSDP2 on 2 ranks with TorchTitan's default
+reshard policy (blocks reshard after forward: DMuon runs Z3). DMuon keeps the
+3-D expert weights on FSDP2's dim-0 shards (whole experts per rank) and runs
+per-expert Muon on them locally; attention projections and routers are
+dedicated. naive FSDP2+Muon all-gathers every full gradient in the step
+(experts included: one matrix per expert).
+
+The full debug model costs 16-30 s per step on 2 CPU cores, so the defaults
+are few steps at a short sequence: step time and optimizer share are medians
+of steps 2+ (step 1 pays for warm-up); communication and launches per rank per
+step come from the CommLedger (``count_all_comm``; launches through the
+benchmark-only hook of benchmarks/_launch_hook, see bench_debug_model.py);
+loss is the last step's. Prints a table (and its markdown) and writes
+bench_out/moe.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_debug_model import LINE, ROOT, hook_env  # noqa: E402
+
+CONFIGS = {  # name -> [optimizer] table
+    "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
+    "naive FSDP2+Muon": 'name = "naive_muon"\nlr = 0.02\nadamw_lr = 8e-4',
+    "DMuon": 'name = "dmuon"\nlr = 0.02\nadamw_lr = 8e-4',
+}
+
+TEMPLATE = """
+[job]
+description = "MoE benchmark"
+[model]
+name = "qwen3"
+flavor = "moe_debug"
+hf_assets_path = "./assets/debug/tokenizer"
+[optimizer]
+{optimizer}
+[lr_scheduler]
+warmup_steps = 1
+[training]
+local_batch_size = {batch}
+seq_len = {seq}
+steps = {steps}
+max_norm = 1.0
+[dataloader]
+dataset_path = "./assets/debug/text"
+[parallelism]
+fsdp_reshard_after_forward = "default"
+[activation_checkpoint]
+mode = "none"
+[metrics]
+log_freq = 1
+disable_color_printing = true
+count_all_comm = true
+[debug]
+seed = 0
+"""
+
+DMUON_LINE = re.compile(r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms")
+
+
+def run(name: str, args, workdir: str) -> tuple[list[dict], str]:
+    path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
+    with open(path, "w") as f:
+        f.write(TEMPLATE.format(optimizer=CONFIGS[name], steps=args.steps, seq=args.seq, batch=args.batch))
+    env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
+    out = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
+    )
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        sys.exit(f"{name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    rows = {}
+    for m in LINE.finditer(log):
+        rows[int(m[1])] = {
+            "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
+            "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
+            "launch_all": float(m[9]) if m[9] else None, "launch_dmuon": float(m[10]) if m[10] else None,
+            "launch_other": float(m[11]) if m[11] else None, "launch_groups": float(m[12]) if m[12] else None,
+        }
+    for m in DMUON_LINE.finditer(log):
+        if int(m[1]) in rows:
+            rows[int(m[1])].update(
+                dmuon_m=float(m[2]), dmuon_mb=float(m[3]), design_m=float(m[4]), ns_matrices=int(m[5]), ns_ms=float(m[6])
+            )
+    return [rows[k] for k in sorted(rows)], log
+
+
+def summarize(data: list[dict]) -> dict:
+    steady = [d for d in data if d["step"] >= 2] or data
+
+    def med(key):
+        values = [d[key] for d in steady if d.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    s = {k: med(k) for k in ("step_s", "opt_ms", "comm_m", "comm_mb", "launch_all", "launch_dmuon", "launch_other",
+                             "launch_groups", "dmuon_m", "dmuon_mb", "design_m", "ns_matrices", "ns_ms")}
+    s["opt_share"] = s["opt_ms"] / 1e3 / s["step_s"]
+    s["rss_gib"] = max(d["rss_gib"] for d in data)
+    s["losses"] = [d["loss"] for d in data]
+    s["loss"] = data[-1]["loss"]
+    s["launch_coalesced"] = None if s["launch_other"] is None else s["launch_other"] + s["launch_groups"]
+    s["steps_used"] = [d["step"] for d in steady]
+    return s
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def tables(summary: dict, title: str) -> tuple[str, str]:
+    base = summary["FSDP2+AdamW"]
+    text = [title, (
+        f"{'configuration':<18}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
+        f"{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'peak RSS GiB':>13}{'loss':>8}"
+    )]
+    md = [
+        "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
+        "| launches / rank / step: gloo (DMuon's) | coalesced (NCCL) | peak RSS | loss per step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        text.append(
+            f"{name:<18}{s['step_s']:>9.2f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
+            f"{s['comm_m']:>12.4f}{s['comm_mb']:>10.2f}{s['comm_mb'] / base['comm_mb']:>9.4f}"
+            f"{_f(s['launch_all'], '.0f'):>12}{_f(s['launch_dmuon'], '.0f'):>8}{_f(s['launch_coalesced'], '.0f'):>10}"
+            f"{s['rss_gib']:>13.2f}{s['loss']:>8.3f}"
+        )
+        label = f"**{name}**" if name == "DMuon" else name
+        md.append(
+            f"| {label} | {s['step_s']:.2f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
+            f"| {s['comm_mb']:.2f} MB ({s['comm_m']:.4f}M elements) | {s['comm_mb'] / base['comm_mb']:.4f} "
+            f"| {_f(s['launch_all'], '.0f')} ({_f(s['launch_dmuon'], '.0f')}) | {_f(s['launch_coalesced'], '.0f')} "
+            f"| {s['rss_gib']:.2f} GiB | {', '.join(f'{x:.3f}' for x in s['losses'])} |"
+        )
+    d = summary.get("DMuon", {})
+    if d.get("dmuon_m") is not None:
+        extra = (
+            f"DMuon's own collectives: {d['dmuon_m']:.4f}M elements/rank/step ({d['dmuon_mb']:.2f} MB; design "
+            f"{d['design_m']:.4f}M), NS {d['ns_matrices']} matrices on rank 0 in {d['ns_ms']:.0f} ms; "
+            f"all collectives {d['comm_m']:.4f}M elements/rank/step vs FSDP2+AdamW's {base['comm_m']:.4f}M "
+            f"(difference {d['comm_m'] - base['comm_m']:+.4f}M)"
+        )
+        text.append(extra)
+        md.append("")
+        md.append(extra)
+    return "\n".join(text), "\n".join(md)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--ngpu", type=int, default=2)
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run only these configurations")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    names = args.only or list(CONFIGS)
+    if "FSDP2+AdamW" not in names:
+        names = ["FSDP2+AdamW"] + names
+    summary = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in names:
+            print(f"{name} ...", flush=True)
+            data, log = run(name, args, workdir)
+            with open(os.path.join(args.out, "moe_" + re.sub(r"\W+", "_", name) + ".log"), "w") as f:
+                f.write(log)
+            summary[name] = summarize(data)
+    title = (
+        f"qwen3 moe_debug, {args.ngpu} ranks, local batch {args.batch} x seq {args.seq}, {args.steps} steps per "
+        f"configuration (times: medians of steps 2-{args.steps})"
+    )
+    text, md = tables(summary, title)
+    print(text)
+    print()
+    print(md)
+    with open(os.path.join(args.out, "moe.txt"), "w") as f:
+        f.write(text + "\n\n" + md + "\n")
+    plot(summary, os.path.join(args.out, "moe.png"), title)
+
+
+def plot(summary: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
+    panels = [
+        ("step time (s)", [summary[n]["step_s"] for n in names]),
+        ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
+        ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
+        (f"loss at step {len(summary[names[0]]['losses'])}", [summary[n]["loss"] for n in names]),
+    ]
+    colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
+    for ax, (panel, values) in zip(axes, panels):
+        ax.barh(names, values, color=colors)
+        ax.set_title(panel)
+        ax.invert_yaxis()
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

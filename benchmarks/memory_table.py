@@ -1,0 +1,230 @@
+"""Memory per rank, measured: DMuon (Z2, Z3, HSDP) next to FSDP2 + AdamW with the same reshard setting.
+
+    python benchmarks/memory_table.py [--dim 256] [--layers 4] [--steps 3] [--no-hsdp]
+
+The toy transformer (titan_dmuon/toy_model.py) with TorchTitan's mixed
+precision (bf16 compute, fp32 master weights and gradient reduction) trains
+on gloo ranks: 2 ranks for FSDP (Z2, Z3), 4 ranks as 2 x 2 for HSDP. Every
+configuration runs in the same worker processes, one after the other.
+
+Per rank, from the CPU allocator's events (the profiler's memory events, the
+method of tests/helpers.py: ``allocation_peak``), over the whole life of the
+model (built, sharded/dedicated, trained):
+
+* persistent: bytes alive after the last optimizer step, before the next
+  ``zero_grad`` (TorchTitan zeroes the gradients at the start of a step, so
+  the gradients are alive between steps). Broken down by storage (each
+  storage counted once): parameters (FSDP2's local shards, DMuon owners' full
+  fp32 weights), gradients, optimizer state (momentum; AdamW's exp_avg,
+  exp_avg_sq, step), DMuon's packed buffers (Z2/Z3: the first layer's buffer,
+  whose broadcast for the next forward is issued at the end of the step), and
+  the rest the allocator still holds (data batches, runtime bookkeeping);
+* forward+backward peak: the high-water mark of one steady-state
+  forward+backward (gradients set to None before, as TorchTitan does) above
+  what was alive when it started;
+* optimizer-step peak: the same for ``opt.step()`` (DMuon: Newton–Schulz on
+  the owner, the AdamW part, the first unit's broadcast; FSDP2 + AdamW:
+  torch.optim.AdamW's foreach temporaries).
+
+Every figure is the maximum over ranks (owners differ per rank: the rank that
+holds the larger share of the dedicated weights), with the mean over ranks
+in the "mean" columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
+from tests.pool import WorkerPool  # noqa: E402
+from titan_dmuon.toy_model import loss_fn, muon_targets  # noqa: E402
+
+# (label, world, how to build, FSDP2 baseline it is compared with)
+ROWS = [
+    ("FSDP2 + AdamW, Z2 (reshard_after_forward=False)", 2, ("fsdp_adamw", "z2"), None),
+    ("DMuon-Z2", 2, ("dmuon", "z2"), "FSDP2 + AdamW, Z2 (reshard_after_forward=False)"),
+    ("FSDP2 + AdamW, Z3 (reshard_after_forward=True)", 2, ("fsdp_adamw", "z3"), None),
+    ("DMuon-Z3", 2, ("dmuon", "z3"), "FSDP2 + AdamW, Z3 (reshard_after_forward=True)"),
+    ("FSDP2 + AdamW, HSDP 2 x 2 (reshard_after_forward=True)", 4, ("fsdp_adamw", "hsdp"), None),
+    ("DMuon-Z3 on HSDP 2 x 2", 4, ("dmuon", "hsdp"), "FSDP2 + AdamW, HSDP 2 x 2 (reshard_after_forward=True)"),
+]
+PHASES = ("persistent", "fwd_bwd", "step")
+
+
+def _storages(tensors, seen: set) -> int:
+    """Bytes of the storages behind ``tensors`` not counted yet (a DTensor counts its local shard)."""
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _breakdown(setup) -> dict[str, int]:
+    seen: set = set()
+    params = list(setup.model.parameters())
+    out = {
+        "params": _storages(params, seen),
+        "grads": _storages([p.grad for p in params], seen),
+        "opt_state": _storages([v for state in _opt_states(setup.opt) for v in state.values()], seen),
+        "dmuon_buffers": setup.handle.buffer_bytes if setup.handle is not None else 0,
+    }
+    return out
+
+
+def _opt_states(opt):
+    for o in getattr(opt, "opts", [opt]):
+        yield from o.state.values()
+
+
+def _timeline(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """CPU memory events (time, bytes) and the ``bench::*`` ranges (start, end), from one profile."""
+    memory, ranges = [], {}
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
+            memory.append((e.start_ns(), e.nbytes()))
+        elif e.name().startswith("bench::"):
+            ranges[e.name()[len("bench::"):]] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    memory.sort()
+    return memory, ranges
+
+
+def _live_and_peak(memory, start: int, end: int) -> tuple[int, int, int]:
+    """Bytes alive at ``start`` and at ``end`` (counted from the profile's start), and the peak in between."""
+    now, at_start, peak = 0, None, None
+    for t, nbytes in memory:
+        if t >= start and at_start is None:
+            at_start = peak = now
+        if t > end:
+            break
+        now += nbytes
+        if at_start is not None:
+            peak = max(peak, now)
+    if at_start is None:
+        at_start = peak = now
+    return at_start, now, peak
+
+
+def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: int, seq: int) -> dict:
+    kind, mode = build
+    gc.collect()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    data = batches(steps, global_batch=2 * world, seq=seq, vocab=dims["vocab_size"])
+    holder = {}
+
+    def one_step(setup, batch, last: bool) -> None:
+        x, y = local_slice(batch, rank, world)
+        setup.opt.zero_grad()  # set_to_none, at the start of the step as TorchTitan does
+        with record_function("bench::fwd_bwd" if last else "bench::warmup"):
+            loss_fn(setup.module(x), y).backward()
+        with record_function("bench::step" if last else "bench::warmup_step"):
+            setup.opt.step()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = toy_model(**dims)
+        if kind == "dmuon":
+            setup = distribute(model, mode, world, mp_policy=policy)
+        else:
+            setup = baseline(model, kind, world, mesh=make_mesh("hsdp" if mode == "hsdp" else "z3", world), reshard=mode != "z2", mp_policy=policy)
+        del model
+        holder["setup"] = setup
+        for i, batch in enumerate(data):
+            one_step(setup, batch, last=i == len(data) - 1)
+        with record_function("bench::end"):
+            pass
+        breakdown = _breakdown(setup)
+    memory, ranges = _timeline(prof)
+    _, persistent, _ = _live_and_peak(memory, 0, ranges["end"][0])
+    fb_start, _, fb_peak = _live_and_peak(memory, *ranges["fwd_bwd"])
+    st_start, _, st_peak = _live_and_peak(memory, *ranges["step"])
+    p_m = sum(p.numel() for p in muon_targets(toy_model(**dims)))
+    result = {
+        "persistent": persistent, "fwd_bwd": fb_peak - fb_start, "step": st_peak - st_start, **breakdown,
+        "p_m": p_m,
+    }
+    result["other"] = persistent - sum(breakdown.values())
+    del holder, setup
+    gc.collect()
+    return result
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="steps per configuration; the last one is measured")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--no-hsdp", action="store_true", help="skip the 4-rank HSDP rows")
+    args = parser.parse_args()
+    dims = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, hidden_dim=3 * args.dim, vocab_size=1024)
+    rows = [r for r in ROWS if not (args.no_hsdp and r[1] == 4)]
+    results: dict[str, list[dict]] = {}
+    for world in sorted({r[1] for r in rows}):
+        pool = WorkerPool(world)
+        try:
+            for label, w, build, _ in rows:
+                if w == world:
+                    print(f"measuring {label} on {world} ranks ...", flush=True)
+                    results[label] = pool.run(_measure, build, dims, args.steps, args.seq, timeout=900)
+        finally:
+            pool.close()
+
+    p_m = next(iter(results.values()))[0]["p_m"]
+    title = (
+        f"toy transformer dim {args.dim}, {args.layers} layers, hidden {3 * args.dim}, vocab 1024 "
+        f"(P_M = {p_m / 1e6:.3f}M Muon-target elements = {4 * p_m / 1e6:.2f} MB in fp32), bf16 compute / fp32 reduce, "
+        f"local batch 2 x seq {args.seq}; MB = 1e6 bytes per rank, max over ranks (mean in brackets)"
+    )
+    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step"]
+    header = (
+        "| configuration | ranks | params | grads | optimizer state | DMuon buffers | other | **persistent** "
+        "| vs FSDP2 | fwd+bwd peak | vs FSDP2 | optimizer-step peak | vs FSDP2 |"
+    )
+    lines = [title, "", header, "|---" * 13 + "|"]
+    for label, world, _, base_label in rows:
+        per_rank = results[label]
+        cell = {k: (max(r[k] for r in per_rank), sum(r[k] for r in per_rank) / len(per_rank)) for k in keys}
+        base = None
+        if base_label is not None:
+            b = results[base_label]
+            base = {k: max(r[k] for r in b) for k in PHASES}
+
+        def ratio(k):
+            return f"{cell[k][0] / base[k]:.2f}" if base else "1.00"
+
+        def fmt(k):
+            hi, mean = cell[k]
+            return _mb(hi) if hi == mean else f"{_mb(hi)} ({_mb(mean)})"
+
+        name = f"**{label}**" if label.startswith("DMuon") else label
+        lines.append(
+            f"| {name} | {world} | {fmt('params')} | {fmt('grads')} | {fmt('opt_state')} | {fmt('dmuon_buffers')} "
+            f"| {fmt('other')} | **{fmt('persistent')}** | {ratio('persistent')} | {fmt('fwd_bwd')} | {ratio('fwd_bwd')} "
+            f"| {fmt('step')} | {ratio('step')} |"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
