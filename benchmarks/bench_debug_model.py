@@ -23,6 +23,7 @@ Needs matplotlib for the plot (pip install -e '.[bench]').
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -122,7 +123,9 @@ def main() -> None:
         for r in range(args.rounds):
             for name in CONFIGS:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                rows[name] += [row for row in run(name, args.steps, args.ngpu, workdir) if row["step"] > 2]
+                rows[name] += [{**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir) if row["step"] > 2]
+    with open(os.path.join(args.out, "debug_model_raw.json"), "w") as f:
+        json.dump(rows, f, indent=1)
 
     summary = {name: summarize(data, args.steps) for name, data in rows.items()}
     table = text_table(summary, f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)")
@@ -148,6 +151,8 @@ def summarize(data: list[dict], steps: int) -> dict:
         "rss_gib": max(d["rss_gib"] for d in data), "buffers_mb": max(d["buffers_mb"] for d in data),
         "loss": statistics.median(d["loss"] for d in data if d["step"] == steps),
     }
+    per_round = [statistics.median(d["step_s"] for d in data if d["round"] == r) for r in sorted({d["round"] for d in data})]
+    out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
     for key in ("launch_all", "launch_dmuon", "launch_other", "launch_groups"):
         out[key] = _median(data, key)
     if out["launch_other"] is not None:
@@ -170,7 +175,7 @@ def text_table(summary: dict, title: str) -> str:
     header = (
         f"{'configuration':<22}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
         f"{'comm MB':>9}{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'vs AdamW':>9}"
-        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}"
+        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}   rounds' step-time medians"
     )
     lines = [title, header]
     for name, s in summary.items():
@@ -181,6 +186,7 @@ def text_table(summary: dict, title: str) -> str:
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
             f"{_fmt(s['launch_all'], '.0f'):>12}{_fmt(s['launch_dmuon'], '.0f'):>8}{_fmt(s['launch_coalesced'], '.0f'):>10}"
             f"{_fmt(ratio, '.2f'):>9}{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
+            f"   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
         )
     return "\n".join(lines)
 

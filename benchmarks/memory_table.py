@@ -37,10 +37,12 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
@@ -131,12 +133,17 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
 
     def one_step(setup, batch, last: bool) -> None:
         x, y = local_slice(batch, rank, world)
+        if last:
+            gc.collect()  # the measured step starts without cyclic garbage of earlier steps
         setup.opt.zero_grad()  # set_to_none, at the start of the step as TorchTitan does
         with record_function("bench::fwd_bwd" if last else "bench::warmup"):
             loss_fn(setup.module(x), y).backward()
         with record_function("bench::step" if last else "bench::warmup_step"):
             setup.opt.step()
 
+    # TorchTitan disables Python's automatic GC and collects every gc_freq steps; do the same so
+    # tensors in reference cycles are freed at fixed points, not whenever the collector happens to run
+    gc.disable()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = toy_model(**dims)
         if kind == "dmuon":
@@ -147,9 +154,15 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
         holder["setup"] = setup
         for i, batch in enumerate(data):
             one_step(setup, batch, last=i == len(data) - 1)
+        # let asynchronous frees land (gloo work objects release their tensors when they are
+        # collected) before reading what is alive
+        dist.barrier()
+        gc.collect()
+        time.sleep(0.2)
         with record_function("bench::end"):
             pass
         breakdown = _breakdown(setup)
+    gc.enable()
     memory, ranges = _timeline(prof)
     _, persistent, _ = _live_and_peak(memory, 0, ranges["end"][0])
     fb_start, _, fb_peak = _live_and_peak(memory, *ranges["fwd_bwd"])
@@ -165,6 +178,16 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
     return result
 
 
+def _on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        return _measure(rank, world, build, dims, steps, seq)
+    finally:
+        dist.destroy_process_group()
+
+
 def _mb(x: float) -> str:
     return f"{x / 1e6:.2f}"
 
@@ -176,19 +199,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per configuration; the last one is measured")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-hsdp", action="store_true", help="skip the 4-rank HSDP rows")
+    parser.add_argument(
+        "--gloo", action="store_true",
+        help="run on real gloo ranks instead (frees on gloo's threads are invisible to the profiler: noisy)",
+    )
+    parser.add_argument("--only", choices=["z2", "z3", "hsdp"], nargs="+", help="only these modes (with their baselines)")
     args = parser.parse_args()
     dims = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, hidden_dim=3 * args.dim, vocab_size=1024)
-    rows = [r for r in ROWS if not (args.no_hsdp and r[1] == 4)]
+    rows = [r for r in ROWS if not (args.no_hsdp and r[1] == 4) and (not args.only or r[2][1] in args.only)]
     results: dict[str, list[dict]] = {}
-    for world in sorted({r[1] for r in rows}):
-        pool = WorkerPool(world)
-        try:
-            for label, w, build, _ in rows:
-                if w == world:
-                    print(f"measuring {label} on {world} ranks ...", flush=True)
-                    results[label] = pool.run(_measure, build, dims, args.steps, args.seq, timeout=900)
-        finally:
-            pool.close()
+    if args.gloo:
+        for world in sorted({r[1] for r in rows}):
+            pool = WorkerPool(world)
+            try:
+                for label, w, build, _ in rows:
+                    if w == world:
+                        print(f"measuring {label} on {world} gloo ranks ...", flush=True)
+                        results[label] = pool.run(_measure, build, dims, args.steps, args.seq, timeout=900)
+            finally:
+                pool.close()
+    else:
+        for label, world, build, _ in rows:
+            print(f"measuring {label}: {world} ranks simulated one by one on the fake process group ...", flush=True)
+            results[label] = [_on_fake_pg(rank, world, build, dims, args.steps, args.seq) for rank in range(world)]
 
     p_m = next(iter(results.values()))[0]["p_m"]
     title = (

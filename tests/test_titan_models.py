@@ -69,3 +69,154 @@ def test_fused_and_unfused_llama3_train_alike(pool2):
     right = pool2.run(_fused_vs_unfused, True)[0]
     wrong = pool2.run(_fused_vs_unfused, False)[0]
     assert right < 5e-3 < wrong, (right, wrong)
+
+
+# ---- torch.compile through TorchTitan's own apply_compile ------------------------------------------------
+def _compiled_vs_eager(rank, world, mode):
+    from torch._dynamo.utils import counters
+
+    data = th.batches(4, world)
+    state = th.initial_state(th.tiny_llama3())
+    dims = th.parallel_dims(world, replicate=2 if mode == "hsdp" else 1)
+    reshard = mode != "z2"
+    losses = {}
+    for compiled in (False, True):
+        model, container = th.build(th.tiny_llama3(), dims, state=state, compile=compiled, lr=0.02, reshard_after_forward=reshard)
+        losses[compiled] = th.train(model, container, dims, data[:2])
+        graphs = counters["stats"]["unique_graphs"]
+        losses[compiled] += th.train(model, container, dims, data[2:])
+    return max(abs(a - b) for a, b in zip(losses[False], losses[True])), counters["stats"]["unique_graphs"] - graphs, graphs
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_torchtitan_compile_matches_eager(pool2, mode):
+    """compile.enable = true: TorchTitan compiles each block (inductor, fullgraph=True) inside its
+    parallelize_fn, before DMuon dedicates; nothing recompiles after the first two steps, and losses
+    agree with eager within 2e-3 (bf16 compute: inductor keeps fused intermediates in fp32 where eager
+    rounds each op to bf16; step 1 differs by 1e-4, later steps by up to 6e-4 observed). Stale or
+    missing dedicated weights would be off by > 1e-1."""
+    for diff, new_graphs, graphs in pool2.run(_compiled_vs_eager, mode, timeout=600):
+        assert graphs >= 1 and new_graphs == 0
+        assert diff < 2e-3
+
+
+# ---- MoE: TorchTitan's qwen3 MoE and deepseek_v3 -------------------------------------------------------------
+def _moe_job(rank, world, family, experts, ep=1, **kwargs):
+    from titan_dmuon import CommLedger
+
+    make = {"qwen3": th.tiny_qwen3_moe, "deepseek_v3": th.tiny_deepseek_v3}[family]
+    data = th.batches(4, world)
+    state = th.initial_state(make(experts=experts))
+    dims = th.parallel_dims(world, ep=ep)
+    model, container = th.build(make(experts=experts), dims, state=state, lr=0.02, **kwargs)
+    dmuon = container.dmuon_optimizers()[0]
+    (handle,) = dmuon.dedicated_handles()
+    losses = th.train(model, container, dims, data[:2])
+    with CommLedger() as ledger:
+        losses += th.train(model, container, dims, data[2:])
+    adamw_model, adamw = th.build(make(experts=experts), th.parallel_dims(world, ep=ep), state=state, optimizer="AdamW")
+    with CommLedger() as adamw_ledger:
+        adamw_losses = th.train(adamw_model, adamw, dims, data[:1])
+    muon_names = sorted({n for g in dmuon.param_groups for n in g["param_names"]})
+    return {
+        "losses": losses,
+        "adamw_first_loss": adamw_losses[0],
+        "local": sorted(e.fqn for e in handle.local_experts),
+        "dedicated": sorted(e.fqn for e in handle.plan.entries),
+        "muon": muon_names,
+        "ns": dmuon.last_step_stats["ns_matrices"],
+        "elements": ledger.elements() / 2,
+        "adamw_elements": adamw_ledger.elements(),
+        "bias_moved": any(b.abs().sum() > 0 for n, b in model.named_buffers() if n.endswith("expert_bias_E")),
+    }
+
+
+def _check_moe(results, *, local_experts: bool):
+    for r in results:
+        assert r["losses"][0] == pytest.approx(r["adamw_first_loss"], rel=1e-5)  # same start, same scale
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        experts = [n for n in r["muon"] if "inner_experts" in n]
+        assert experts and (set(experts) <= set(r["local"]) if local_experts else set(experts) <= set(r["dedicated"]))
+        assert any(".router.gate." in n for n in r["muon"])  # the router on Muon, as TorchTitan's Kimi recipe
+        assert r["elements"] <= r["adamw_elements"]  # no more traffic than FSDP2 + AdamW
+        assert r["bias_moved"]  # TorchTitan's load-balancing step pre-hook ran
+    assert sum(r["ns"] for r in results) > 0
+
+
+def test_qwen3_moe_experts_stay_local(pool2):
+    """8 experts on 2 FSDP ranks: TorchTitan shards them on dim 0, each rank runs Muon on its own 4."""
+    results = pool2.run(_moe_job, "qwen3", 8)
+    _check_moe(results, local_experts=True)
+    for r in results:  # per step: 2 layers x 3 expert weights x 4 local experts, plus its dedicated matrices
+        assert r["ns"] >= 2 * 3 * 4
+
+
+def test_deepseek_v3_mla_dense_layer_and_shared_experts(pool2):
+    results = pool2.run(_moe_job, "deepseek_v3", 8)
+    _check_moe(results, local_experts=True)
+    muon = results[0]["muon"]
+    for part in (".attention.wq.", ".attention.wkv_a.", ".attention.wkv_b.", ".attention.wo.",
+                 "layers.0.feed_forward.w1.", ".shared_experts.w2."):
+        assert any(part in n for n in muon), part
+    assert not any("norm" in n for n in muon)  # kv_norm and the RMSNorms stay on AdamW
+
+
+def test_more_ranks_than_experts_dedicates_them(pool4):
+    """3 experts on 4 FSDP ranks: TorchTitan would split each expert on dim 1; DMuon gives each
+    expert weight one owner instead (NS once per expert matrix in the whole job)."""
+    _check_moe(pool4.run(_moe_job, "qwen3", 3), local_experts=False)
+
+
+def test_expert_parallel(pool2):
+    """expert_parallel_degree 2 (the partial_dtensor backend: TorchTitan's EP all-to-all runs on gloo
+    only there): experts are whole on their EP rank, DMuon runs Muon on them in place, and the
+    losses follow the EP = 1 run's (token routing through all-to-all sums in another order)."""
+    ep = pool2.run(_moe_job, "qwen3", 8, 2)
+    plain = pool2.run(_moe_job, "qwen3", 8, 1)
+    _check_moe(ep, local_experts=True)
+    assert ep[0]["losses"] == pytest.approx(plain[0]["losses"], abs=1e-3)
+
+
+def test_param_groups_of_the_config_are_kept(pool2):
+    for groups in pool2.run(_param_groups):
+        assert groups["dmuon"] == {
+            "DMuon": ["muon"],
+            # (first parameter of each group, its weight decay, its lr): embeddings keep wd 0; the rest adamw_lr
+            "AdamW": [("tok_embeddings.weight", 0.0, 8e-4), ("layers.0.attention.q_norm.weight", 0.1, 1e-3)],
+        }
+        assert groups["adamw"] == groups["titan"]  # name = "AdamW": exactly TorchTitan's own container
+
+
+def _param_groups(rank, world):
+    """TorchTitan's qwen3_debugmodel_moe_param_groups: embeddings without weight decay, router on Adam.
+    With dmuon the router goes to Muon and the embeddings group keeps its settings; with AdamW every
+    group is TorchTitan's."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
+
+    from titan_dmuon.integration.setup import dmuon_trainer_config
+
+    titan_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
+    converted = dmuon_trainer_config(qwen3_debugmodel_moe_param_groups()).optimizer
+    out = {}
+    for name in ("dmuon", "AdamW"):
+        dims = th.parallel_dims(world)
+        config = {k: getattr(converted, k) for k in ("param_groups", "lr", "betas", "eps", "weight_decay")}
+        model, container = th.build(th.tiny_qwen3_moe(), dims, optimizer=name, adamw_lr=1e-3, **config)
+        out[name.lower()] = _summary(container)
+    model, _ = th.build(th.tiny_qwen3_moe(), th.parallel_dims(world), optimizer="AdamW")
+    titan = OptimizersContainer(OptimizersContainer.Config(param_groups=titan_groups, implementation="for-loop"), model_parts=[model])
+    out["titan"] = _summary(titan)
+    return out
+
+
+def _summary(container):
+    summary = {}
+    for opt in container.optimizers:
+        name = type(opt).__name__
+        for group in opt.param_groups:
+            if name == "DMuon":
+                summary.setdefault(name, []).append("muon")
+            else:
+                summary.setdefault(name, []).append((group["param_names"][0], group["weight_decay"], group["lr"]))
+    return summary

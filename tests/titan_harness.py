@@ -89,20 +89,28 @@ def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1):
     )
 
 
-def build(model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, **optimizer_kwargs):
+def build(
+    model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
+    **optimizer_kwargs,
+):
     """(model, optimizer container) as TorchTitan's Trainer would build them."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
     from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
 
+    from torchtitan.distributed import utils as dist_utils
+
     model_config, spec = model_and_spec
+    dist_utils.set_spmd_backend(dims.spmd_backend)  # as Trainer.__init__ does
+    parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep)
+    model_config.update_from_config(config=_Parallelism(parallelism))  # sharding plans (expert parallelism)
     cpu.use_sdpa_attention(model_config)
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
-        parallel_dims=dims, training=TrainingConfig(), compile_config=CompileConfig(), ac_config=None,
-        dump_folder="/tmp", parallelism=ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=dims.ep),
+        parallel_dims=dims, training=TrainingConfig(), ac_config=None, parallelism=parallelism,
+        compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
     )
     if optimizer == "dmuon":
         settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs})
@@ -130,6 +138,13 @@ def build(model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, stat
     return model, container
 
 
+class _Parallelism:
+    """What ``update_from_config`` reads from a trainer config outside the trainer."""
+
+    def __init__(self, parallelism) -> None:
+        self.parallelism = parallelism
+
+
 def batches(steps: int, world: int, *, batch: int = 2, seed: int = 1, routed_vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, routed_vocab, (batch * world, SEQ + 1), generator=g) for _ in range(steps)]
@@ -139,17 +154,21 @@ def train(model, container, dims, data) -> list[float]:
     """Global mean loss per step (TorchTitan's normalisation; DMuon's clipping, max_norm 1)."""
     from titan_dmuon import clip_grad_norm_
 
+    from torchtitan.distributed import utils as dist_utils
+
     world = dist.get_world_size()
     rank = dims.get_mesh("batch").get_local_rank() if world > 1 else 0
+    context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     losses = []
     for tokens in data:
         b = tokens.shape[0] // world
         local = tokens[rank * b : (rank + 1) * b]
-        logits = model(local[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum") / (
-            tokens.shape[0] * SEQ
-        )
-        loss.backward()
+        with context():
+            logits = model(local[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum") / (
+                tokens.shape[0] * SEQ
+            )
+            loss.backward()
         clip_grad_norm_([p for p in model.parameters()], 1.0)
         container.step()
         container.zero_grad()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -191,7 +193,7 @@ class CommLedger(TorchDispatchMode):
             device = _group_device(group)
             packed = torch.tensor([mine.numerator, mine.denominator], dtype=torch.float64, device=device)
             parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, packed, group=group)
+            _all_gather_released(parts, packed, group)
         total = sum((Fraction(int(p[0].item()), int(p[1].item())) for p in parts), Fraction(0))
         return total / len(parts)
 
@@ -223,6 +225,38 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# How long mean_over_ranks waits for a backend thread to let go of its tensors (normally
+# microseconds; the bound only keeps an unforeseen extra owner from hanging the caller).
+_RELEASE_TIMEOUT_S = 5.0
+
+
+def _all_gather_released(parts: list[torch.Tensor], packed: torch.Tensor, group) -> None:
+    """``dist.all_gather(parts, packed)`` that returns only once no backend thread holds the tensors.
+
+    gloo runs a collective on a worker thread, which drops its reference to the
+    finished Work only after ``wait()`` has released the caller, so the last
+    reference to this call's tensors is often the worker's. Dropping a tensor
+    that has a Python object needs the GIL (torch 2.14 decrefs the PyObject when
+    the last C++ reference goes), so the worker then queues for the GIL, and if
+    the interpreter is finalizing by the time it gets it (a script that reads
+    the ledger after its last step and exits), CPython ends the thread inside
+    the Work's noexcept destructor: std::terminate, "terminate called without
+    an active exception", SIGABRT. Waiting here, with the GIL released, until
+    the tensors' Python refcounts are back to what they were before the
+    collective (no C++ owner left, its decref done) keeps that teardown off the
+    exit path. NCCL's watchdog keeps works until it polls them, and
+    ``destroy_process_group`` joins it, so only CPU collectives wait.
+    """
+    tensors = [packed, *parts]
+    before = [sys.getrefcount(t) for t in tensors]  # the PyObjects' refcounts with no C++ owner
+    dist.all_gather(parts, packed, group=group)
+    if packed.device.type != "cpu":
+        return
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while [sys.getrefcount(t) for t in tensors] != before and time.monotonic() < deadline:
+        time.sleep(1e-4)  # releases the GIL for the worker's decref
 
 
 @contextlib.contextmanager
