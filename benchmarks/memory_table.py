@@ -4,8 +4,7 @@
 
 The toy transformer (titan_dmuon/toy_model.py) with TorchTitan's mixed
 precision (bf16 compute, fp32 master weights and gradient reduction) trains
-on gloo ranks: 2 ranks for FSDP (Z2, Z3), 4 ranks as 2 x 2 for HSDP. Every
-configuration runs in the same worker processes, one after the other.
+on 2 ranks for FSDP (Z2, Z3) and 4 ranks as 2 x 2 for HSDP.
 
 Per rank, from the CPU allocator's events (the profiler's memory events, the
 method of tests/helpers.py: ``allocation_peak``), over the whole life of the
@@ -18,17 +17,27 @@ model (built, sharded/dedicated, trained):
   fp32 weights), gradients, optimizer state (momentum; AdamW's exp_avg,
   exp_avg_sq, step), DMuon's packed buffers (Z2/Z3: the first layer's buffer,
   whose broadcast for the next forward is issued at the end of the step), and
-  the rest the allocator still holds (data batches, runtime bookkeeping);
+  "other": anything else the run allocated that is still alive (0 here);
 * forward+backward peak: the high-water mark of one steady-state
   forward+backward (gradients set to None before, as TorchTitan does) above
   what was alive when it started;
 * optimizer-step peak: the same for ``opt.step()`` (DMuon: Newton–Schulz on
   the owner, the AdamW part, the first unit's broadcast; FSDP2 + AdamW:
-  torch.optim.AdamW's foreach temporaries).
+  torch.optim.AdamW's foreach temporaries);
+* high-water: the most bytes alive at any moment of the measured step
+  (persistent state minus gradients + forward/backward peak, or persistent +
+  optimizer-step peak, whichever is higher): what the rank needs.
+
+By default every rank is simulated one after the other on the fake process
+group (collectives do nothing; every allocation is the same as on real
+ranks, and all of them happen on the main thread). On real gloo ranks
+(``--gloo``) the profiler misses every free that happens on one of gloo's
+threads (a collective's tensor whose last reference the gloo worker drops),
+so the figures there come out 0-1.4 MB too high at random.
 
 Every figure is the maximum over ranks (owners differ per rank: the rank that
 holds the larger share of the dedicated weights), with the mean over ranks
-in the "mean" columns.
+in brackets where it differs.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ ROWS = [
     ("FSDP2 + AdamW, HSDP 2 x 2 (reshard_after_forward=True)", 4, ("fsdp_adamw", "hsdp"), None),
     ("DMuon-Z3 on HSDP 2 x 2", 4, ("dmuon", "hsdp"), "FSDP2 + AdamW, HSDP 2 x 2 (reshard_after_forward=True)"),
 ]
-PHASES = ("persistent", "fwd_bwd", "step")
+PHASES = ("persistent", "fwd_bwd", "step", "high_water")
 
 
 def _storages(tensors, seen: set) -> int:
@@ -170,7 +179,7 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
     p_m = sum(p.numel() for p in muon_targets(toy_model(**dims)))
     result = {
         "persistent": persistent, "fwd_bwd": fb_peak - fb_start, "step": st_peak - st_start, **breakdown,
-        "p_m": p_m,
+        "p_m": p_m, "high_water": max(fb_peak, st_peak),
     }
     result["other"] = persistent - sum(breakdown.values())
     del holder, setup
@@ -229,12 +238,12 @@ def main() -> None:
         f"(P_M = {p_m / 1e6:.3f}M Muon-target elements = {4 * p_m / 1e6:.2f} MB in fp32), bf16 compute / fp32 reduce, "
         f"local batch 2 x seq {args.seq}; MB = 1e6 bytes per rank, max over ranks (mean in brackets)"
     )
-    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step"]
+    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water"]
     header = (
         "| configuration | ranks | params | grads | optimizer state | DMuon buffers | other | **persistent** "
-        "| vs FSDP2 | fwd+bwd peak | vs FSDP2 | optimizer-step peak | vs FSDP2 |"
+        "| vs FSDP2 | fwd+bwd peak | vs FSDP2 | optimizer-step peak | vs FSDP2 | **high-water** | vs FSDP2 |"
     )
-    lines = [title, "", header, "|---" * 13 + "|"]
+    lines = [title, "", header, "|---" * 15 + "|"]
     for label, world, _, base_label in rows:
         per_rank = results[label]
         cell = {k: (max(r[k] for r in per_rank), sum(r[k] for r in per_rank) / len(per_rank)) for k in keys}
@@ -254,7 +263,7 @@ def main() -> None:
         lines.append(
             f"| {name} | {world} | {fmt('params')} | {fmt('grads')} | {fmt('opt_state')} | {fmt('dmuon_buffers')} "
             f"| {fmt('other')} | **{fmt('persistent')}** | {ratio('persistent')} | {fmt('fwd_bwd')} | {ratio('fwd_bwd')} "
-            f"| {fmt('step')} | {ratio('step')} |"
+            f"| {fmt('step')} | {ratio('step')} | **{fmt('high_water')}** | {ratio('high_water')} |"
         )
     print("\n".join(lines))
 

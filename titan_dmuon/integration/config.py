@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import os
 import sys
 import typing
@@ -47,7 +46,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SUPPORTED_MODELS = ("llama3", "qwen3")
 TRAINER_SECTIONS = (  # TOML section == Trainer.Config attribute
     "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint", "metrics", "dataloader",
     "activation_checkpoint", "validator", "compile", "comm", "debug", "profiler",
@@ -141,23 +139,18 @@ def _parse_cli(args) -> list[tuple[str, str, str]]:
 
 # ---- the base config and its sections --------------------------------------------------
 def _base_config(model_settings: dict[str, _Setting]):
+    from titan_dmuon.integration.models import config_function
+
     for key, setting in model_settings.items():
         _check_plain(setting, "model", key, MODEL_KEYS)
-    name_setting = model_settings.get("name")
+    name_setting, flavor_setting = model_settings.get("name"), model_settings.get("flavor")
     name = name_setting.value if name_setting else "llama3"
-    if name not in SUPPORTED_MODELS:
-        raise ConfigError(
-            f"{name_setting.source}: [model] name = {name!r}: expected one of {', '.join(SUPPORTED_MODELS)}"
-        )
-    flavor_setting = model_settings.get("flavor")
     flavor = flavor_setting.value if flavor_setting else "debugmodel"
-    registry = importlib.import_module(f"torchtitan.models.{name}.config_registry")
-    function = f"{name}_{flavor.lower().replace('.', '_')}"
-    if not hasattr(registry, function):
-        flavors = sorted(f[len(name) + 1 :] for f in dir(registry) if f.startswith(f"{name}_") and callable(getattr(registry, f)))
-        where = flavor_setting.source if flavor_setting else "defaults"
-        raise ConfigError(f"{where}: [model] flavor = {flavor!r} has no TorchTitan config for {name}; expected one of {flavors}")
-    return getattr(registry, function)()
+    try:
+        return config_function(name, flavor)()
+    except ValueError as e:  # (ModelNotSupported too)
+        where = (flavor_setting if "flavor" in str(e) and flavor_setting else name_setting or flavor_setting)
+        raise ConfigError(f"{where.source if where else 'defaults'}: {e}") from None
 
 
 def _apply_activation_checkpoint(config, settings: dict[str, _Setting]) -> None:

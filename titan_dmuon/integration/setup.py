@@ -134,8 +134,8 @@ def dmuon_trainer_config(config):
 
     if isinstance(config, DMuonTrainer.Config):
         cls = type(config)
-    elif type(config) is Trainer.Config:
-        cls = DMuonTrainer.Config
+    elif type(config) is Trainer.Config or _same_fields(config, Trainer.Config):
+        cls = DMuonTrainer.Config  # (e.g. the Kimi recipes' config class: only extra checks, no extra settings)
     elif isinstance(config, Trainer.Config):
         raise ConfigError(
             f"{type(config).__qualname__} is the config of another trainer; DMuon runs DMuonTrainer "
@@ -150,6 +150,10 @@ def dmuon_trainer_config(config):
     values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
     values["checkpoint"] = _as_subclass(DMuonCheckpointManager.Config, config.checkpoint, "checkpoint")
     return cls(**values)
+
+
+def _same_fields(config, cls) -> bool:
+    return isinstance(config, cls) and {f.name for f in dataclasses.fields(config)} == {f.name for f in dataclasses.fields(cls)}
 
 
 def _dmuon_optimizer_config(base):
@@ -205,6 +209,7 @@ def validate_dmuon(config, *, world_size: int | None = None, names: Naming = PYT
     (after command-line overrides, with the world size) all run it.
     """
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
+    from titan_dmuon.integration.models import ModelNotSupported, check_model
     from titan_dmuon.integration.parallelize import check_supported
     from titan_dmuon.optimizer import OptionError, validate_options
 
@@ -226,7 +231,8 @@ def validate_dmuon(config, *, world_size: int | None = None, names: Naming = PYT
         if opt.name == "dmuon":
             try:
                 check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
-            except NotImplementedError as e:
+                check_model(config.model_spec)
+            except (NotImplementedError, ModelNotSupported) as e:
                 raise ConfigError(f"{names.source('optimizer', 'name')}{e}") from None
     _validate_training(config.training, names)
     _validate_parallelism(config.parallelism, world_size, names)
