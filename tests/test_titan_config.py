@@ -28,14 +28,22 @@ lr = 0.02
 """
 
 
-@pytest.mark.parametrize(
-    "name", ["debug_model", "debug_model_z2", "debug_model_hsdp", "debug_model_adamw", "llama3_8b", "llama3_70b"]
-)
+SHIPPED = {  # config -> (world size, model spec name, expert parallel degree)
+    "debug_model": (2, "llama3", 1), "debug_model_z2": (2, "llama3", 1), "debug_model_hsdp": (4, "llama3", 1),
+    "debug_model_adamw": (2, "llama3", 1), "debug_model_moe": (2, "qwen3", 1), "llama3_8b": (32, "llama3", 1),
+    "llama3_70b": (64, "llama3", 1), "qwen3_30b_a3b": (64, "qwen3", 1), "deepseek_v3_16b": (64, "deepseek_v3", 8),
+    "moonlight_16b_a3b": (64, "kimi_k2_5", 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_configs_load(name):
-    world = {"debug_model_hsdp": 4, "llama3_8b": 32, "llama3_70b": 64}.get(name, 2)
+    world, model, ep = SHIPPED[name]
     config = load_config(f"{CONFIGS}/{name}.toml", world_size=world)
     assert config.optimizer.name == ("AdamW" if name.endswith("adamw") else "dmuon")
     assert type(config).__name__ == "Config" and type(config).__qualname__ == "DMuonTrainer.Config"
+    assert config.model_spec.name == model and config.parallelism.expert_parallel_degree == ep
+    assert config.training.disable_cuda_graphs == (config.optimizer.name == "dmuon")  # the file (GPU configs) or DMuon
 
 
 def test_toml_values_reach_torchtitan_fields():

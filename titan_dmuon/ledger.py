@@ -227,36 +227,42 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-# How long mean_over_ranks waits for a backend thread to let go of its tensors (normally
-# microseconds; the bound only keeps an unforeseen extra owner from hanging the caller).
+# How long mean_over_ranks waits for a backend thread to let go of its tensors (normally well
+# under a millisecond; the bound only keeps an unforeseen extra owner from hanging the caller).
 _RELEASE_TIMEOUT_S = 5.0
 
 
 def _all_gather_released(parts: list[torch.Tensor], packed: torch.Tensor, group) -> None:
     """``dist.all_gather(parts, packed)`` that returns only once no backend thread holds the tensors.
 
-    gloo runs a collective on a worker thread, which drops its reference to the
-    finished Work only after ``wait()`` has released the caller, so the last
-    reference to this call's tensors is often the worker's. Dropping a tensor
-    that has a Python object needs the GIL (torch 2.14 decrefs the PyObject when
-    the last C++ reference goes), so the worker then queues for the GIL, and if
-    the interpreter is finalizing by the time it gets it (a script that reads
-    the ledger after its last step and exits), CPython ends the thread inside
-    the Work's noexcept destructor: std::terminate, "terminate called without
-    an active exception", SIGABRT. Waiting here, with the GIL released, until
-    the tensors' Python refcounts are back to what they were before the
-    collective (no C++ owner left, its decref done) keeps that teardown off the
-    exit path. NCCL's watchdog keeps works until it polls them, and
-    ``destroy_process_group`` joins it, so only CPU collectives wait.
+    gloo runs a collective on a worker thread, and that thread drops its
+    reference to the finished Work only after ``wait()`` has let the caller go,
+    so the last reference to these tensors is often the worker's. Releasing a
+    tensor that has a Python object takes the GIL (torch 2.14 decrefs the
+    PyObject when the last C++ reference goes). Were this the last collective
+    before the script exits (a ledger read after the last step), the worker
+    could still be queued for the GIL when the interpreter starts finalizing;
+    CPython then ends the thread inside the Work's noexcept destructor:
+    std::terminate, "terminate called without an active exception", SIGABRT.
+    So wait here, GIL released, until no C++ owner is left and the worker's
+    decref is done (the Python refcounts are back to what they were before).
+    NCCL's works are released by its watchdog, which ``destroy_process_group``
+    joins; only CPU collectives wait.
     """
     tensors = [packed, *parts]
-    before = [sys.getrefcount(t) for t in tensors]  # the PyObjects' refcounts with no C++ owner
+    before = [sys.getrefcount(t) for t in tensors]  # no C++ owner yet: the PyObjects' own count
     dist.all_gather(parts, packed, group=group)
     if packed.device.type != "cpu":
         return
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    while [sys.getrefcount(t) for t in tensors] != before and time.monotonic() < deadline:
-        time.sleep(1e-4)  # releases the GIL for the worker's decref
+    while time.monotonic() < deadline:
+        if all(t._use_count() == 1 for t in tensors):  # no C++ owner left ...
+            if [sys.getrefcount(t) for t in tensors] == before:  # ... and its GIL-side decref done
+                return
+            # not back to `before` with no C++ owner: someone on the Python side (another
+            # dispatch mode) kept a reference; give a pending decref a moment, then stop
+            deadline = min(deadline, time.monotonic() + 0.05)
+        time.sleep(1e-4)  # releases the GIL for the worker
 
 
 @contextlib.contextmanager
