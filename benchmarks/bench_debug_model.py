@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,14 +86,43 @@ def hook_env() -> dict:
     return {"PYTHONPATH": path, "DMUON_BENCH_LAUNCHES": "1"}
 
 
-def run(name: str, steps: int, ngpu: int, workdir: str) -> list[dict]:
+def seed_checkpoint(config_path: str, workdir: str, extra: tuple = ()) -> str:
+    """One set of initial weights for every configuration: TorchTitan's seed checkpoint (1 rank).
+
+    Without it the optimizers do not start from the same weights: with the same ``[debug] seed``,
+    DMuon's runs initialise other weights than TorchTitan's own (AdamW, naive_muon), e.g. step-1
+    loss 8.126 vs 8.010 on the llama3 debug model."""
+    folder = os.path.join(workdir, "seed")
+    env = {**os.environ, "CONFIG_FILE": config_path, "NGPU": "1", "PYTHON": sys.executable}
+    out = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", folder, "--checkpoint.enable", "true",
+         "--checkpoint.create_seed_checkpoint", "true", "--parallelism.data_parallel_shard_degree", "1", *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    if out.returncode != 0:
+        sys.exit(f"seed checkpoint failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return os.path.join(folder, "checkpoint", "step-0")
+
+
+def train_args(workdir: str, seed: str | None, tag: str) -> list[str]:
+    """run_train.sh arguments: a fresh dump folder per run (so no run resumes another's checkpoint)
+    and, with a seed checkpoint, its weights as the initial ones."""
+    folder = os.path.join(workdir, "out", tag)
+    shutil.rmtree(folder, ignore_errors=True)
+    args = ["--job.dump_folder", folder]
+    if seed is not None:
+        args += ["--checkpoint.enable", "true", "--checkpoint.initial_load_path", seed, "--checkpoint.interval", "100000"]
+    return args
+
+
+def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None) -> list[dict]:
     optimizer, reshard = CONFIGS[name]
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
     env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out")],
+        ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )
     if out.returncode != 0:
@@ -116,14 +146,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
+    parser.add_argument(
+        "--no-seed-checkpoint", action="store_true",
+        help="let each configuration initialise its own weights (DMuon's then differ from TorchTitan's)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as workdir:
+        seed = None
+        if not args.no_seed_checkpoint:
+            print("seed checkpoint ...", flush=True)
+            path = os.path.join(workdir, "seed.toml")
+            with open(path, "w") as f:
+                f.write(TEMPLATE.format(optimizer=CONFIGS["FSDP2+AdamW Z3"][0], reshard="always", steps=args.steps))
+            seed = seed_checkpoint(path, workdir)
         for r in range(args.rounds):
             for name in CONFIGS:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                rows[name] += [{**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir) if row["step"] > 2]
+                rows[name] += [{**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir, seed) if row["step"] > 2]
     with open(os.path.join(args.out, "debug_model_raw.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -17,7 +17,11 @@ of steps 2+ (step 1 pays for warm-up); communication and launches per rank per
 step come from the CommLedger (``count_all_comm``; launches through the
 benchmark-only hook of benchmarks/_launch_hook, see bench_debug_model.py);
 loss is the last step's. Prints a table (and its markdown) and writes
-bench_out/moe.png.
+bench_out/moe.png. By default each configuration initialises its own weights
+from ``[debug] seed``: TorchTitan's AdamW and naive_muon start alike, DMuon
+from other weights (step-1 loss 7.669 vs 7.660); ``--seed-checkpoint``
+starts all three from one TorchTitan seed checkpoint (costs a ~1.3 GB write
+and a load per run).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import LINE, ROOT, hook_env  # noqa: E402
+from bench_debug_model import LINE, ROOT, hook_env, seed_checkpoint, train_args  # noqa: E402
 
 CONFIGS = {  # name -> [optimizer] table
     "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
@@ -73,13 +77,13 @@ seed = 0
 DMUON_LINE = re.compile(r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms")
 
 
-def run(name: str, args, workdir: str) -> tuple[list[dict], str]:
+def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[dict], str]:
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=CONFIGS[name], steps=args.steps, seq=args.seq, batch=args.batch))
     env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out")],
+        ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
     )
     log = out.stdout + out.stderr
@@ -170,6 +174,11 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run only these configurations")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
+    parser.add_argument(
+        "--seed-checkpoint", action="store_true",
+        help="start every configuration from one TorchTitan seed checkpoint (same initial weights; "
+        "without it DMuon's runs initialise other weights than TorchTitan's own for the same seed)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     names = args.only or list(CONFIGS)
@@ -177,9 +186,16 @@ def main() -> None:
         names = ["FSDP2+AdamW"] + names
     summary = {}
     with tempfile.TemporaryDirectory() as workdir:
+        seed = None
+        if args.seed_checkpoint:
+            print("seed checkpoint ...", flush=True)
+            path = os.path.join(workdir, "seed.toml")
+            with open(path, "w") as f:
+                f.write(TEMPLATE.format(optimizer=CONFIGS["FSDP2+AdamW"], steps=args.steps, seq=args.seq, batch=args.batch))
+            seed = seed_checkpoint(path, workdir)
         for name in names:
             print(f"{name} ...", flush=True)
-            data, log = run(name, args, workdir)
+            data, log = run(name, args, workdir, seed)
             with open(os.path.join(args.out, "moe_" + re.sub(r"\W+", "_", name) + ".log"), "w") as f:
                 f.write(log)
             summary[name] = summarize(data)

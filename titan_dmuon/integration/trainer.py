@@ -14,15 +14,22 @@
   design's figure), Newton–Schulz matrices and time, owner balance and
   packed-buffer memory; and, with ``[metrics] count_all_comm = true``, every
   collective of the step (FSDP2's too) counted by the CommLedger.
+* A check for GPU runs: with ``TITAN_DMUON_SYNC_DEBUG_FROM_STEP=<n>`` on a CUDA
+  machine, from step n on forward+backward and the optimizer step (clipping
+  included) run under ``torch.cuda.set_sync_debug_mode("error")``: any host
+  sync there stops the job (TorchTitan's own input copies and logging stay
+  outside; use a large ``metrics.log_freq``). benchmarks/gpu_check.py uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from fractions import Fraction
 
+import torch
 import torchtitan.distributed.utils as titan_dist_utils
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
@@ -78,21 +85,53 @@ class DMuonTrainer(Trainer):
         self.metrics_processor.begin_step()
         with contextlib.ExitStack() as stack:
             if self.optimizers.dmuon_optimizers():  # cheap: no per-parameter scan on the hot path
-                stack.enter_context(_replaced(titan_dist_utils, "clip_grad_norm_", _clip_for_titan))
+                clip = _clip_for_titan
+                if self._sync_debug():
+                    clip = _no_host_sync(clip)
+                    stack.enter_context(_replaced(self.optimizers, "step", _no_host_sync(self.optimizers.step)))
+                stack.enter_context(_replaced(titan_dist_utils, "clip_grad_norm_", clip))
             ledger = self.metrics_processor.ledger
             if ledger is not None:
                 stack.enter_context(ledger)
             return super().train_step(data_iterator)
 
+    def forward_backward_step(self, **kwargs):
+        if self._sync_debug():
+            return _no_host_sync(super().forward_backward_step)(**kwargs)
+        return super().forward_backward_step(**kwargs)
+
+    def _sync_debug(self) -> bool:
+        first = os.environ.get("TITAN_DMUON_SYNC_DEBUG_FROM_STEP")
+        return first is not None and torch.cuda.is_available() and self.step >= int(first)
+
+
+def _no_host_sync(fn):
+    """``fn`` under torch.cuda.set_sync_debug_mode("error"): a host sync inside raises."""
+
+    def wrapped(*args, **kwargs):
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return wrapped
+
 
 @contextlib.contextmanager
-def _replaced(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
+def _replaced(owner, name: str, value):
+    """``owner.name`` is ``value`` for the duration (a module global, or an object's method)."""
+    own = vars(owner)
+    had, original = name in own, own.get(name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        if had:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 class DMuonMetricsProcessor(MetricsProcessor):
