@@ -109,3 +109,26 @@ def test_adjusted_lr_matches_torch():
 def test_ns_flops_symmetric_and_growing():
     assert ns_flops(64, 256) == ns_flops(256, 64)
     assert ns_flops(128, 256) > ns_flops(64, 256)
+
+
+def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
+    """w1 (hidden, dim) and w2 (dim, hidden) are one batch of (dim, hidden) matrices; a fused q/k/v
+    counts one Newton-Schulz matrix per block; the result stays torch.optim.Muon's, bit for bit."""
+    import titan_dmuon.muon_math as math
+
+    batches = []
+    original = math._newton_schulz_wide_
+    monkeypatch.setattr(math, "_newton_schulz_wide_", lambda x, *a: batches.append(tuple(x.shape)) or original(x, *a))
+    torch.manual_seed(0)
+    params = [torch.randn(12, 8), torch.randn(8, 12), torch.randn(24, 8)]  # w1, w2, a fused (8; 8; 8) q/k/v
+    reference = [torch.nn.Parameter(p.clone()) for p in params[:2]] + [torch.nn.Parameter(t.clone()) for t in params[2].split(8)]
+    grads = [torch.randn_like(p) for p in params]
+    count = muon_step(params, grads, [torch.zeros_like(p) for p in params],
+                      [row_blocks(p.shape) for p in params[:2]] + [row_blocks(params[2].shape, [8, 8, 8])],
+                      lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    assert count == 5 and sorted(batches) == [(2, 8, 12), (3, 8, 8)]
+    for p, g in zip(reference, grads[:2] + list(grads[2].split(8))):
+        p.grad = g.clone()
+    torch.optim.Muon(reference, lr=0.05, weight_decay=0.1, momentum=0.9).step()
+    assert torch.equal(params[0], reference[0]) and torch.equal(params[1], reference[1])
+    assert torch.equal(params[2], torch.cat(reference[2:]))

@@ -244,3 +244,24 @@ def test_muon_update_is_torch_muon_step_for_step(pool1):
     """Weight decay, momentum, Nesterov and the shape-based LR scale: any difference from
     torch.optim.Muon shows as an unequal weight in the first step."""
     assert pool1.run(_single_process_steps) == [[]]
+
+
+# ---- clipping: error_if_nonfinite ------------------------------------------------------------------------
+def _nonfinite(rank, world, error_if_nonfinite):
+    setup = distribute(toy_model(), "z3", world)
+    x, y = local_slice(batches(1)[0], rank, world)
+    loss_fn(setup.module(x), y).backward()
+    owned = [p for p in setup.handle.params if setup.handle.runs_newton_schulz(p)]
+    if rank == 0:
+        owned[0].grad[0, 0] = float("inf")  # one rank's owned gradient: every rank must see it
+    try:
+        return float(clip_grad_norm_(setup.model.parameters(), 1.0, error_if_nonfinite=error_if_nonfinite))
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_clip_error_if_nonfinite(pool2):
+    """TorchTitan's clip argument is honoured: an inf on one owner's gradient stops every rank
+    (the norm is all-reduced), or, when not asked to, comes back as inf."""
+    assert all("non-finite" in r for r in pool2.run(_nonfinite, True))
+    assert pool2.run(_nonfinite, False) == [float("inf")] * 2
