@@ -1,10 +1,12 @@
 """Side by side on this machine: DMuon-Z2/Z3 vs FSDP2+AdamW vs naive FSDP2+Muon.
 
     python benchmarks/bench_debug_model.py [--steps 10] [--rounds 2] [--ngpu 2] [--out bench_out]
+                                           [--no-seed-checkpoint] [--from-raw bench_out/debug_model_raw.json]
 
 Trains TorchTitan's llama3 debug model with each configuration through
 run_train.sh (rounds interleave the configurations, so machine noise hits all
-of them alike), then prints one table of ratios against FSDP2+AdamW (same
+of them alike; all start from one TorchTitan seed checkpoint, so from the same
+weights), then prints one table of ratios against FSDP2+AdamW (same
 reshard mode) and writes bench_out/debug_model.png. Times are medians over
 the steps after the first two; communication is counted by the CommLedger
 (every collective of a step, FSDP2's included). Launches per rank per step
@@ -150,8 +152,31 @@ def main() -> None:
         "--no-seed-checkpoint", action="store_true",
         help="let each configuration initialise its own weights (DMuon's then differ from TorchTitan's)",
     )
+    parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's debug_model_raw.json")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.from_raw:
+        with open(args.from_raw) as f:
+            rows = json.load(f)
+        args.rounds = len({d["round"] for data in rows.values() for d in data})
+    else:
+        rows = measure(args)
+        with open(os.path.join(args.out, "debug_model_raw.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+    summary = {name: summarize(data, args.steps) for name, data in rows.items()}
+    table = text_table(summary, f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)")
+    markdown = markdown_table(summary, args.steps)
+    print(table)
+    print()
+    print(markdown)
+    with open(os.path.join(args.out, "debug_model.txt"), "w") as f:
+        f.write(table + "\n\n" + markdown + "\n")
+    plot(summary, os.path.join(args.out, "debug_model.png"))
+
+
+def measure(args) -> dict[str, list[dict]]:
+    """Every configuration, round after round; rows of steps 3+ tagged with their round."""
     rows: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as workdir:
         seed = None
@@ -165,18 +190,7 @@ def main() -> None:
             for name in CONFIGS:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
                 rows[name] += [{**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir, seed) if row["step"] > 2]
-    with open(os.path.join(args.out, "debug_model_raw.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-
-    summary = {name: summarize(data, args.steps) for name, data in rows.items()}
-    table = text_table(summary, f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)")
-    markdown = markdown_table(summary, args.steps)
-    print(table)
-    print()
-    print(markdown)
-    with open(os.path.join(args.out, "debug_model.txt"), "w") as f:
-        f.write(table + "\n\n" + markdown + "\n")
-    plot(summary, os.path.join(args.out, "debug_model.png"))
+    return rows
 
 
 def _median(data: list[dict], key: str):
@@ -192,6 +206,8 @@ def summarize(data: list[dict], steps: int) -> dict:
         "rss_gib": max(d["rss_gib"] for d in data), "buffers_mb": max(d["buffers_mb"] for d in data),
         "loss": statistics.median(d["loss"] for d in data if d["step"] == steps),
     }
+    ordered = sorted(d["step_s"] for d in data)
+    out["step_p10"] = ordered[int(0.1 * (len(ordered) - 1))]  # the less disturbed steps on a shared machine
     per_round = [statistics.median(d["step_s"] for d in data if d["round"] == r) for r in sorted({d["round"] for d in data})]
     out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
     for key in ("launch_all", "launch_dmuon", "launch_other", "launch_groups"):
@@ -216,7 +232,7 @@ def text_table(summary: dict, title: str) -> str:
     header = (
         f"{'configuration':<22}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
         f"{'comm MB':>9}{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'vs AdamW':>9}"
-        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}   rounds' step-time medians"
+        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}{'p10 step':>10}{'vs AdamW':>9}   rounds' step-time medians"
     )
     lines = [title, header]
     for name, s in summary.items():
@@ -227,17 +243,17 @@ def text_table(summary: dict, title: str) -> str:
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
             f"{_fmt(s['launch_all'], '.0f'):>12}{_fmt(s['launch_dmuon'], '.0f'):>8}{_fmt(s['launch_coalesced'], '.0f'):>10}"
             f"{_fmt(ratio, '.2f'):>9}{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
-            f"   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
+            f"{s['step_p10']:>9.3f}s{s['step_p10'] / base['step_p10']:>9.2f}   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
         )
     return "\n".join(lines)
 
 
 def markdown_table(summary: dict, steps: int) -> str:
     lines = [
-        "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
+        "| configuration | step time (median) | vs AdamW | step time (p10) | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
         "| launches / rank / step: gloo (DMuon's) | coalesced (NCCL) | vs AdamW | DMuon buffers peak "
         f"| loss at step {steps} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         base = _base(summary, name)
@@ -247,7 +263,8 @@ def markdown_table(summary: dict, steps: int) -> str:
         ratio = s["launch_coalesced"] / base["launch_coalesced"] if s["launch_coalesced"] and base["launch_coalesced"] else None
         buffers = f"{s['buffers_mb']:.2f} MB" if s["buffers_mb"] else "–"
         lines.append(
-            f"| {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
+            f"| {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.2f} | {s['step_p10']:.3f} s "
+            f"| {s['step_p10'] / base['step_p10']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB | {s['comm_mb'] / base['comm_mb']:.3f} "
             f"| {_fmt(s['launch_all'], '.0f')} ({_fmt(s['launch_dmuon'], '.0f')}) | {_fmt(s['launch_coalesced'], '.0f')} "
             f"| {_fmt(ratio, '.2f')} | {buffers} | {s['loss']:.2f} |"
@@ -267,7 +284,7 @@ def plot(summary: dict, path: str) -> None:
         ("step time (s)", [summary[n]["step_s"] for n in names]),
         ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
         ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
-        ("launches per rank per step (coalesced)", [summary[n]["launch_coalesced"] or 0 for n in names]),
+        ("launches / rank / step (coalesced)", [summary[n]["launch_coalesced"] or 0 for n in names]),
     ]
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
     for ax, (title, values) in zip(axes, panels):

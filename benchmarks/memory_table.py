@@ -1,6 +1,7 @@
 """Memory per rank, measured: DMuon (Z2, Z3, HSDP) next to FSDP2 + AdamW with the same reshard setting.
 
-    python benchmarks/memory_table.py [--dim 256] [--layers 4] [--steps 3] [--no-hsdp]
+    python benchmarks/memory_table.py [--dim 256] [--layers 4] [--steps 3] [--seq 64] [--no-hsdp]
+                                      [--only z2 z3 hsdp] [--gloo]
 
 The toy transformer (titan_dmuon/toy_model.py) with TorchTitan's mixed
 precision (bf16 compute, fp32 master weights and gradient reduction) trains

@@ -102,3 +102,12 @@ def test_owner_balance_on_realistic_shapes(specs, ranks, bound):
     within a few percent of the mean (it is on every step's critical path)."""
     plan = build_plan(specs, replicate_size=1, shard_size=ranks)
     assert plan.imbalance <= bound, plan.imbalance
+
+
+def test_experts_kept_on_their_rank_count_toward_balance():
+    """Experts FSDP2 keeps on a rank (initial load) are NS work too: dedicated matrices go to the
+    ranks with fewer of them, and the balance figure includes them."""
+    c = ns_flops(64, 64)
+    plan = build_plan(_specs([(64, 64)] * 4), replicate_size=1, shard_size=3, initial_load=[2 * c, 0, 0])
+    assert sorted(e.owner for e in plan.entries) == [1, 1, 2, 2]  # rank 0 is busy with its experts
+    assert plan.ns_flops_per_rank == [2 * c] * 3 and plan.imbalance == 1.0

@@ -1,49 +1,52 @@
 """A script that reads the CommLedger every step exits cleanly: no abort at interpreter shutdown.
 
-Bug: 2-rank gloo runs that called ``ledger.mean_over_ranks`` after every step
-ended, after all their steps, with "terminate called without an active
-exception" and SIGABRT in about 1 run of 5 (0 without the ledger read).
+Bug: 2-rank gloo Z3 runs shaped like examples/plain_pytorch.py (a CommLedger
+each step, ``mean_over_ranks`` after it, the loss all-reduced, a print) ended,
+after all their steps, with "terminate called without an active exception"
+and SIGABRT in about 1 run of 5.
 
 Root cause (torch 2.14.1 + gloo + CPython 3.11; found with a core dump and an
-LD_PRELOAD shim that logged which threads took the GIL, and when):
-``mean_over_ranks`` all-gathers small temporary tensors. gloo runs the
+LD_PRELOAD shim that logged which threads took the GIL, and when): gloo runs a
 collective on a worker thread (``ProcessGroupGloo::runLoop``), and that thread
 drops its reference to the finished Work only after ``wait()`` has let the
 caller go; in about 15% of calls (95% when the worker shares a CPU with the
-main thread) the caller has already moved on and the worker's reference is the
-last one. Releasing a tensor that has a Python object takes the GIL (torch 2.14
-decrefs the PyObject when a TensorImpl's last C++ reference goes), so the
-worker queues for the GIL in ``~AsyncAllgatherWork`` → ``TensorImpl::
-decref_pyobject``. The read is the last collective of the step and is followed
-only by pure-Python work, so a worker that lags can still be queued for the GIL
-when the interpreter begins finalizing; CPython's ``take_gil`` then ends the
-thread (``PyThread_exit_thread`` → ``pthread_exit``), and the forced unwind
-through the Work's noexcept destructor calls ``std::terminate``. The core dump
-showed exactly that stack on the ``pt_gloo_runloop`` thread. The ledger did not
-keep anything alive (at ``destroy_process_group`` its only referrer is the
-script's variable; its records hold plain values; c10d Works do not capture
-the mode, which is stashed while ``__torch_dispatch__`` runs);
-``del ledger; gc.collect()`` helped only because the collection took long
-enough for the worker to finish. Toggle: with the race made likely (below),
-reading the ledger aborted 5 of 6 runs, the same runs with the ledger but no
-read 0 of 6, without the ledger 0 of 6. This test without the fix: 6 of 10
-runs aborted (8 of 20 ranks), 18 of 20 ranks saw the read's tensors outlive it;
-with the fix 0 of 20 runs, 0 of 40 ranks.
+main thread) the worker's reference is the last one. Releasing a tensor that
+has a Python object takes the GIL (torch 2.14 decrefs the PyObject when a
+TensorImpl's last C++ reference goes), so the worker queues for the GIL in
+``~AsyncWork`` -> ``TensorImpl::decref_pyobject``. If the interpreter starts
+finalizing before the worker gets it, CPython's ``take_gil`` ends the thread
+(``PyThread_exit_thread`` -> ``pthread_exit``) and the forced unwind through
+the Work's noexcept destructor calls ``std::terminate``: the core dump shows
+exactly that stack on the ``pt_gloo_runloop`` thread. Any gloo collective
+shortly before exit can do this; the ledger made it likely: its read is an
+all-gather of temporaries (their last reference is then the worker's, and the
+worker frees them) issued after the step, and the core dump's Work was that
+all-gather. The ledger kept nothing alive (at ``destroy_process_group`` its
+only referrer is the script's variable, its records hold plain values, c10d
+Works do not capture the mode, which is stashed while ``__torch_dispatch__``
+runs); ``del ledger; gc.collect()`` helped only because the collection gave the
+worker time. Toggle, with the race made likely (below) and no loss all-reduce:
+reading the ledger aborted 5 of 6 runs; the ledger without the read 0 of 6; no
+ledger 0 of 6. With the loss all-reduce as the last collective and no ledger at
+all, 16 of 20 ranks aborted: the hazard is torch's.
 
-Fix (ledger.py, ``_all_gather_released``): after the all-gather, wait with the
-GIL released until no C++ owner holds the tensors and the worker's decref is
-done, so the worker never needs the GIL on the exit path.
+Fix (ledger.py): ``mean_over_ranks`` waits, GIL released, until no C++ owner
+holds its tensors and the worker's decref is done; and a CommLedger installs an
+atexit hook that naps (GIL and CPU free) until no gloo worker thread is
+runnable, so workers finish before finalization whatever collective came last.
+Measured by this test (10 runs of 3 steps): without the fix 15 of 20 ranks aborted and the
+read's tensors outlived it in 46 of 60 reads; with the first part only 15 of 20
+ranks aborted (in the loss all-reduce's Work) and 0 reads; with both 0 and 0.
 
 The test forks 2-rank runs from one parent that has imported torch already
 (spawning costs seconds per process), each a few Z3 steps of the toy model
-under a CommLedger read every step, then ``destroy_process_group`` and a normal
-interpreter exit. To make the race likely on any machine each rank runs on one
-CPU with its gloo worker threads at nice 19 (the worker then lags the main
-thread), and a 1 s GIL switch interval keeps a queued worker from taking the
-GIL back before finalization. Besides exit codes, each rank checks the
-invariant the fix establishes: when ``mean_over_ranks`` returns, its tensors are
-gone rather than left for a gloo worker to free (seen in 18 of 20 ranks
-without the fix, so the test fails even when no run happens to abort).
+under a CommLedger read every step, the loss all-reduced and printed, then
+``destroy_process_group`` and a normal interpreter exit. To make the race likely
+on any machine each rank runs on one CPU with its gloo worker threads at nice
+19 (the worker then lags the main thread), and a 1 s GIL switch interval keeps
+a queued worker from taking the GIL back before finalization. Besides exit
+codes, each rank checks that the read's tensors are gone when
+``mean_over_ranks`` returns rather than left for a gloo worker to free.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = 10
-STEPS = 3
+RUNS = 8
+STEPS = 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks ranks, pins CPUs, renices threads via /proc")
@@ -119,20 +122,23 @@ def _child(rank: int, init_file: str, steps: int) -> None:
     dist.all_gather = spy
 
     setup = distribute(toy_model(dim=32, hidden_dim=48, n_kv_heads=2, vocab_size=64, n_layers=2), "z3", 2)
-    left_to_worker = 0
     for batch in batches(steps, global_batch=2, vocab=64):
         xs, ys = local_slice(batch, rank, 2)
         with CommLedger() as ledger:
-            loss_fn(setup.module(xs), ys).backward()
+            loss = loss_fn(setup.module(xs), ys)
+            loss.backward()
             clip_grad_norm_(setup.model.parameters(), max_norm=1.0)
             setup.opt.step()
             setup.opt.zero_grad()
         reading[0] = True
-        ledger.mean_over_ranks(setup.mesh.get_group(), source="dmuon")
+        dmuon = ledger.mean_over_ranks(setup.mesh.get_group(), source="dmuon")
         reading[0] = False
-        left_to_worker += any(ref() is not None for ref in gathered)
+        print(f"LEFT_TO_WORKER {int(any(ref() is not None for ref in gathered))}", flush=True)
         gathered.clear()
-    print(f"LEFT_TO_WORKER {left_to_worker}", flush=True)
+        loss_avg = loss.detach().clone()  # the example's tail: its own last collective, then a print
+        dist.all_reduce(loss_avg)
+        if rank == 0:
+            print(f"loss {loss_avg.item() / 2:.4f}  dmuon elements/rank {float(dmuon):,.0f}", flush=True)
     dist.destroy_process_group()
 
 
@@ -208,9 +214,9 @@ def _main() -> None:
             for pid, (rank, log) in children.items():
                 with open(log) as f:
                     output = f.read()
-                left = [int(line.split()[1]) for line in output.splitlines() if line.startswith("LEFT_TO_WORKER ")]
+                left = sum(int(line.split()[1]) for line in output.splitlines() if line.startswith("LEFT_TO_WORKER "))
                 results.append(
-                    {"run": run, "rank": rank, "exit_code": status[pid], "left_to_worker": left[0] if left else 0,
+                    {"run": run, "rank": rank, "exit_code": status[pid], "left_to_worker": left,
                      "output": output[-4000:]}
                 )
     finally:

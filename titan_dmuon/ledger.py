@@ -15,8 +15,10 @@ Counts are exact ``Fraction`` s so they can be compared with theory exactly.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import os
 import sys
 import time
 from collections import defaultdict
@@ -111,6 +113,7 @@ class CommLedger(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
+        _install_exit_guard()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -263,6 +266,55 @@ def _all_gather_released(parts: list[torch.Tensor], packed: torch.Tensor, group)
             # dispatch mode) kept a reference; give a pending decref a moment, then stop
             deadline = min(deadline, time.monotonic() + 0.05)
         time.sleep(1e-4)  # releases the GIL for the worker
+
+
+_exit_guard_installed = False
+
+
+def _install_exit_guard() -> None:
+    global _exit_guard_installed
+    if not _exit_guard_installed:
+        _exit_guard_installed = True
+        atexit.register(_let_gloo_workers_finish)
+
+
+def _let_gloo_workers_finish(timeout_s: float = 2.0) -> None:
+    """At interpreter exit, before finalization: let gloo's worker threads finish releasing their works.
+
+    The hazard ``_all_gather_released`` avoids for the ledger's own collective
+    holds for any gloo collective shortly before exit (the script's last loss
+    all-reduce, say): a worker still to release a finished Work needs the GIL,
+    and gets killed in a noexcept destructor (SIGABRT) if it only gets it once
+    the interpreter is finalizing. atexit handlers run while the interpreter is
+    still whole, so sleep here in short naps (GIL and CPU free) until no gloo
+    worker thread is runnable, a few naps in a row. Linux only (reads /proc);
+    costs a few milliseconds at exit.
+    """
+    try:
+        tids = [t for t in os.listdir("/proc/self/task") if _thread_comm(t).startswith("pt_gloo")]
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while tids and quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = 0 if any(_thread_state(t) == "R" for t in tids) else quiet + 1
+
+
+def _thread_comm(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _thread_state(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]  # R running/runnable, S sleeping, ...
+    except (OSError, IndexError):
+        return ""
 
 
 @contextlib.contextmanager
