@@ -9,14 +9,10 @@ of them alike; all start from one TorchTitan seed checkpoint, so from the same
 weights), then prints one table of ratios against FSDP2+AdamW (same
 reshard mode) and writes bench_out/debug_model.png. Times are medians over
 the steps after the first two; communication is counted by the CommLedger
-(every collective of a step, FSDP2's included). Launches per rank per step
-come from the same ledger (``CommLedger.launches()``), read by the
-benchmark-only hook in benchmarks/_launch_hook (the trainer's log line
-carries DMuon's launches but not FSDP2's): "gloo" is what ran here (gloo
-cannot coalesce, so each of DMuon's per-owner broadcasts/reduces is its own
-launch), "coalesced" counts each of DMuon's launch groups once (one unit, one
-direction), which is what NCCL runs. FSDP2's launches are the same either
-way. Memory: the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
+(every collective of a step, FSDP2's included), and so are launches per rank
+per step, as NCCL runs them (``CommLedger.launch_groups()``: each of DMuon's
+groups, one unit in one direction, is one coalesced launch; gloo here runs a
+group's broadcasts/reduces one by one). Memory: the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
 packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3.
 
 Needs matplotlib for the plot (pip install -e '.[bench]').
@@ -76,16 +72,9 @@ seed = 0
 
 LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
-    r"\s+all comm ([\d.]+)M elements/rank/step \(([\d.]+) MB\)(?:.*?peak buffers ([\d.]+) MB)?"
-    r"(?:.*?\n.*?bench launches: all ([\d.]+) dmuon ([\d.]+) other ([\d.]+) dmuon_groups ([\d.]+))?"
+    r"\s+all comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; ([\d.]+) launches\)"
+    r"(?:\s+dmuon: comm .*?; ([\d.]+) launches\))?(?:.*?peak buffers ([\d.]+) MB)?"
 )
-HOOK = os.path.join(ROOT, "benchmarks", "_launch_hook")
-
-
-def hook_env() -> dict:
-    """Environment that makes every rank log its collective launches (benchmarks/_launch_hook)."""
-    path = os.pathsep.join(p for p in (HOOK, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "DMUON_BENCH_LAUNCHES": "1"}
 
 
 def seed_checkpoint(config_path: str, workdir: str, extra: tuple = ()) -> str:
@@ -122,7 +111,7 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None)
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
-    env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
+    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
@@ -134,10 +123,9 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None)
         rows.append({
             "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
             "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
-            "buffers_mb": float(m[8]) if m[8] else 0.0,
-            # launches per rank per step (None if the hook's line is missing)
-            "launch_all": float(m[9]) if m[9] else None, "launch_dmuon": float(m[10]) if m[10] else None,
-            "launch_other": float(m[11]) if m[11] else None, "launch_groups": float(m[12]) if m[12] else None,
+            # launches per rank per step as NCCL runs them (a DMuon group once; gloo runs it one by one)
+            "launches": float(m[8]), "launch_dmuon": float(m[9]) if m[9] else None,
+            "buffers_mb": float(m[10]) if m[10] else 0.0,
         })
     return rows
 
@@ -210,13 +198,8 @@ def summarize(data: list[dict], steps: int) -> dict:
     out["step_p10"] = ordered[int(0.1 * (len(ordered) - 1))]  # the less disturbed steps on a shared machine
     per_round = [statistics.median(d["step_s"] for d in data if d["round"] == r) for r in sorted({d["round"] for d in data})]
     out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
-    for key in ("launch_all", "launch_dmuon", "launch_other", "launch_groups"):
+    for key in ("launches", "launch_dmuon"):
         out[key] = _median(data, key)
-    if out["launch_other"] is not None:
-        # what NCCL would launch: FSDP2's (and the loss/norm all-reduces) + one per DMuon launch group
-        out["launch_coalesced"] = out["launch_other"] + out["launch_groups"]
-    else:
-        out["launch_coalesced"] = None
     return out
 
 
@@ -231,18 +214,18 @@ def _fmt(value, spec: str) -> str:
 def text_table(summary: dict, title: str) -> str:
     header = (
         f"{'configuration':<22}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
-        f"{'comm MB':>9}{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'vs AdamW':>9}"
+        f"{'comm MB':>9}{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'vs AdamW':>9}"
         f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}{'p10 step':>10}{'vs AdamW':>9}   rounds' step-time medians"
     )
     lines = [title, header]
     for name, s in summary.items():
         base = _base(summary, name)
-        ratio = s["launch_coalesced"] / base["launch_coalesced"] if s["launch_coalesced"] and base["launch_coalesced"] else None
+        ratio = s["launches"] / base["launches"]
         lines.append(
             f"{name:<22}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
-            f"{_fmt(s['launch_all'], '.0f'):>12}{_fmt(s['launch_dmuon'], '.0f'):>8}{_fmt(s['launch_coalesced'], '.0f'):>10}"
-            f"{_fmt(ratio, '.2f'):>9}{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
+            f"{s['launches']:>9.0f}{_fmt(s['launch_dmuon'], '.0f'):>8}{ratio:>9.2f}"
+            f"{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
             f"{s['step_p10']:>9.3f}s{s['step_p10'] / base['step_p10']:>9.2f}   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
         )
     return "\n".join(lines)
@@ -251,23 +234,23 @@ def text_table(summary: dict, title: str) -> str:
 def markdown_table(summary: dict, steps: int) -> str:
     lines = [
         "| configuration | step time (median) | vs AdamW | step time (p10) | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
-        "| launches / rank / step: gloo (DMuon's) | coalesced (NCCL) | vs AdamW | DMuon buffers peak "
+        "| launches / rank / step (DMuon's) | vs AdamW | DMuon buffers peak "
         f"| loss at step {steps} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         base = _base(summary, name)
         bold = name.startswith("DMuon")
         label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
         label = f"**{label.replace('DMuon ', 'DMuon-')}**" if bold else label
-        ratio = s["launch_coalesced"] / base["launch_coalesced"] if s["launch_coalesced"] and base["launch_coalesced"] else None
+        ratio = s["launches"] / base["launches"]
         buffers = f"{s['buffers_mb']:.2f} MB" if s["buffers_mb"] else "–"
         lines.append(
             f"| {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.2f} | {s['step_p10']:.3f} s "
             f"| {s['step_p10'] / base['step_p10']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB | {s['comm_mb'] / base['comm_mb']:.3f} "
-            f"| {_fmt(s['launch_all'], '.0f')} ({_fmt(s['launch_dmuon'], '.0f')}) | {_fmt(s['launch_coalesced'], '.0f')} "
-            f"| {_fmt(ratio, '.2f')} | {buffers} | {s['loss']:.2f} |"
+            f"| {s['launches']:.0f} ({_fmt(s['launch_dmuon'], '.0f')}) "
+            f"| {ratio:.2f} | {buffers} | {s['loss']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -284,7 +267,7 @@ def plot(summary: dict, path: str) -> None:
         ("step time (s)", [summary[n]["step_s"] for n in names]),
         ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
         ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
-        ("launches / rank / step (coalesced)", [summary[n]["launch_coalesced"] or 0 for n in names]),
+        ("launches / rank / step (as NCCL runs them)", [summary[n]["launches"] for n in names]),
     ]
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
     for ax, (title, values) in zip(axes, panels):

@@ -14,8 +14,8 @@ dedicated. naive FSDP2+Muon all-gathers every full gradient in the step
 The full debug model costs 16-30 s per step on 2 CPU cores, so the defaults
 are few steps at a short sequence: step time and optimizer share are medians
 of steps 2+ (step 1 pays for warm-up); communication and launches per rank per
-step come from the CommLedger (``count_all_comm``; launches through the
-benchmark-only hook of benchmarks/_launch_hook, see bench_debug_model.py);
+step come from the CommLedger (``count_all_comm``; launches as NCCL runs them,
+see bench_debug_model.py);
 loss is the last step's. Prints a table (and its markdown) and writes
 bench_out/moe.png. By default each configuration initialises its own weights
 from ``[debug] seed``: TorchTitan's AdamW and naive_muon start alike, DMuon
@@ -36,7 +36,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import LINE, ROOT, hook_env, seed_checkpoint, train_args  # noqa: E402
+from bench_debug_model import LINE, ROOT, seed_checkpoint, train_args  # noqa: E402
 
 CONFIGS = {  # name -> [optimizer] table
     "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
@@ -81,7 +81,7 @@ def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[di
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=CONFIGS[name], steps=args.steps, seq=args.seq, batch=args.batch))
-    env = {**os.environ, **hook_env(), "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
+    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
@@ -94,8 +94,7 @@ def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[di
         rows[int(m[1])] = {
             "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
             "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
-            "launch_all": float(m[9]) if m[9] else None, "launch_dmuon": float(m[10]) if m[10] else None,
-            "launch_other": float(m[11]) if m[11] else None, "launch_groups": float(m[12]) if m[12] else None,
+            "launches": float(m[8]), "launch_dmuon": float(m[9]) if m[9] else None,
         }
     for m in DMUON_LINE.finditer(log):
         if int(m[1]) in rows:
@@ -112,13 +111,12 @@ def summarize(data: list[dict]) -> dict:
         values = [d[key] for d in steady if d.get(key) is not None]
         return statistics.median(values) if values else None
 
-    s = {k: med(k) for k in ("step_s", "opt_ms", "comm_m", "comm_mb", "launch_all", "launch_dmuon", "launch_other",
-                             "launch_groups", "dmuon_m", "dmuon_mb", "design_m", "ns_matrices", "ns_ms")}
+    s = {k: med(k) for k in ("step_s", "opt_ms", "comm_m", "comm_mb", "launches", "launch_dmuon",
+                             "dmuon_m", "dmuon_mb", "design_m", "ns_matrices", "ns_ms")}
     s["opt_share"] = s["opt_ms"] / 1e3 / s["step_s"]
     s["rss_gib"] = max(d["rss_gib"] for d in data)
     s["losses"] = [d["loss"] for d in data]
     s["loss"] = data[-1]["loss"]
-    s["launch_coalesced"] = None if s["launch_other"] is None else s["launch_other"] + s["launch_groups"]
     s["steps_used"] = [d["step"] for d in steady]
     return s
 
@@ -131,25 +129,25 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
     base = summary["FSDP2+AdamW"]
     text = [title, (
         f"{'configuration':<18}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
-        f"{'vs AdamW':>9}{'launch gloo':>12}{'(DMuon)':>8}{'coalesced':>10}{'peak RSS GiB':>13}{'loss':>8}"
+        f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'loss':>8}"
     )]
     md = [
         "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
-        "| launches / rank / step: gloo (DMuon's) | coalesced (NCCL) | peak RSS | loss per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| launches / rank / step (DMuon's) | peak RSS | loss per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         text.append(
             f"{name:<18}{s['step_s']:>9.2f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>10.2f}{s['comm_mb'] / base['comm_mb']:>9.4f}"
-            f"{_f(s['launch_all'], '.0f'):>12}{_f(s['launch_dmuon'], '.0f'):>8}{_f(s['launch_coalesced'], '.0f'):>10}"
+            f"{_f(s['launches'], '.0f'):>9}{_f(s['launch_dmuon'], '.0f'):>8}"
             f"{s['rss_gib']:>13.2f}{s['loss']:>8.3f}"
         )
         label = f"**{name}**" if name == "DMuon" else name
         md.append(
             f"| {label} | {s['step_s']:.2f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB ({s['comm_m']:.4f}M elements) | {s['comm_mb'] / base['comm_mb']:.4f} "
-            f"| {_f(s['launch_all'], '.0f')} ({_f(s['launch_dmuon'], '.0f')}) | {_f(s['launch_coalesced'], '.0f')} "
+            f"| {_f(s['launches'], '.0f')} ({_f(s['launch_dmuon'], '.0f')}) "
             f"| {s['rss_gib']:.2f} GiB | {', '.join(f'{x:.3f}' for x in s['losses'])} |"
         )
     d = summary.get("DMuon", {})

@@ -49,7 +49,7 @@ def _comm_stats_vs_ledger(rank, world, mode):
         train(setup, data[1:], rank, world)
     own = setup.handle.pop_comm_stats()
     by_source = {
-        source: (ledger.elements(source=source), ledger.bytes(source=source), ledger.launches(source=source))
+        source: (ledger.elements(source=source), ledger.bytes(source=source), ledger.launch_groups(source=source))
         for source in {record.source for record in ledger.select(source="dmuon")}
     }
     return own, by_source

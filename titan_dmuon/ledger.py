@@ -45,7 +45,8 @@ class CommRecord:
     group_ranks: tuple[int, ...]
     numel: int  # S in the formulas above
     dtype: torch.dtype
-    launch: int | None = None  # id of the coalesced group it went out in; None: a launch of its own
+    launch: int | None = None  # id of the DMuon group it went out in; None: on its own (FSDP2's, DDP's)
+    coalesced: bool = False  # that group ran as one launch (NCCL); gloo runs a group one by one
 
     @property
     def group_size(self) -> int:
@@ -143,10 +144,11 @@ class CommLedger(TorchDispatchMode):
 
     def _record(self, kind: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
+        launch = current_launch()
         self.records.append(
             CommRecord(
                 kind=kind, source=current_source(), phase=_phase.get(), group_ranks=ranks, numel=numel, dtype=dtype,
-                launch=current_launch(),
+                launch=launch[0] if launch else None, coalesced=bool(launch and launch[1]),
             )
         )
 
@@ -171,7 +173,14 @@ class CommLedger(TorchDispatchMode):
         return sum((r.bytes for r in self.select(**filters)), Fraction(0))
 
     def launches(self, **filters) -> int:
-        """Collective launches on this rank: a coalesced group (NCCL's ncclGroup) counts once."""
+        """Collective launches that ran on this rank: a coalesced group (NCCL's ncclGroup) once,
+        every other collective once (on gloo each of a DMuon group's collectives)."""
+        records = self.select(**filters)
+        return len({r.launch for r in records if r.coalesced}) + sum(not r.coalesced for r in records)
+
+    def launch_groups(self, **filters) -> int:
+        """Launches as NCCL runs them whatever the backend here: a DMuon group once, every other
+        collective once."""
         records = self.select(**filters)
         return len({r.launch for r in records if r.launch is not None}) + sum(r.launch is None for r in records)
 

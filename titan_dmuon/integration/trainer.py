@@ -155,7 +155,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
         if "comm/elements_per_rank" in figures:
             parts.append(
                 f"all comm {figures['comm/elements_per_rank'] / 1e6:.4f}M elements/rank/step "
-                f"({figures['comm/MB_per_rank']:.3f} MB)"
+                f"({figures['comm/MB_per_rank']:.3f} MB; {figures['comm/launches_per_rank']:.0f} launches)"
             )
         if "dmuon/comm_elements_per_rank" in figures:
             parts.append(
@@ -189,6 +189,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
         if self.ledger is not None:
             figures["comm/elements_per_rank"] = float(self.ledger.elements()) / steps
             figures["comm/MB_per_rank"] = float(self.ledger.bytes()) / steps / 1e6
+            figures["comm/launches_per_rank"] = self.ledger.launch_groups() / steps  # as NCCL launches them
             self.ledger.records.clear()
         handles = dmuon_handles(self.optimizers)
         if handles:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 _source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default="other")
-_launch: contextvars.ContextVar[int | None] = contextvars.ContextVar("dmuon_comm_launch", default=None)
+_launch: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("dmuon_comm_launch", default=None)
 _launch_ids = itertools.count(1)
 
 
@@ -46,14 +46,16 @@ def current_source() -> str:
     return _source.get()
 
 
-def current_launch() -> int | None:
-    """The id of the coalesced group being issued, or None (then each collective is its own launch)."""
+def current_launch() -> tuple[int, bool] | None:
+    """(id, coalesced) of the group of DMuon's collectives being issued, or None. One group is one
+    launch where the backend coalesces (NCCL); gloo runs its collectives one by one."""
     return _launch.get()
 
 
 @dataclass
 class CommStats:
-    """This rank's DMuon traffic since the last ``pop``: {label: [elements, bytes, launches]}."""
+    """This rank's DMuon traffic since the last ``pop``: {label: [elements, bytes, launches]}
+    (launches: groups, i.e. what NCCL launches; gloo runs a group's collectives one by one)."""
 
     by_source: dict[str, list] = field(default_factory=dict)
 
@@ -102,21 +104,20 @@ class Launch:
 
     def __enter__(self) -> Launch:
         self._stack.enter_context(comm_source(self.source))
+        token = _launch.set((next(_launch_ids), self._coalesce))
+        self._stack.callback(_launch.reset, token)
         return self
 
     def _open_group(self) -> None:
         """Entered at the first collective: an empty coalesced group would still be a launch."""
-        token = _launch.set(next(_launch_ids))
-        self._stack.callback(_launch.reset, token)
         self._cm = self._stack.enter_context(dist._coalescing_manager(self.group, self.device, async_ops=True))
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
         if self._cm is not None and self._ops:
             self.works.append(self._cm)
-        launches = 1 if self._coalesce and self._ops else self._ops
         if self._ops:
-            self.stats.add(self.source, Fraction(0), Fraction(0), launches)
+            self.stats.add(self.source, Fraction(0), Fraction(0), 1)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._issue(dist.broadcast, tensor, group_src=src)
