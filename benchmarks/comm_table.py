@@ -27,7 +27,7 @@ from tests.helpers import baseline, batches, distribute, local_slice, make_mesh,
 from titan_dmuon import CommLedger, theory_elements_per_rank  # noqa: E402
 from titan_dmuon.toy_model import loss_fn, muon_targets  # noqa: E402
 
-DIMS = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=1)
+DIMS = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=4)
 ROWS = [  # label, how to build, theory name, replicate size
     ("naive FSDP2+Muon, reshard_after_forward=False", ("naive", False), "naive_fsdp_z2", 1),
     ("naive FSDP2+Muon, reshard_after_forward=True", ("naive", True), "naive_fsdp_z3", 1),
@@ -39,8 +39,9 @@ ROWS = [  # label, how to build, theory name, replicate size
 ]
 
 
-def muon_elements(kind, mode, rank: int, world: int, hsdp: bool) -> tuple[Fraction, int]:
-    """Elements on the Muon-target weights per step on this simulated rank, and P_M."""
+def muon_elements(kind, mode, rank: int, world: int, hsdp: bool) -> tuple[Fraction, int, int]:
+    """Elements on the Muon-target weights per step on this simulated rank, P_M, and the elements of
+    the layer DMuon-Z3 keeps from forward to backward (0 otherwise)."""
     model = toy_model(**DIMS)
     p_m = sum(p.numel() for p in muon_targets(model))
     p_other = sum(p.numel() for p in model.parameters()) - p_m
@@ -57,26 +58,26 @@ def muon_elements(kind, mode, rank: int, world: int, hsdp: bool) -> tuple[Fracti
         setup.opt.zero_grad()
     ledger.__exit__(None, None, None)
     if kind == "dmuon":
-        return ledger.elements(source="dmuon") / 2, p_m
+        return ledger.elements(source="dmuon") / 2, p_m, setup.handle.kept_unit_numel
     # baselines move every parameter: subtract what the same collectives cost for the rest
     n = world
     rest = {"naive": (3 if mode else 2) * Fraction(n - 1, n) * p_other, "ddp_muon": 2 * Fraction(n - 1, n) * p_other}[kind]
-    return ledger.elements() / 2 - rest, p_m
+    return ledger.elements() / 2 - rest, p_m, 0
 
 
-def measure(label_build, n: int, replicate: int) -> tuple[Fraction, int]:
+def measure(label_build, n: int, replicate: int) -> tuple[Fraction, int, int]:
     kind, mode = label_build
     world = n * replicate
     ranks = range(world) if replicate > 1 else [0]  # 1-D: every rank moves the same
-    total, p_m = Fraction(0), 0
+    total, p_m, kept = Fraction(0), 0, 0
     for rank in ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
-            elements, p_m = muon_elements(kind, mode, rank, world, replicate > 1)
+            elements, p_m, kept = muon_elements(kind, mode, rank, world, replicate > 1)
         finally:
             dist.destroy_process_group()
         total += elements
-    return total / len(ranks), p_m
+    return total / len(ranks), p_m, kept
 
 
 def main() -> None:
@@ -87,18 +88,19 @@ def main() -> None:
     lines = [header, "|---" * (len(args.n) + 2) + "|"]
     formulas = {
         "naive_fsdp_z2": "3(N-1)/N", "naive_fsdp_z3": "4(N-1)/N", "ddp_muon": "2(N-1)/N", "dmuon_z2": "2(N-1)/N",
-        "dmuon_z3": "3(N-1)/N", "dmuon_ddp": "2(N-1)/N",
+        "dmuon_z3": "(3 - 1/L)(N-1)/N", "dmuon_ddp": "2(N-1)/N",
     }
     for label, build, theory, replicate in ROWS:
         cells = []
         for n in args.n:
-            measured, p_m = measure(build, n, replicate)
-            expected = theory_elements_per_rank(theory, shard_size=n, replicate_size=replicate, numel=p_m)
+            measured, p_m, kept = measure(build, n, replicate)
+            expected = theory_elements_per_rank(theory, shard_size=n, replicate_size=replicate, numel=p_m, kept_unit_numel=kept)
             mark = "" if measured == expected else " (!= design)"
             cells.append(f"{float(measured / p_m):.4f}{mark}")
         formula = formulas[theory] + (" + 2(R-1)/R / N" if replicate > 1 else "")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {formula} x P_M |")
-    print("Muon-target communication per rank per step, in units of P_M, measured by the CommLedger")
+    print(f"Muon-target communication per rank per step, in units of P_M, measured by the CommLedger "
+          f"(L = {DIMS['n_layers']} layers of equal size; Z3 keeps the last one from forward to backward)")
     print("\n".join(lines))
 
 
