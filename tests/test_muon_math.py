@@ -132,3 +132,27 @@ def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
     torch.optim.Muon(reference, lr=0.05, weight_decay=0.1, momentum=0.9).step()
     assert torch.equal(params[0], reference[0]) and torch.equal(params[1], reference[1])
     assert torch.equal(params[2], torch.cat(reference[2:]))
+
+
+def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
+    import titan_dmuon.muon_math as math
+
+    torch.manual_seed(0)
+    params = [torch.randn(8, 12) for _ in range(5)]
+    grads = [torch.randn_like(p) for p in params]
+
+    def run(cap):
+        monkeypatch.setattr(math, "MAX_STACK_BYTES", cap)
+        batches = []
+        original = math._newton_schulz_wide_
+        monkeypatch.setattr(math, "_newton_schulz_wide_", lambda x, *a: batches.append(x.shape[0]) or original(x, *a))
+        out = [p.clone() for p in params]
+        muon_step(out, grads, [torch.zeros_like(p) for p in params], [row_blocks(p.shape) for p in params],
+                  lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+        monkeypatch.setattr(math, "_newton_schulz_wide_", original)
+        return out, batches
+
+    whole, whole_batches = run(2**30)
+    capped, capped_batches = run(2 * 8 * 12 * 2)  # two bf16 8 x 12 matrices per batch
+    assert whole_batches == [5] and capped_batches == [2, 2, 1]
+    assert all(torch.equal(a, b) for a, b in zip(whole, capped))

@@ -17,6 +17,9 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 NS_STEPS = 5
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+# Newton–Schulz batches stack at most this many bf16 bytes (the iteration needs ~3 such stacks of
+# workspace): big matrices go a few at a time, small ones all at once. Results do not depend on it.
+MAX_STACK_BYTES = 256 * 2**20
 
 
 def newton_schulz(
@@ -153,25 +156,39 @@ def muon_step(
                 groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
     for param in params:
         param.mul_(1 - lr * weight_decay)
-    for (short, long), members in groups.items():
-        stack = torch.empty((len(members), short, long), dtype=torch.bfloat16, device=params[members[0][0]].device)
-        for k, (i, e, b) in enumerate(members):
-            grad = _take_rows(_matrix(grads[i], e), blocks[i][b])
-            buffer = _take_rows(_matrix(momentum_buffers[i], e), blocks[i][b])
-            update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
-            stack[k].copy_(update.mT if update.shape[0] > update.shape[1] else update)
-        orthogonal = _newton_schulz_wide_(stack, ns_steps, ns_coefficients, eps)
-        del stack
-        for k, (i, e, b) in enumerate(members):
-            param, block = _matrix(params[i], e), blocks[i][b]
-            rows = block_rows(block)
-            update = orthogonal[k].mT if rows > param.shape[1] else orthogonal[k]
-            scale = adjusted_lr(lr, adjust_lr_fn, (rows, param.shape[1]))
-            offset = 0
-            for start, stop in block:
-                param[start:stop].add_(update[offset : offset + stop - start], alpha=-scale)
-                offset += stop - start
-    return sum(len(members) for members in groups.values())
+    for (short, long), group in groups.items():
+        per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))  # NS needs ~3 stacks of workspace
+        for first in range(0, len(group), per_batch):
+            _orthogonalise_batch(
+                group[first : first + per_batch], short, long, params, grads, momentum_buffers, blocks,
+                lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                eps=eps, adjust_lr_fn=adjust_lr_fn,
+            )
+    return sum(len(group) for group in groups.values())
+
+
+def _orthogonalise_batch(
+    members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
+    ns_coefficients, eps, adjust_lr_fn,
+) -> None:
+    """One batch of equally shaped blocks: Nesterov input, bf16 stack, Newton–Schulz, update."""
+    stack = torch.empty((len(members), short, long), dtype=torch.bfloat16, device=params[members[0][0]].device)
+    for k, (i, e, b) in enumerate(members):
+        grad = _take_rows(_matrix(grads[i], e), blocks[i][b])
+        buffer = _take_rows(_matrix(momentum_buffers[i], e), blocks[i][b])
+        update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
+        stack[k].copy_(update.mT if update.shape[0] > update.shape[1] else update)
+    orthogonal = _newton_schulz_wide_(stack, ns_steps, ns_coefficients, eps)
+    del stack
+    for k, (i, e, b) in enumerate(members):
+        param, block = _matrix(params[i], e), blocks[i][b]
+        rows = block_rows(block)
+        update = orthogonal[k].mT if rows > param.shape[1] else orthogonal[k]
+        scale = adjusted_lr(lr, adjust_lr_fn, (rows, param.shape[1]))
+        offset = 0
+        for start, stop in block:
+            param[start:stop].add_(update[offset : offset + stop - start], alpha=-scale)
+            offset += stop - start
 
 
 def _matrix(tensor: torch.Tensor, index: int) -> torch.Tensor:
