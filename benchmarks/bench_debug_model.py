@@ -267,7 +267,7 @@ def plot(summary: dict, path: str) -> None:
         ("step time (s)", [summary[n]["step_s"] for n in names]),
         ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
         ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
-        ("launches / rank / step (as NCCL runs them)", [summary[n]["launches"] for n in names]),
+        ("launches / rank / step (NCCL)", [summary[n]["launches"] for n in names]),
     ]
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
     for ax, (title, values) in zip(axes, panels):

@@ -64,16 +64,20 @@ def _strip_addresses(value):
 
 
 @pytest.mark.parametrize(
-    "toml, function, world",
+    "toml, function, world, family_parallelize",
     [
-        ("debug_model", "llama3_debugmodel_dmuon", 2),
-        ("debug_model_z2", "llama3_debugmodel_dmuon_z2", 2),
-        ("debug_model_hsdp", "llama3_debugmodel_dmuon_hsdp", 4),
-        ("llama3_8b", "llama3_8b_dmuon", 32),
-        ("llama3_70b", "llama3_70b_dmuon", 64),
+        ("debug_model", "llama3_debugmodel_dmuon", 2, "parallelize_llama"),
+        ("debug_model_z2", "llama3_debugmodel_dmuon_z2", 2, "parallelize_llama"),
+        ("debug_model_hsdp", "llama3_debugmodel_dmuon_hsdp", 4, "parallelize_llama"),
+        ("llama3_8b", "llama3_8b_dmuon", 32, "parallelize_llama"),
+        ("llama3_70b", "llama3_70b_dmuon", 64, "parallelize_llama"),
+        ("debug_model_moe", "qwen3_moe_debug_dmuon", 2, "parallelize_qwen3"),
+        ("qwen3_30b_a3b", "qwen3_30b_a3b_dmuon", 64, "parallelize_qwen3"),
+        ("deepseek_v3_16b", "deepseek_v3_16b_dmuon", 64, "parallelize_deepseekv3"),
+        ("moonlight_16b_a3b", "moonlight_16b_a3b_dmuon", 64, "parallelize_kimi_k2_5"),
     ],
 )
-def test_registry_configs_are_the_toml_jobs(toml, function, world):
+def test_registry_configs_are_the_toml_jobs(toml, function, world, family_parallelize):
     """Every setting of each registry config equals its TOML file's, the model spec included."""
     registry = importlib.import_module("titan_dmuon.config_registry")
     python = getattr(registry, function)()
@@ -82,7 +86,7 @@ def test_registry_configs_are_the_toml_jobs(toml, function, world):
     assert _comparable(python) == _comparable(from_toml)
     for config in (python, from_toml):
         fn = config.model_spec.parallelize_fn
-        assert isinstance(fn, DMuonParallelize) and not fn.bound and fn.base_fn.__name__ == "parallelize_llama"
+        assert isinstance(fn, DMuonParallelize) and not fn.bound and fn.base_fn.__name__ == family_parallelize
 
 
 def test_a_users_with_dmuon_config_is_the_main_job(tmp_path, monkeypatch):

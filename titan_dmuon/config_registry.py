@@ -90,6 +90,65 @@ def llama3_70b_dmuon():
     return _with_dmuon(config, lr=1.5e-4, adamw_lr=1.5e-4, reshard_after_forward=True, **_CLUSTER_DMUON)
 
 
+def qwen3_moe_debug_dmuon():
+    """debug_model_moe.toml: TorchTitan's qwen3 MoE debug model, DMuon-Z3, 2 ranks on a CPU machine
+    (experts stay on FSDP2's dim-0 shards; each rank runs Muon on its own)."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = _local_assets(qwen3_moe_debug())
+    _set(config.lr_scheduler, warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
+    _set(config.training, local_batch_size=2, seq_len=128, max_norm=1.0, steps=10)
+    _set(config.parallelism, data_parallel_shard_degree=-1)
+    config.activation_checkpoint = None
+    _set(config.checkpoint, enable=False, folder="checkpoint", interval=5)
+    _set(config.metrics, log_freq=1)
+    config.debug.seed = 0
+    return _with_dmuon(config, **{**_DEBUG_DMUON, "lr": 0.02}, reshard_after_forward=True)
+
+
+def qwen3_30b_a3b_dmuon():
+    """qwen3_30b_a3b.toml: Qwen3 30B-A3B, DMuon-Z3 on FSDP2 over 64 ranks (experts local)."""
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+
+    return _moe_cluster_job(qwen3_30b_a3b(), "Qwen3-30B-A3B", lr=3e-4, steps=10000, ep=1)
+
+
+def deepseek_v3_16b_dmuon():
+    """deepseek_v3_16b.toml: DeepSeek-V3 16B, DMuon-Z3 with expert parallelism 8 (64 ranks)."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_16b
+
+    return _moe_cluster_job(deepseek_v3_16b(), "deepseek-moe-16b-base", lr=2.2e-4, steps=1000, ep=8)
+
+
+def moonlight_16b_a3b_dmuon():
+    """moonlight_16b_a3b.toml: Moonlight 16B-A3B, DMuon-Z3 with expert parallelism 8 (TorchTitan's
+    kimi_k2_7 configs import torchvision: pip install -e '.[kimi]')."""
+    from torchtitan.models.kimi_k2_7.config_registry import moonlight_16b_a3b
+
+    return _moe_cluster_job(moonlight_16b_a3b(), "Moonlight-16B-A3B", lr=3e-4, steps=10000, ep=8)
+
+
+def _moe_cluster_job(config, hf_name: str, *, lr: float, steps: int, ep: int):
+    config.dump_folder = "./outputs"
+    config.hf_assets_path = f"./assets/hf/{hf_name}"
+    # DMuon's hooks run every step; TorchTitan's default CUDA-graph capture would skip them
+    _set(config.training, local_batch_size=4, seq_len=4096, max_norm=1.0, steps=steps, disable_cuda_graphs=True)
+    _set(config.dataloader, dataset="c4", dataset_path="./data/c4")
+    _set(config.parallelism, data_parallel_shard_degree=-1, expert_parallel_degree=ep)
+    config.activation_checkpoint = _FullAC.Config()
+    _set(config.checkpoint, enable=True, folder="checkpoint", interval=500)
+    _set(config.metrics, log_freq=10, enable_tensorboard=True)
+    return _with_dmuon(config, lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=0.1, adamw_lr=lr, adamw_weight_decay=0.1)
+
+
+def _local_assets(config):
+    _ensure_debug_assets(_DEBUG_ASSETS)  # local files: Hugging Face looks nothing up for them
+    config.dump_folder = "./outputs"
+    config.hf_assets_path = f"{_DEBUG_ASSETS}/tokenizer"
+    _set(config.dataloader, dataset="c4_test", dataset_path=f"{_DEBUG_ASSETS}/text")
+    return config
+
+
 def _debug_job(**parallelism):
     """TorchTitan's llama3 debug config sized for a CPU machine, on the local tokenizer and dataset."""
     _ensure_debug_assets(_DEBUG_ASSETS)  # local files: Hugging Face looks nothing up for them
