@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_dmuon.runtime import find_dedicated
+from titan_dmuon.runtime import find_dedicated, refresh_handles
 
 
 @torch.no_grad()
@@ -33,6 +33,7 @@ def clip_grad_norm_(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     params = list(parameters)
+    refresh_handles()
     owned, sharded, replicated = [], [], []
     meshes = []
     for p in params:

@@ -20,7 +20,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
-from titan_dmuon.runtime import find_dedicated, find_local_experts
+from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
 
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
@@ -58,6 +58,7 @@ class DMuon(torch.optim.Optimizer):
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
         user_groups = list(params)
+        refresh_handles()
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
         if not isinstance(user_groups[0], dict):
@@ -125,6 +126,7 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refresh_handles()
         handles = self.dedicated_handles()  # same order on every rank: it follows the param groups
         for handle in handles:
             handle.wait_for_replicate_broadcasts()  # the last step's sends read the weights we update now

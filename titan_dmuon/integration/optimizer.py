@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 from titan_dmuon.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
-from titan_dmuon.runtime import find_dedicated, find_local_experts
+from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
 
 MUON_FAMILY_KEYS = (
     "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
@@ -104,6 +104,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             return OptimizersContainer._build_param_groups(model, param_group_configs, {})
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        refresh_handles()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         muon = [(n, p) for n, p in named if find_dedicated(p) is not None or find_local_experts(p) is not None]
         muon_ids = {id(p) for _, p in muon}

@@ -18,6 +18,7 @@ from titan_dmuon.runtime.dedicate import (
     dedicate_params,
     find_dedicated,
     find_local_experts,
+    refresh_handles,
 )
 from titan_dmuon.runtime.handle import DedicatedParams, LocalExperts
 
@@ -30,4 +31,5 @@ __all__ = [
     "dedicate_params",
     "find_dedicated",
     "find_local_experts",
+    "refresh_handles",
 ]

@@ -25,6 +25,13 @@ _HSDP_ALIASES = {HSDP_DIM_NAMES, ("dp_replicate", "fsdp")}  # TorchTitan's legac
 _live_handles: weakref.WeakSet = weakref.WeakSet()
 
 
+def refresh_handles() -> None:
+    """Every live handle follows parameters ``module._apply`` replaced (``to_empty()``); callers
+    that then look many parameters up (``find_dedicated``) do this once first."""
+    for handle in list(_live_handles):
+        handle.refresh()
+
+
 def find_dedicated(param: torch.Tensor) -> tuple[DedicatedParams, Member] | None:
     """(handle, member) if ``param`` is a dedicated weight of a live handle, else None."""
     for handle in list(_live_handles):
@@ -95,6 +102,7 @@ def dedicate_params(
     replicate_size, shard_size = _check_mesh(mesh)
     _check_not_wrapped(module)
     params = list(params)
+    refresh_handles()
     sites = _registration_sites(module)
     split_rows = dict(split_rows or {})
     seen: set[int] = set()

@@ -197,11 +197,9 @@ class DedicatedParams:
         return [m.entry.fqn for m in self._members]
 
     def member_of(self, param: torch.Tensor) -> Member | None:
-        """This handle's record of ``param`` if it is one of its dedicated weights."""
+        """This handle's record of ``param`` if it is one of its dedicated weights (as of the last
+        ``refresh()``: callers that look many parameters up refresh once first)."""
         found = self._by_id.get(id(param))
-        if found is None or found.param is not param:
-            self.refresh()
-            found = self._by_id.get(id(param))
         return found if found is not None and found.param is param else None
 
     def local_expert_of(self, param: torch.Tensor) -> LocalExperts | None:
@@ -328,6 +326,7 @@ class DedicatedParams:
 
     # ---- setup -----------------------------------------------------------------------------
     def _member(self, param: nn.Parameter) -> Member:
+        self.refresh()
         found = self.member_of(param)
         if found is None:
             raise KeyError("not a dedicated parameter of this handle")
