@@ -187,9 +187,27 @@ def train(setup: Setup, data, rank: int, world: int, *, steps: int | None = None
 
 def full_state(setup: Setup) -> dict[str, torch.Tensor]:
     """Every parameter in full on every rank (collective)."""
-    dedicated = setup.handle.full_tensors() if setup.handle is not None else {}
+    return full_parameters(setup.model, setup.handle)
+
+
+class Counter:
+    """Stands in for TorchTitan's train state and dataloader (both Stateful) in checkpoint tests."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` in full on every rank, by canonical name (collective)."""
+    dedicated = handle.full_tensors() if handle is not None else {}
     out = {}
-    for name, p in setup.model.named_parameters():
+    for name, p in model.named_parameters():
         name = canonical_fqn(name)
         if name in dedicated:
             out[name] = dedicated[name]

@@ -19,25 +19,14 @@ cpu.enable()  # before TorchTitan's modules are imported
 
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
-from tests.helpers import ADAMW, MUON, baseline, batches, distribute, full_state, local_slice, make_mesh, toy_model  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    ADAMW, MUON, Counter, baseline, batches, distribute, full_state, local_slice, make_mesh, toy_model,
+)
 from titan_dmuon.integration.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.integration.optimizer import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.toy_model import loss_fn  # noqa: E402
 
 STEPS = 6
-
-
-class _Counter:
-    """Stands in for TorchTitan's train state and dataloader (both Stateful)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False):
@@ -50,12 +39,12 @@ def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode=
     kwargs = dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"]) if optimizer == "dmuon" else dict(lr=1e-2)
     setup.opt = DMuonOptimizersContainer(DMuonOptimizersContainer.Config(name=optimizer, **kwargs), model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)
-    counter = _Counter()
+    counter = Counter()
     config = DMuonCheckpointManager.Config(
         enable=True, folder="ckpt", interval=1, async_mode=async_mode, last_save_model_only=last_model_only
     )
     manager = config.build(
-        dataloader=_Counter(), model_parts=[model], optimizers=setup.opt, lr_schedulers=schedule,
+        dataloader=Counter(), model_parts=[model], optimizers=setup.opt, lr_schedulers=schedule,
         states={"train_state": counter}, sd_adapter=None, base_folder=folder,
     )
     return setup, schedule, counter, manager

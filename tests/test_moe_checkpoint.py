@@ -18,23 +18,11 @@ from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodati
 from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
+from tests.helpers import Counter, full_parameters  # noqa: E402
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 STEPS = 4
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
-
-
-class _Counter:
-    """Stands in for TorchTitan's train state and dataloader (both Stateful)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 class _Job:
@@ -49,14 +37,14 @@ class _Job:
         self.model, self.container = th.build((config, spec), self.dims, lr=0.02)
         schedule = LRSchedulersContainer.Config(warmup_steps=2)
         self.schedule = schedule.build(optimizers=self.container, training_steps=STEPS)
-        self.counter = _Counter()
+        self.counter = Counter()
         self.adapter = spec.state_dict_adapter(config, None) if hf or hf_load else None
         manager_config = DMuonCheckpointManager.Config(
             enable=True, folder="ckpt", interval=1, last_save_model_only=hf, last_save_in_hf=hf,
             initial_load_path=hf_load, initial_load_in_hf=hf_load is not None, initial_load_model_only=True,
         )
         self.manager = manager_config.build(
-            dataloader=_Counter(), model_parts=[self.model], optimizers=self.container,
+            dataloader=Counter(), model_parts=[self.model], optimizers=self.container,
             lr_schedulers=self.schedule, states={"train_state": self.counter}, sd_adapter=self.adapter,
             base_folder=folder,
         )
@@ -90,16 +78,7 @@ class _Job:
 
     def weights(self):
         """Every parameter and state-dict buffer in full, by canonical name (collective)."""
-        dedicated = self.handle().full_tensors()
-        out = {}
-        for name, p in self.model.named_parameters():
-            name = canonical_fqn(name)
-            if name in dedicated:
-                out[name] = dedicated[name]
-            elif isinstance(p, DTensor):
-                out[name] = p.full_tensor().detach()
-            else:
-                out[name] = p.detach().clone()
+        out = full_parameters(self.model, self.handle())
         persistent = set(self.model.state_dict())
         for name, b in self.model.named_buffers():
             if name in persistent:
