@@ -118,10 +118,11 @@ class GradientReducer:
         streams = self.streams
         with streams.use(streams.replicate):
             wait_all(flight.works)  # the replicate stream (not the compute stream) waits for the shard stage
+            for _, _, flat in flight.items:  # that wait, not the reduce stream, orders them after the shard
+                streams.keep_alive_on(flat, streams.replicate)  # stage: non-owners' flats are freed below
             device = flight.items[0][2].device
             with Launch(self.replicate_group, self.replicate_size, device, "dmuon.replicate_reduce", self.stats) as launch:
                 for bucket, _, flat in mine:
-                    streams.keep_alive_on(flat, streams.replicate)
                     launch.reduce(flat, dst=bucket.replicate_owner)
         self._in_flight.append(_Flight(Stage.REPLICATE, launch.works, streams.replicate, mine))
 
