@@ -256,27 +256,32 @@ def markdown_table(summary: dict, steps: int) -> str:
 
 
 def plot(summary: dict, path: str) -> None:
+    bar_panels(summary, [
+        ("step time (s)", "step_s", 1),
+        ("optimizer step share (%)", "opt_share", 100),
+        ("communication per rank per step (MB)", "comm_mb", 1),
+        ("launches / rank / step (NCCL)", "launches", 1),
+    ], path, "llama3 debug model on this machine: DMuon vs FSDP2+AdamW vs naive FSDP2+Muon", height=4.5)
+
+
+def bar_panels(summary: dict, panels: list[tuple[str, str, float]], path: str, title: str, *, height: float) -> None:
+    """One horizontal bar chart per (title, summary key, scale), configurations coloured by kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
-    panels = [
-        ("step time (s)", [summary[n]["step_s"] for n in names]),
-        ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
-        ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
-        ("launches / rank / step (NCCL)", [summary[n]["launches"] for n in names]),
-    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(19, height))
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
-    for ax, (title, values) in zip(axes, panels):
+    for ax, (panel, key, scale) in zip(axes, panels):
+        values = [scale * summary[n][key] for n in names]
         ax.barh(names, values, color=colors)
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.invert_yaxis()
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-    fig.suptitle("llama3 debug model on this machine: DMuon vs FSDP2+AdamW vs naive FSDP2+Muon")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

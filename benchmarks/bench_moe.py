@@ -36,7 +36,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import LINE, ROOT, seed_checkpoint, train_args  # noqa: E402
+from bench_debug_model import LINE, ROOT, bar_panels, seed_checkpoint, train_args  # noqa: E402
 
 CONFIGS = {  # name -> [optimizer] table
     "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
@@ -211,30 +211,12 @@ def main() -> None:
 
 
 def plot(summary: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(summary)
-    fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
-    panels = [
-        ("step time (s)", [summary[n]["step_s"] for n in names]),
-        ("optimizer step share (%)", [100 * summary[n]["opt_share"] for n in names]),
-        ("communication per rank per step (MB)", [summary[n]["comm_mb"] for n in names]),
-        (f"loss at step {len(summary[names[0]]['losses'])}", [summary[n]["loss"] for n in names]),
-    ]
-    colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
-    for ax, (panel, values) in zip(axes, panels):
-        ax.barh(names, values, color=colors)
-        ax.set_title(panel)
-        ax.invert_yaxis()
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    bar_panels(summary, [
+        ("step time (s)", "step_s", 1),
+        ("optimizer step share (%)", "opt_share", 100),
+        ("communication per rank per step (MB)", "comm_mb", 1),
+        (f"loss at step {len(next(iter(summary.values()))['losses'])}", "loss", 1),
+    ], path, title, height=3.8)
 
 
 if __name__ == "__main__":

@@ -74,28 +74,30 @@ def time_ms(fn, device, reps: int = 3) -> float:
 def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3) -> list[tuple]:
     """(model, implementation, matrices, ms, TFLOP/s) for one layer's Muon update."""
     device = device or torch.device("cuda")
+    return [row for model, layer in layers.items() for row in _time_layer(model, layer, device, reps)]
+
+
+def _time_layer(model: str, layer, device, reps: int) -> list[tuple]:
+    separate, fused = layer_matrices(layer)
+    flops = sum(ns_flops(r, c) for r, c in separate)
+    g = torch.Generator(device=device).manual_seed(0)
+    torch_params = [torch.nn.Parameter(torch.randn(s, device=device, generator=g)) for s in separate]
+    for p in torch_params:
+        p.grad = torch.randn_like(p)
+    reference = torch.optim.Muon(torch_params, **MUON)
+    params = [torch.randn(s, device=device, generator=g) for s, _ in fused]
+    grads = [torch.randn_like(p) for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+    blocks = [b for _, b in fused]
+
+    def dmuon():
+        with torch.no_grad():
+            muon_step(params, grads, buffers, blocks, ns_steps=5, **MUON)
+
     rows = []
-    for model, layer in layers.items():
-        separate, fused = layer_matrices(layer)
-        flops = sum(ns_flops(r, c) for r, c in separate)
-        g = torch.Generator(device=device).manual_seed(0)
-        torch_params = [torch.nn.Parameter(torch.randn(s, device=device, generator=g)) for s in separate]
-        for p in torch_params:
-            p.grad = torch.randn_like(p)
-        reference = torch.optim.Muon(torch_params, **MUON)
-        params = [torch.randn(s, device=device, generator=g) for s, _ in fused]
-        grads = [torch.randn_like(p) for p in params]
-        buffers = [torch.zeros_like(p) for p in params]
-        blocks = [b for _, b in fused]
-
-        def dmuon():
-            with torch.no_grad():
-                muon_step(params, grads, buffers, blocks, ns_steps=5, **MUON)
-
-        for name, fn in (("torch.optim.Muon (per-matrix loop)", reference.step), ("DMuon muon_step (batched)", dmuon)):
-            ms = time_ms(fn, device, reps)
-            rows.append((model, name, len(separate), ms, flops / (ms / 1e3) / 1e12))
-        del torch_params, reference, params, grads, buffers
+    for name, fn in (("torch.optim.Muon (per-matrix loop)", reference.step), ("DMuon muon_step (batched)", dmuon)):
+        ms = time_ms(fn, device, reps)
+        rows.append((model, name, len(separate), ms, flops / (ms / 1e3) / 1e12))
     return rows
 
 

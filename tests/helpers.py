@@ -190,6 +190,16 @@ def full_state(setup: Setup) -> dict[str, torch.Tensor]:
     return full_parameters(setup.model, setup.handle)
 
 
+def merge_rank_states(states) -> dict[str, torch.Tensor]:
+    """One dict from every rank's ``{name: tensor}``; a name two ranks report must agree bitwise."""
+    merged = {}
+    for state in states:
+        for key, value in state.items():
+            assert key not in merged or torch.equal(merged[key], value), key
+            merged[key] = value
+    return merged
+
+
 class Counter:
     """Stands in for TorchTitan's train state and dataloader (both Stateful) in checkpoint tests."""
 

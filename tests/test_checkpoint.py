@@ -20,7 +20,7 @@ cpu.enable()  # before TorchTitan's modules are imported
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
-    ADAMW, MUON, Counter, baseline, batches, distribute, full_state, local_slice, make_mesh, toy_model,
+    ADAMW, MUON, Counter, baseline, merge_rank_states, batches, distribute, full_state, local_slice, make_mesh, toy_model,
 )
 from titan_dmuon.integration.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.integration.optimizer import DMuonOptimizersContainer  # noqa: E402
@@ -102,15 +102,6 @@ def _second_half(rank, world, mode, folder):
     return losses, _state(setup)
 
 
-def _merge(states):
-    merged = {}
-    for state in states:
-        for key, value in state.items():
-            assert key not in merged or torch.equal(merged[key], value), key
-            merged[key] = value
-    return merged
-
-
 @pytest.mark.parametrize("mode, world", [("z2", 2), ("z3", 2), ("hsdp", 4)])
 def test_resume_is_bit_exact(pool2, pool4, tmp_path, mode, world):
     """6 steps straight == 3 steps + save + new processes + load + 3 steps, bit for bit:
@@ -122,7 +113,7 @@ def test_resume_is_bit_exact(pool2, pool4, tmp_path, mode, world):
     second = pool.run(_second_half, mode, str(tmp_path / "b"))
     for rank in range(world):
         assert first[rank] + second[rank][0] == straight[rank][0]
-    a, b = _merge(s for _, s in straight), _merge(s for _, s in second)
+    a, b = merge_rank_states(s for _, s in straight), merge_rank_states(s for _, s in second)
     assert a.keys() == b.keys() and any(k.startswith("momentum_buffer/") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
 

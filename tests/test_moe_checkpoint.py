@@ -18,7 +18,7 @@ from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodati
 from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
-from tests.helpers import Counter, full_parameters  # noqa: E402
+from tests.helpers import Counter, full_parameters, merge_rank_states  # noqa: E402
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 STEPS = 4
@@ -87,7 +87,7 @@ class _Job:
 
     def state(self):
         """Weights, Muon momentum (experts' too: DTensors when local, the owner's plain tensor when
-        dedicated), AdamW moments and step counts, in full, keyed by name; merge over ranks with _merge."""
+        dedicated), AdamW moments and step counts, in full, keyed by name; merge over ranks with merge_rank_states."""
         out = {f"weight/{k}": v for k, v in self.weights().items()}
         names = {id(p): canonical_fqn(n) for n, p in self.model.named_parameters()}
         for opt in self.container.optimizers:
@@ -98,15 +98,6 @@ class _Job:
                             value = value.full_tensor()
                         out[f"{key}/{names[id(p)]}"] = value.detach().clone()
         return out
-
-
-def _merge(states):
-    merged = {}
-    for state in states:
-        for key, value in state.items():
-            assert key not in merged or torch.equal(merged[key], value), key
-            merged[key] = value
-    return merged
 
 
 def _differing(a, b):
@@ -260,14 +251,14 @@ def test_qwen3_moe_resume_is_bit_exact_and_exports_to_hf(pool2, tmp_path):
     from_hf = pool2.run(_load_hf, experts, export, str(tmp_path / "c"))
     for rank in range(2):
         assert first[rank][0] + second[rank][0] == straight[rank][0]
-    a, b = _merge(s for _, s, _ in straight), _merge(s for _, s in second)
+    a, b = merge_rank_states(s for _, s, _ in straight), merge_rank_states(s for _, s in second)
     assert a.keys() == b.keys()
     for fqn, _ in _expert_keys():
         assert f"momentum_buffer/{fqn}" in a, fqn
     assert any(k.startswith("exp_avg/") for k in a)
     assert _differing(a, b) == []
-    _check_experts_stored_once(str(tmp_path / "b" / "ckpt" / "step-2"), _merge(s for _, s in first), experts)
-    expected, weights = _merge(e for _, _, (e, _) in straight), _merge(w for _, _, (_, w) in straight)
+    _check_experts_stored_once(str(tmp_path / "b" / "ckpt" / "step-2"), merge_rank_states(s for _, s in first), experts)
+    expected, weights = merge_rank_states(e for _, _, (e, _) in straight), merge_rank_states(w for _, _, (_, w) in straight)
     _check_hf_export(export, expected, weights, experts)
     for loaded in from_hf:
         _check_hf_loaded(loaded, weights)
@@ -331,8 +322,8 @@ def test_reshard_across_the_expert_sharding_boundary(pool2, pool4, tmp_path, sav
     loaded = pools[load_world].run(_load_after_reshard, experts, folder)
     layout = {2: "local", 4: "dedicated"}
     assert {r[0] for r in saved} == {layout[save_world]} and {r[0] for r in loaded} == {layout[load_world]}
-    before = _merge(r[1] for r in saved)
-    after = _merge(r[1] for r in loaded)
+    before = merge_rank_states(r[1] for r in saved)
+    after = merge_rank_states(r[1] for r in loaded)
     assert before.keys() == after.keys()
     for fqn, _ in _expert_keys():
         assert f"momentum_buffer/{fqn}" in before, fqn
@@ -346,8 +337,8 @@ def test_reshard_across_the_expert_sharding_boundary(pool2, pool4, tmp_path, sav
     exports = [r[3] for r in saved]
     if layout[save_world] == "dedicated":
         assert {outcome for outcome, _ in exports} == {"exported"}
-        expected = _merge(result[0] for _, result in exports)
-        weights = _merge(result[1] for _, result in exports)
+        expected = merge_rank_states(result[0] for _, result in exports)
+        weights = merge_rank_states(result[1] for _, result in exports)
         export = os.path.join(folder, "ckpt", "step-4")
         _check_hf_export(export, expected, weights, experts)
         for loaded in pools[save_world].run(_load_hf, experts, export, str(tmp_path / "from_hf")):
