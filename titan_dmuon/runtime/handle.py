@@ -293,8 +293,7 @@ class DedicatedParams:
         for the next step, so the next forward starts with it in flight."""
         self.refresh()
         self._replicas.start(self._units, source="dmuon.replicate_broadcast")
-        if self._initialized and not self._recording_order and self._forward_order:
-            self._gather(self._forward_order[0], source="dmuon.forward_broadcast")
+        self._gather_first_unit()
 
     def refresh(self) -> None:
         """Follow parameters that ``module._apply`` replaced by new objects.
@@ -372,8 +371,7 @@ class DedicatedParams:
         if _in_backward():
             return
         self._lazy_init()
-        if not self._recording_order and self._forward_order:
-            self._gather(self._forward_order[0], source="dmuon.forward_broadcast")
+        self._gather_first_unit()  # no-op when the end of the last step launched it
 
     @_hook("pre_forward")
     def _pre_forward(self, unit: Unit) -> None:
@@ -472,6 +470,11 @@ class DedicatedParams:
                 source=source, stats=self._stats,
             )
         )
+
+    def _gather_first_unit(self) -> None:
+        """Launch the broadcast of the first unit forward runs (known once a step has run)."""
+        if self._initialized and not self._recording_order and self._forward_order:
+            self._gather(self._forward_order[0], source="dmuon.forward_broadcast")
 
     def _free(self, unit: Unit) -> None:
         self._track_buffer(-unit.free())
