@@ -222,7 +222,7 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
         if name in dedicated:
             out[name] = dedicated[name]
         elif isinstance(p, DTensor):
-            out[name] = p.full_tensor().detach()
+            out[name] = p.full_tensor().detach().clone()  # (a Replicate DTensor's full tensor is its local one)
         else:
             out[name] = p.detach().clone()
     return out

@@ -61,8 +61,12 @@ def _check(results, *, clipped=False):
         # Newton-Schulz ran exactly once per dedicated matrix per step in the whole job
         assert r["ns_per_step"] == [r["matrices"]] * STEPS
         if clipped:
-            # the global norm counts every gradient element once, at the right scale
-            assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
+            # the global norm counts every gradient element once, at the right scale: at step 1 (same
+            # weights, gradients summed in another order) to 1e-5; later steps see weights that agree
+            # to TOLERANCE (bf16 Newton-Schulz rounding, kernel-dependent), so their norms to 1e-3. A
+            # gradient counted twice or not at all is off by far more (e.g. sqrt(2)).
+            assert r["norms"][0] == pytest.approx(r["ref_norms"][0], rel=1e-5)
+            assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-3)
             assert all(n > 0.5 for n in r["ref_norms"])  # clipping was active
 
 

@@ -219,7 +219,7 @@ def test_ddp_with_activation_checkpointed_blocks(pool2):
 
 # ---- DMuon's Muon update, step for step, against torch.optim.Muon ----------------------------------
 def _single_process_steps(rank, world):
-    """One rank: DMuon's owner-side update must be torch.optim.Muon's, bit for bit, every step."""
+    """One rank, exact mode: DMuon's owner-side update must be torch.optim.Muon's, bit for bit, every step."""
     data = batches(4)
     model = toy_model()
     reference = toy_model()
@@ -232,7 +232,7 @@ def _single_process_steps(rank, world):
     )
     mesh = make_mesh("z3", world)
     dedicate_params(model, muon_targets(model), mesh)
-    opt = DMuon(model.parameters(), **MUON, **ADAMW)
+    opt = DMuon(model.parameters(), **MUON, **ADAMW, ns_mode="exact")
     mismatched = []
     for step, (x, y) in enumerate(data):
         loss_fn(model(x), y).backward()

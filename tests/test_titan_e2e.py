@@ -65,25 +65,21 @@ def _tensorboard_tags(folder):
 
 
 def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
-    """From the same seed checkpoint (written by one process) and the same data, the first
-    step of DMuon (Z3 and Z2) and of TorchTitan's AdamW sees the same loss and the same
-    global gradient norm. This checks loading unsharded weights onto owners, the gradient
-    scale (TorchTitan sums: divide factor 1) and the clip's count of owner-held plus
-    FSDP-sharded gradients (each element once)."""
-    seed = run_train(tmp_path / "seed", "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true",
-                     "--parallelism.data_parallel_shard_degree", "1", config="debug_model_adamw.toml", ngpu=1)
-    assert seed.returncode == 0, seed.stdout[-3000:]
-    load = ("--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
-            "--training.steps", "1")
+    """The same TOML apart from [optimizer], the same [debug] seed, no seed checkpoint: the first
+    step of DMuon (Z3 and Z2) and of TorchTitan's AdamW sees the same loss and the same global
+    gradient norm. DMuon's dedicated weights are initialised exactly as TorchTitan initialises
+    them under FSDP2 (the same random numbers on every rank); this also checks the gradient scale
+    (TorchTitan sums: divide factor 1) and the clip's count of owner-held plus FSDP-sharded
+    gradients (each element once; summed in another order: 1e-5)."""
     runs = {
-        "adamw": parse(run_train(tmp_path / "a", *load, config="debug_model_adamw.toml"))[0],
-        "z3": parse(run_train(tmp_path / "b", *load))[0],
-        "z2": parse(run_train(tmp_path / "c", *load, "--training.steps", "3", config="debug_model_z2.toml"))[0],
+        "adamw": parse(run_train(tmp_path / "a", "--training.steps", "1", config="debug_model_adamw.toml"))[0],
+        "z3": parse(run_train(tmp_path / "b", "--training.steps", "1"))[0],
+        "z2": parse(run_train(tmp_path / "c", "--training.steps", "3", config="debug_model_z2.toml"))[0],
     }
     assert sorted(runs["z2"]) == [1, 2, 3] and runs["z2"][3][0] < runs["z2"][1][0]  # and the Z2 config trains
     loss, norm = runs["adamw"][1]
     for name in ("z3", "z2"):
-        assert runs[name][1][0] == pytest.approx(loss, rel=1e-5), name
+        assert runs[name][1][0] == loss, name
         assert runs[name][1][1] == pytest.approx(norm, rel=1e-4), name
 
 

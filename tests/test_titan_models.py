@@ -220,3 +220,57 @@ def _summary(container):
             else:
                 summary.setdefault(name, []).append((group["param_names"][0], group["weight_decay"], group["lr"]))
     return summary
+
+
+# ---- the same seed gives TorchTitan's own initial model ---------------------------------------------------------
+def _same_seed_start(rank, world, family, replicate, experts, ep):
+    """Every parameter after TorchTitan's init (no seed checkpoint), and step 1's loss and grad norm,
+    for TorchTitan's own FSDP2/DDP + AdamW build and for DMuon's, from the same seed."""
+    from tests.helpers import full_parameters
+    from titan_dmuon import clip_grad_norm_
+
+    make = {"llama3": th.tiny_llama3, "qwen3": lambda: th.tiny_qwen3_moe(experts=experts),
+            "deepseek_v3": lambda: th.tiny_deepseek_v3(experts=experts)}[family]
+    data = th.batches(1, world)
+    out = {}
+    for optimizer in ("AdamW", "dmuon"):
+        dims = th.parallel_dims(world, replicate=replicate, ep=ep)
+        model, container = th.build(make(), dims, optimizer=optimizer, seed=7, lr=0.02)
+        handle = container.dmuon_optimizers()[0].dedicated_handles()[0] if optimizer == "dmuon" else None
+        weights = full_parameters(model, handle)
+        norms = []
+        if handle is None:  # TorchTitan's own clip (over DTensor shards, EP-aware)
+            from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
+
+            clip = lambda params, max_norm: titan_clip(params, max_norm, ep_enabled=ep > 1)  # noqa: E731
+        else:
+            clip = clip_grad_norm_
+        loss = th.train(model, container, dims, data, clip=clip, norms=norms)[0]
+        out[optimizer] = (weights, loss, norms[0])
+    (titan, titan_loss, titan_norm), (mine, loss, norm) = out["AdamW"], out["dmuon"]
+    return sorted(k for k in titan if not torch.equal(titan[k], mine[k])), len(titan), titan_loss, loss, titan_norm, norm
+
+
+@pytest.mark.parametrize(
+    "family, world, replicate, experts, ep",
+    [
+        ("llama3", 2, 1, 0, 1),  # FSDP2
+        ("llama3", 4, 2, 0, 1),  # HSDP 2 x 2
+        ("llama3", 2, 2, 0, 1),  # DDP
+        ("qwen3", 2, 1, 8, 1),  # MoE, experts on FSDP2's dim-0 shards
+        ("qwen3", 4, 1, 2, 1),  # MoE, more ranks than experts: experts dedicated (FSDP2 would use Shard(1))
+        ("qwen3", 2, 1, 8, 2),  # expert parallelism
+        ("deepseek_v3", 2, 1, 8, 1),  # MLA, dense first layer, shared experts
+    ],
+)
+def test_same_seed_starts_from_torchtitans_initial_model(pool2, pool4, family, world, replicate, experts, ep):
+    """With the same seed and no seed checkpoint, DMuon's model is TorchTitan's own, weight for weight:
+    while a module initialises, its dedicated weights are DTensors laid out as FSDP2 would shard them
+    (DDP: full replicas), so TorchTitan's initialisers draw the same random numbers on every rank.
+    Step 1 then sees the same loss and grad norm as TorchTitan's AdamW (the norm sums owner-held and
+    sharded squares in another order: 1e-6)."""
+    pool = {2: pool2, 4: pool4}[world]
+    for differing, count, titan_loss, loss, titan_norm, norm in pool.run(_same_seed_start, family, replicate, experts, ep):
+        assert count > 10 and differing == []
+        assert loss == titan_loss
+        assert norm == pytest.approx(titan_norm, rel=1e-6)

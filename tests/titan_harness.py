@@ -150,8 +150,9 @@ def batches(steps: int, world: int, *, batch: int = 2, seed: int = 1, routed_voc
     return [torch.randint(0, routed_vocab, (batch * world, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def train(model, container, dims, data) -> list[float]:
-    """Global mean loss per step (TorchTitan's normalisation; DMuon's clipping, max_norm 1)."""
+def train(model, container, dims, data, *, clip=None, norms: list | None = None) -> list[float]:
+    """Global mean loss per step (TorchTitan's normalisation; clipping with max_norm 1 by ``clip``,
+    default DMuon's; each step's norm is appended to ``norms`` if given)."""
     from titan_dmuon import clip_grad_norm_
 
     from torchtitan.distributed import utils as dist_utils
@@ -169,7 +170,9 @@ def train(model, container, dims, data) -> list[float]:
                 tokens.shape[0] * SEQ
             )
             loss.backward()
-        clip_grad_norm_([p for p in model.parameters()], 1.0)
+        norm = (clip or clip_grad_norm_)([p for p in model.parameters()], 1.0)
+        if norms is not None:
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         container.step()
         container.zero_grad()
         total = loss.detach().clone()

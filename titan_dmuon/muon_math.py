@@ -1,9 +1,17 @@
 """The Muon update as pure functions, pinned to ``torch.optim.Muon`` (torch 2.14).
 
 Nothing here communicates. The runtime decides *where* these run (on the one
-owner of each matrix); this module decides *what* they compute, so that a
-DMuon step and a single-process ``torch.optim.Muon`` step agree bit for bit
-on the same gradient.
+owner of each matrix); this module decides *what* they compute. Two modes:
+
+* ``"exact"``: every matrix (every row block of a fused weight, every expert)
+  goes through ``torch.optim.Muon``'s own functional update, one 2-D matrix at
+  a time, so a DMuon step is bitwise a single-process ``torch.optim.Muon`` step
+  on the same gradient, on any CPU or GPU kernel.
+* ``"batched"`` (the default): equally shaped matrices are orthogonalised in
+  one batched call. The same arithmetic, but a batched GEMM may round
+  differently from the per-matrix one (oneDNN and cuBLAS pick kernels by batch
+  size and shape): equal to ``torch.optim.Muon`` up to GEMM rounding, a few
+  bf16 ulps of the Newton–Schulz output (``benchmarks/ns_deviation.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 NS_STEPS = 5
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+NS_MODES = ("batched", "exact")
 # Newton–Schulz batches stack at most this many bf16 bytes (the iteration needs ~3 such stacks of
-# workspace): big matrices go a few at a time, small ones all at once. Results do not depend on it.
+# workspace): big matrices go a few at a time, small ones all at once. The batch size changes the
+# result only through GEMM rounding (a kernel may pick another algorithm for another batch size).
 MAX_STACK_BYTES = 256 * 2**20
 
 
@@ -32,8 +42,8 @@ def newton_schulz(
     """Quintic Newton–Schulz orthogonalisation of a batch ``(B, rows, cols)``.
 
     Runs in bf16 like ``torch.optim.Muon``; one batched call per shape instead
-    of one call per matrix (on CPU the result is bitwise the same as the
-    per-matrix loop, checked in tests/test_muon_math.py).
+    of one call per matrix: the same operations, rounded as the batched GEMM
+    kernel rounds them (not always bitwise the per-matrix call).
     """
     if matrices.ndim != 3:
         raise ValueError(f"newton_schulz expects (batch, rows, cols), got {tuple(matrices.shape)}")
@@ -135,18 +145,29 @@ def muon_step(
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     adjust_lr_fn: str | None = None,
+    ns_mode: str = "batched",
 ) -> int:
     """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
     A parameter is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of
     E independent matrices (MoE experts). ``blocks[i]`` lists the row blocks of
     each of ``params[i]``'s matrices, orthogonalised separately. Every block
-    of every matrix is one Newton–Schulz matrix; blocks with the same shape up
-    to transposition share one batched call, one shape group at a time, stacked
-    straight into bf16, so at most one group's stack is alive at once.
+    of every matrix is one Newton–Schulz matrix. ``ns_mode="exact"`` runs each
+    through ``torch.optim.Muon``'s functional update (bitwise torch.optim.Muon);
+    ``"batched"`` lets blocks with the same shape up to transposition share one
+    batched call, one shape group at a time, stacked straight into bf16, so at
+    most one group's stack is alive at once.
     """
-    for grad, buffer in zip(grads, momentum_buffers):
-        buffer.lerp_(grad, 1 - momentum)
+    if ns_mode == "exact":
+        return _exact_step(
+            params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
+            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
+        )
+    if ns_mode != "batched":
+        raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
+    if not params:
+        return 0
+    torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - momentum)
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (short, long) -> (param, matrix, block)
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
         cols = param.shape[-1]
@@ -154,8 +175,7 @@ def muon_step(
             for b, block in enumerate(param_blocks):
                 rows = block_rows(block)
                 groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
-    for param in params:
-        param.mul_(1 - lr * weight_decay)
+    torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     for (short, long), group in groups.items():
         per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))  # NS needs ~3 stacks of workspace
         for first in range(0, len(group), per_batch):
@@ -165,6 +185,52 @@ def muon_step(
                 eps=eps, adjust_lr_fn=adjust_lr_fn,
             )
     return sum(len(group) for group in groups.values())
+
+
+def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
+                ns_coefficients, eps, adjust_lr_fn) -> int:
+    """torch.optim.Muon's own functional update, one 2-D matrix at a time.
+
+    A row block that is one contiguous range of rows is a view of the weight
+    (contiguous, like a separate weight); an interleaved block (TorchTitan's
+    fused wqkv) is gathered into a contiguous matrix and written back. Either
+    way ``torch.optim._muon.muon`` sees exactly the 2-D weight, gradient and
+    momentum a model with separate weights would give it."""
+    from torch.optim._muon import muon as torch_muon
+
+    count = 0
+    for param, grad, buffer, param_blocks in zip(params, grads, momentum_buffers, blocks):
+        for e in range(param.shape[0] if param.ndim == 3 else 1):
+            matrices = (_matrix(param, e), _matrix(grad, e), _matrix(buffer, e))
+            for block in param_blocks:
+                weight, gradient, momentum_buffer = (_contiguous_rows(m, block) for m in matrices)
+                torch_muon(
+                    [weight], [gradient], [momentum_buffer], lr=lr, weight_decay=weight_decay, momentum=momentum,
+                    nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
+                    adjust_lr_fn=adjust_lr_fn, has_complex=False,
+                )
+                for target, updated in ((matrices[0], weight), (matrices[2], momentum_buffer)):
+                    if not _shares_memory(target, updated):
+                        _put_rows(target, block, updated)
+                count += 1
+    return count
+
+
+def _contiguous_rows(matrix: torch.Tensor, block: Block) -> torch.Tensor:
+    """The block's rows as one contiguous matrix: a view where they are contiguous, else a copy."""
+    rows = _take_rows(matrix, block)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def _put_rows(matrix: torch.Tensor, block: Block, rows: torch.Tensor) -> None:
+    offset = 0
+    for start, stop in block:
+        matrix[start:stop].copy_(rows[offset : offset + stop - start])
+        offset += stop - start
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _orthogonalise_batch(

@@ -11,6 +11,7 @@ carrying their learning rate under ``"lr"``, so LR schedulers scale both.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -19,44 +20,24 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
+from titan_dmuon.muon_math import muon_step
+from titan_dmuon.options import OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
-
-_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
-_ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 
 
 class DMuon(torch.optim.Optimizer):
     """Muon for dedicated weights (see :func:`titan_dmuon.dedicate_params`), AdamW for the rest.
 
-    Group options: any of the keyword arguments below, e.g.
-    ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
+    Keyword arguments and group options: the fields of
+    :class:`titan_dmuon.options.DMuonOptions` (``lr``, ``momentum``, ``ns_mode``,
+    ``adamw_lr``, ...), e.g. ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
     After each ``step()``, ``last_step_stats`` holds this rank's Newton–Schulz
     figures (matrices, time); reading the time syncs with the device once.
     """
 
-    def __init__(
-        self,
-        params: Iterable,
-        *,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_steps: int = NS_STEPS,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-        eps: float = NS_EPS,
-        adjust_lr_fn: str | None = None,
-        adamw_lr: float = 1e-3,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.1,
-    ) -> None:
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr,
-            adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
-        )
+    def __init__(self, params: Iterable, **options) -> None:
+        _check_known(options, "DMuon")
+        defaults = DMuonOptions(**options)
         user_groups = list(params)
         refresh_handles()
         if not user_groups:
@@ -65,11 +46,9 @@ class DMuon(torch.optim.Optimizer):
             user_groups = [{"params": user_groups}]
         groups = []
         for user_group in user_groups:
-            unknown = set(user_group) - set(defaults) - {"params", "param_names"}
-            if unknown:
-                raise ValueError(f"unknown DMuon param-group option(s) {sorted(unknown)}; valid: {sorted(defaults)}")
-            options = {**defaults, **user_group}
-            validate_options(options)
+            group_options = {k: v for k, v in user_group.items() if k not in ("params", "param_names")}
+            _check_known(group_options, "DMuon param-group")
+            merged = dataclasses.replace(defaults, **group_options)
             group_params = user_group["params"]
             group_params = [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
             names = user_group.get("param_names")
@@ -80,10 +59,7 @@ class DMuon(torch.optim.Optimizer):
                 group = {"params": [group_params[i] for i in chosen], "use_muon": use_muon}
                 if names is not None:  # TorchTitan keys its flat optimizer state by these
                     group["param_names"] = [names[i] for i in chosen]
-                if use_muon:
-                    group.update({k: options[k] for k in _MUON_KEYS})
-                else:
-                    group.update({v: options[k] for k, v in _ADAMW_KEYS.items()})
+                group.update(merged.muon() if use_muon else merged.adamw())
                 groups.append(group)
         super().__init__(groups, {})
         self._ns_timer: DeviceTimer | None = None
@@ -177,7 +153,7 @@ class DMuon(torch.optim.Optimizer):
                 params, grads, buffers, blocks,
                 lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+                eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
             )
 
     def _adamw_group_step(self, group: dict) -> None:
@@ -223,33 +199,10 @@ def _whole_local_experts(param: torch.Tensor, fqn: str) -> torch.Tensor:
     return _local(param)
 
 
-class OptionError(ValueError):
-    """A DMuon option out of range; ``key`` names it."""
-
-    def __init__(self, key: str, value, expected: str) -> None:
-        super().__init__(f"{key} = {value!r}: expected {expected}")
-        self.key, self.value, self.expected = key, value, expected
-
-
-def validate_options(options: dict) -> None:
-    """Raise OptionError naming the first DMuon option that is out of range."""
-    for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "eps"):
-        value = options[key]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise OptionError(key, value, "a number >= 0")
-    momentum = options["momentum"]
-    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0.0 <= momentum < 1.0:
-        raise OptionError("momentum", momentum, "a number in [0, 1)")
-    if not isinstance(options["nesterov"], bool):
-        raise OptionError("nesterov", options["nesterov"], "true or false")
-    steps = options["ns_steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < 100:
-        raise OptionError("ns_steps", steps, "an integer in [1, 100)")
-    if options["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise OptionError("adjust_lr_fn", options["adjust_lr_fn"], f"one of {ADJUST_LR_FNS}")
-    betas = options["adamw_betas"]
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-        raise OptionError("adamw_betas", betas, "two numbers in [0, 1)")
+def _check_known(options: dict, where: str) -> None:
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"unknown {where} option(s) {sorted(unknown)}; valid: {sorted(OPTION_NAMES)}")
 
 
 class DeviceTimer:

@@ -25,12 +25,14 @@ from torchtitan.tools.logging import logger
 from titan_dmuon.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
+from titan_dmuon.options import DEFAULTS, MUON_KEYS, OPTION_NAMES
 from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
 
-MUON_FAMILY_KEYS = (
-    "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
-    "adamw_weight_decay", "muon_params", "reshard_after_forward",
-)
+# DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
+# (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
+DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients", "eps"))
+DEDICATION_KEYS = ("muon_params", "reshard_after_forward")
+MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")
 CATCH_ALL = ".*"
 
@@ -42,28 +44,31 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """"dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest; "AdamW"/"Adam":
         TorchTitan's own; "naive_muon": FSDP2 + Muon with a full-gradient all-gather in step (a
         benchmark baseline; orthogonalises a fused q/k/v weight as one matrix)."""
-        lr: float = 8e-4
+        lr: float = DEFAULTS.lr
         """Learning rate: Muon's with name = "dmuon", else AdamW's."""
-        weight_decay: float = 0.1
+        weight_decay: float = DEFAULTS.weight_decay
         """Decoupled weight decay: Muon's with name = "dmuon", else AdamW's."""
-        betas: tuple[float, float] = (0.9, 0.95)
+        betas: tuple[float, float] = DEFAULTS.adamw_betas
         """AdamW betas (name = "AdamW"/"Adam")."""
-        eps: float = 1e-8
+        eps: float = DEFAULTS.adamw_eps
         """AdamW epsilon (name = "AdamW"/"Adam")."""
-        momentum: float = 0.95
+        momentum: float = DEFAULTS.momentum
         """Muon momentum."""
-        nesterov: bool = True
+        nesterov: bool = DEFAULTS.nesterov
         """Muon Nesterov momentum."""
-        ns_steps: int = 5
+        ns_steps: int = DEFAULTS.ns_steps
         """Newton–Schulz iterations."""
-        adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] | None = None
+        adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] | None = DEFAULTS.adjust_lr_fn
         """Muon per-shape learning-rate scaling, as torch.optim.Muon (unset = "original")."""
-        adamw_lr: float = 8e-4
+        ns_mode: Literal["batched", "exact"] = DEFAULTS.ns_mode
+        """"batched": equally shaped matrices share one Newton–Schulz call (torch.optim.Muon up to GEMM
+        rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise, slower)."""
+        adamw_lr: float = DEFAULTS.adamw_lr
         """AdamW learning rate of the catch-all param group (pattern ".*"), for the non-Muon
         parameters (embeddings, norms, head); other param groups keep their own settings."""
-        adamw_betas: tuple[float, float] = (0.9, 0.95)
-        adamw_eps: float = 1e-8
-        adamw_weight_decay: float = 0.1
+        adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas
+        adamw_eps: float = DEFAULTS.adamw_eps
+        adamw_weight_decay: float = DEFAULTS.adamw_weight_decay
         muon_params: list[str] = field(default_factory=lambda: list(DEFAULT_MUON_PARAMS))
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
         reshard_after_forward: bool | None = None
@@ -72,21 +77,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def __init__(self, config: Config, *, model_parts) -> None:
         self._muon_kwargs = None
         if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
-            kwargs = dict(
-                lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
-                ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr,
-                adamw_betas=tuple(config.adamw_betas), adamw_eps=config.adamw_eps,
-                adamw_weight_decay=config.adamw_weight_decay,
-            )
+            kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS}
             config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
             config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
         else:
             config.param_groups = param_groups_with_catch_all(config)
             if config.name == "dmuon":
-                self._muon_kwargs = dict(
-                    lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum,
-                    nesterov=config.nesterov, ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn,
-                )
+                self._muon_kwargs = {k: getattr(config, k) for k in MUON_KEYS if k in DMUON_OPTION_KEYS}
         self._name = config.name
         super().__init__(config, model_parts=model_parts)
         self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)

@@ -113,7 +113,7 @@ def parallelize_with_dmuon(
             f"{type(model).__name__}'s parallelize function applied no fully_shard: DMuon dedicates its weights "
             "at the first one (TorchTitan's apply_fsdp_to_decoder); use optimizer.name = 'AdamW' for this model"
         )
-    _draw_dedicated_weights_in_full(dedication.handle)
+    _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
     return model
@@ -199,20 +199,21 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
     return "local" if fsdp_size <= min(experts) else "dedicated"
 
 
-def _draw_dedicated_weights_in_full(handle) -> None:
-    """TorchTitan initialises weights after sharding, on every rank, drawing fused weights
-    in their full stock shape. While a module initialises, non-owners hold a full-size
-    scratch copy of its dedicated weights, so every rank consumes the same random numbers
-    (TorchTitan's initialisers then run unchanged and ranks stay in step) and owners keep
-    the values. Transient memory: one weight at a time."""
+def _initialise_as_titan_would(handle, *, sharded: bool) -> None:
+    """TorchTitan initialises weights after parallelizing, on every rank, on FSDP2's DTensor
+    shards (or DDP's full replicas). While a module initialises, its dedicated weights take
+    that form (``DedicatedParams.initialising``), so TorchTitan's initialisers run unchanged,
+    every rank draws exactly the random numbers it draws without DMuon, and for the same
+    ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
+    Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
     for module in handle.owning_modules:
         init_states = module.init_states
 
-        def init_in_full(*args, _init=init_states, _module=module, **kwargs):
-            with handle.full_size_placeholders(_module):
+        def init_like_titan(*args, _init=init_states, _module=module, **kwargs):
+            with handle.initialising(_module, sharded=sharded, shard_dim=lambda m: 1 if len(m.entry.shape) == 3 else 0):
                 return _init(*args, **kwargs)
 
-        module.init_states = init_in_full
+        module.init_states = init_like_titan
 
 
 def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Module:

@@ -32,24 +32,10 @@ import typing
 from typing import Literal
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.muon_math import NS_EPS
-
-OPTIMIZER_KEYS = (  # with_dmuon's keywords: the TOML [optimizer] keys of name = "dmuon"
-    "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas",
-    "adamw_eps", "adamw_weight_decay", "reshard_after_forward", "muon_params",
-)
 
 
 class ConfigError(ValueError):
     """A bad job config: names the setting, the bad value and what is expected (from TOML, also where)."""
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "unset"
-
-
-UNSET = _Unset()
 
 
 class Naming:
@@ -69,46 +55,33 @@ class Naming:
 PYTHON_NAMES = Naming()
 
 
-def with_dmuon(
-    config,
-    *,
-    lr=UNSET,
-    weight_decay=UNSET,
-    momentum=UNSET,
-    nesterov=UNSET,
-    ns_steps=UNSET,
-    adjust_lr_fn=UNSET,
-    adamw_lr=UNSET,
-    adamw_betas=UNSET,
-    adamw_eps=UNSET,
-    adamw_weight_decay=UNSET,
-    reshard_after_forward=UNSET,
-    muon_params=UNSET,
-):
+def with_dmuon(config, **options):
     """``config`` (any TorchTitan ``Trainer.Config``) trained with DMuon: a DMuonTrainer.Config.
 
-    The keywords are the TOML ``[optimizer]`` keys, with the same meaning and
-    checks. One left out keeps the config's value; on a plain TorchTitan config
-    that is what TOML gives an unset key: ``lr`` and ``weight_decay`` from its
-    AdamW, the others DMuon's defaults (``reshard_after_forward=None`` mirrors
+    The keywords are the TOML ``[optimizer]`` keys of ``name = "dmuon"`` (``lr``,
+    ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``, ``adjust_lr_fn``,
+    ``ns_mode``, ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
+    ``muon_params``, ``reshard_after_forward``), with the same meaning and checks.
+    One left out keeps the config's value; on a plain TorchTitan config that is
+    what TOML gives an unset key: ``lr`` and ``weight_decay`` from its AdamW, the
+    others DMuon's defaults (``reshard_after_forward=None`` mirrors
     ``parallelism.fsdp_reshard_after_forward``; ``muon_params=None`` selects the
     attention and MLP projections). Like TorchTitan's registry functions this
     builds on ``config``: use the result, not the argument. Raises ConfigError
     naming the first bad setting.
     """
+    from titan_dmuon.integration.optimizer import DEDICATION_KEYS, DMUON_OPTION_KEYS
+
+    keys = DMUON_OPTION_KEYS + DEDICATION_KEYS
+    unknown = sorted(set(options) - set(keys))
+    if unknown:
+        raise ConfigError(f"with_dmuon got unknown keyword(s) {unknown}; expected some of {', '.join(keys)}")
     cpu.enable()  # a user's registry module may be the first DMuon code TorchTitan imports
-    options = dict(
-        lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-        adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay, reshard_after_forward=reshard_after_forward, muon_params=muon_params,
-    )
     config = dmuon_trainer_config(config)
     optimizer = config.optimizer
     optimizer.name = "dmuon"
     hints = typing.get_type_hints(type(optimizer))
     for key, value in options.items():
-        if value is UNSET:
-            continue
         if key == "muon_params" and value is None:
             from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 
@@ -208,19 +181,17 @@ def validate_dmuon(config, *, world_size: int | None = None, names: Naming = PYT
     The single place for such checks: with_dmuon, the TOML layer and DMuonTrainer
     (after command-line overrides, with the world size) all run it.
     """
-    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
     from titan_dmuon.integration.models import ModelNotSupported, check_model
+    from titan_dmuon.integration.optimizer import DMUON_OPTION_KEYS, DMuonOptimizersContainer
     from titan_dmuon.integration.parallelize import check_supported
-    from titan_dmuon.optimizer import OptionError, validate_options
+    from titan_dmuon.options import DMuonOptions, OptionError
 
     opt = config.optimizer
     if not isinstance(opt, DMuonOptimizersContainer.Config):
         raise ConfigError(f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)")
     if opt.name in ("dmuon", "naive_muon"):
-        keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas",
-                "adamw_eps", "adamw_weight_decay")
         try:
-            validate_options({**{k: getattr(opt, k) for k in keys}, "eps": NS_EPS})
+            DMuonOptions(**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS})
         except OptionError as e:
             raise ConfigError(f"{names.key('optimizer', e.key)} = {e.value!r}: expected {e.expected}") from None
         for pattern in opt.muon_params:

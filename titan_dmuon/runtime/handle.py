@@ -78,6 +78,12 @@ class LocalExperts:
         return sum(ns_flops(block_rows(b), shape[-1]) for b in self.blocks)
 
 
+def _local_shape_and_offset(shape, mesh, placements):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -260,23 +266,50 @@ class DedicatedParams:
         return out
 
     @contextlib.contextmanager
-    def full_size_placeholders(self, module: nn.Module):
-        """Give this rank's 0-element placeholders of ``module``'s dedicated weights
-        their full shape (uninitialised) for the duration; dropped on exit.
+    def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None):
+        """While ``module`` initialises its dedicated weights, give each the form it would have in
+        the same model without DMuon, so that the initialiser draws the same random numbers:
 
-        For initialisers that draw every weight in full on every rank so that the
-        random stream does not depend on the parallel layout (TorchTitan's
-        ``init_weights``). Owners' weights are untouched.
+        * ``sharded`` (FSDP2 or HSDP): a DTensor laid out as FSDP2 shards it, ``Shard(d)`` on
+          the dedication mesh (``Replicate()`` across HSDP replicas), ``d = shard_dim(member)``
+          (default 0, FSDP2's default); each rank draws its own shard exactly as FSDP2's would;
+        * not sharded (DDP): the full weight on every rank.
+
+        On exit the owners keep the assembled full weight (one all-gather per sharded weight:
+        a collective, at the same point on every rank) and the other ranks their 0-element
+        placeholders. Transient memory: one full weight per rank at a time. Initialisers that
+        run unchanged under FSDP2 run unchanged here, and so do ranks' random streams.
         """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
         self.refresh()
-        placeholders = [m for m in self.members_of(module) if not m.holds_full]
-        for m in placeholders:
-            m.param.data = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
+        members = self.members_of(module)
+        stand_ins = []
+        for m in members:
+            if sharded:
+                dim = shard_dim(m) if shard_dim is not None else 0
+                placements = (Shard(dim),) if self.mesh.ndim == 1 else (Replicate(), Shard(dim))
+                local_shape, _ = _local_shape_and_offset(m.entry.shape, self.mesh, placements)
+                local = torch.empty(local_shape, dtype=m.param.dtype, device=m.param.device)
+                data = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=torch.Size(m.entry.shape),
+                                          stride=torch.empty(m.entry.shape, device="meta").stride())
+            else:
+                data = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
+            stand_ins.append(nn.Parameter(data, requires_grad=m.param.requires_grad))
+            m.module._parameters[m.name] = stand_ins[-1]
+        completed = False
         try:
             yield
+            completed = True
         finally:
-            for m in placeholders:
-                m.param.data = torch.empty(0, dtype=m.param.dtype, device=m.param.device)
+            for m, stand_in in zip(members, stand_ins):
+                m.module._parameters[m.name] = m.param
+                if not completed:
+                    continue
+                with torch.no_grad():
+                    full = stand_in.data.full_tensor() if sharded else stand_in.data
+                    if m.holds_full:
+                        m.param.copy_(full)
 
     def wait_for_replicate_broadcasts(self) -> None:
         """Finish the post-step broadcasts to replicate peers (HSDP), e.g. before a save."""

@@ -1,0 +1,85 @@
+"""DMuon's optimizer options, each declared once: name, default, check.
+
+``DMuon`` takes them as keyword arguments (and per param group); TorchTitan's
+``[optimizer]`` section and ``with_dmuon`` take the same names. Everything
+else (the container's config fields, the TOML key lists, the checks of every
+door) is derived from ``DMuonOptions``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_MODES, NS_STEPS
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class OptionError(ValueError):
+    """A DMuon option out of range; ``key`` names it."""
+
+    def __init__(self, key: str, value, expected: str) -> None:
+        super().__init__(f"{key} = {value!r}: expected {expected}")
+        self.key, self.value, self.expected = key, value, expected
+
+
+@dataclass(frozen=True, kw_only=True)
+class DMuonOptions:
+    """Muon's settings for the dedicated weights, AdamW's (``adamw_*``) for the rest.
+
+    The Muon defaults are ``torch.optim.Muon``'s, the AdamW ones ``torch.optim.AdamW``'s
+    (betas as TorchTitan's)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = NS_STEPS
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    eps: float = NS_EPS
+    adjust_lr_fn: str | None = None
+    ns_mode: str = "batched"
+    """"batched": equally shaped matrices share one Newton–Schulz call (fast; torch.optim.Muon up to
+    GEMM rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise on any kernel)."""
+    adamw_lr: float = 1e-3
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ns_coefficients", tuple(self.ns_coefficients))
+        object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
+        for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "eps"):
+            if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
+                raise OptionError(key, getattr(self, key), "a number >= 0")
+        if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
+            raise OptionError("momentum", self.momentum, "a number in [0, 1)")
+        if not isinstance(self.nesterov, bool):
+            raise OptionError("nesterov", self.nesterov, "true or false")
+        if not isinstance(self.ns_steps, int) or isinstance(self.ns_steps, bool) or not 1 <= self.ns_steps < 100:
+            raise OptionError("ns_steps", self.ns_steps, "an integer in [1, 100)")
+        if len(self.ns_coefficients) != 3 or not all(_is_number(c) for c in self.ns_coefficients):
+            raise OptionError("ns_coefficients", self.ns_coefficients, "three numbers")
+        if self.adjust_lr_fn not in ADJUST_LR_FNS:
+            raise OptionError("adjust_lr_fn", self.adjust_lr_fn, f"one of {ADJUST_LR_FNS}")
+        if self.ns_mode not in NS_MODES:
+            raise OptionError("ns_mode", self.ns_mode, f"one of {NS_MODES}")
+        if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
+            raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
+
+    def muon(self) -> dict:
+        """The Muon group settings, under their own names."""
+        return {key: getattr(self, key) for key in MUON_KEYS}
+
+    def adamw(self) -> dict:
+        """The AdamW group settings, under AdamW's names (``lr``, ``betas``, ``eps``, ``weight_decay``)."""
+        return {plain: getattr(self, key) for key, plain in ADAMW_KEYS.items()}
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DMuonOptions))
+ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
+MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS)
+DEFAULTS = DMuonOptions()
