@@ -24,8 +24,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
-from titan_dmuon import CommLedger, theory_elements_per_rank  # noqa: E402
-from titan_dmuon.toy_model import loss_fn, muon_targets  # noqa: E402
+from titan_dmuon import CommLedger, baseline_elements_per_rank  # noqa: E402
+from titan_dmuon.cost_model import design_elements_per_rank  # noqa: E402
+from titan_dmuon.testing.toy_model import loss_fn, muon_targets  # noqa: E402
 
 DIMS = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=4)
 ROWS = [  # label, how to build, theory name, replicate size
@@ -39,9 +40,9 @@ ROWS = [  # label, how to build, theory name, replicate size
 ]
 
 
-def muon_elements(kind, mode, rank: int, world: int, hsdp: bool) -> tuple[Fraction, int, int]:
-    """Elements on the Muon-target weights per step on this simulated rank, P_M, and the elements of
-    the layer DMuon-Z3 keeps from forward to backward (0 otherwise)."""
+def muon_elements(kind, mode, theory: str, rank: int, world: int, hsdp: bool) -> tuple[Fraction, int, Fraction]:
+    """Elements on the Muon-target weights per step on this simulated rank, P_M, and the design's
+    figure (DMuon: its cost model for the handle, with the layer Z3 keeps; the baselines': theirs)."""
     model = toy_model(**DIMS)
     p_m = sum(p.numel() for p in muon_targets(model))
     p_other = sum(p.numel() for p in model.parameters()) - p_m
@@ -58,26 +59,26 @@ def muon_elements(kind, mode, rank: int, world: int, hsdp: bool) -> tuple[Fracti
         setup.opt.zero_grad()
     ledger.__exit__(None, None, None)
     if kind == "dmuon":
-        return ledger.elements(source="dmuon") / 2, p_m, setup.handle.kept_unit_numel
+        return ledger.elements(source="dmuon") / 2, p_m, design_elements_per_rank(setup.handle)
     # baselines move every parameter: subtract what the same collectives cost for the rest
     n = world
     rest = {"naive": (3 if mode else 2) * Fraction(n - 1, n) * p_other, "ddp_muon": 2 * Fraction(n - 1, n) * p_other}[kind]
-    return ledger.elements() / 2 - rest, p_m, 0
+    return ledger.elements() / 2 - rest, p_m, baseline_elements_per_rank(theory, shard_size=n, numel=p_m)
 
 
-def measure(label_build, n: int, replicate: int) -> tuple[Fraction, int, int]:
-    kind, mode = label_build
+def measure(row, n: int, replicate: int) -> tuple[Fraction, int, Fraction]:
+    (kind, mode), theory = row
     world = n * replicate
     ranks = range(world) if replicate > 1 else [0]  # 1-D: every rank moves the same
-    total, p_m, kept = Fraction(0), 0, 0
+    total, p_m, design = Fraction(0), 0, Fraction(0)
     for rank in ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
-            elements, p_m, kept = muon_elements(kind, mode, rank, world, replicate > 1)
+            elements, p_m, design = muon_elements(kind, mode, theory, rank, world, replicate > 1)
         finally:
             dist.destroy_process_group()
         total += elements
-    return total / len(ranks), p_m, kept
+    return total / len(ranks), p_m, design
 
 
 def main() -> None:
@@ -93,8 +94,7 @@ def main() -> None:
     for label, build, theory, replicate in ROWS:
         cells = []
         for n in args.n:
-            measured, p_m, kept = measure(build, n, replicate)
-            expected = theory_elements_per_rank(theory, shard_size=n, replicate_size=replicate, numel=p_m, kept_unit_numel=kept)
+            measured, p_m, expected = measure((build, theory), n, replicate)
             mark = "" if measured == expected else " (!= design)"
             cells.append(f"{float(measured / p_m):.4f}{mark}")
         formula = formulas[theory] + (" + 2(R-1)/R / N" if replicate > 1 else "")

@@ -59,7 +59,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
 from tests.pool import WorkerPool  # noqa: E402
-from titan_dmuon.toy_model import loss_fn, muon_targets  # noqa: E402
+from titan_dmuon.testing.toy_model import loss_fn, muon_targets  # noqa: E402
 
 # (label, world, how to build, FSDP2 baseline it is compared with)
 ROWS = [

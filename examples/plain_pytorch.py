@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from titan_dmuon import CommLedger, DMuon, clip_grad_norm_, dedicate_params, theory_elements_per_rank, wrap_ddp
-from titan_dmuon.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
+from titan_dmuon import CommLedger, DMuon, clip_grad_norm_, dedicate_params, wrap_ddp
+from titan_dmuon.cost_model import design_elements_per_rank
+from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
 
 
 def main() -> None:
@@ -53,26 +54,23 @@ def main() -> None:
         fully_shard(model, mesh=mesh, ignored_params=handle.ignored_params, reshard_after_forward=z3)
         module = model
     # 3. one optimizer: Muon on dedicated weights (owners only), AdamW on the rest
-    opt = DMuon(model.parameters(), lr=0.02, adamw_lr=3e-3)
+    opt = DMuon(model.parameters(), dedicated=handle, lr=0.02, adamw_lr=3e-3)
 
     if rank == 0:
         print(handle.plan.describe())
     generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
     replicate = mesh.size(0) if args.mode == "hsdp" else 1
-    theory_name = "dmuon_ddp" if args.mode == "ddp" else f"dmuon_z{3 if z3 else 2}"
-    theory = theory_elements_per_rank(
-        theory_name, shard_size=world // replicate, replicate_size=replicate, numel=handle.plan.total_numel
-    )
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, 128, (4, 33), generator=generator).to(device)
         tokens[:, 1::2] = tokens[:, 0:-1:2]  # a learnable pattern: every odd token repeats the previous
         with CommLedger() as ledger:
             loss = loss_fn(module(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
-            norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
+            norm = clip_grad_norm_(model.parameters(), max_norm=1.0, dedicated=handle)
             opt.step()
             opt.zero_grad()
         dmuon = ledger.mean_over_ranks(mesh_group(mesh), source="dmuon")
+        theory = design_elements_per_rank(handle)  # (Z3 counts the kept last layer from step 2 on)
         loss_avg = loss.detach().clone()
         dist.all_reduce(loss_avg)
         if rank == 0:

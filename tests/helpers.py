@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_dmuon import DMuon, dedicate_params, wrap_ddp
 from titan_dmuon.runtime import canonical_fqn
-from titan_dmuon.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets, qkv_splits
+from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets, qkv_splits
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 ADAMW = dict(adamw_lr=1e-2, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1)
@@ -100,7 +100,7 @@ def distribute(
         for layer in model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-    opt = DMuon(model.parameters(), **{**MUON, **ADAMW, **(opt_kwargs or {})})
+    opt = DMuon(model.parameters(), dedicated=handle, **{**MUON, **ADAMW, **(opt_kwargs or {})})
     return Setup(module=module, model=model, handle=handle, opt=opt, mesh=mesh)
 
 
@@ -139,7 +139,7 @@ def baseline(
     full-gradient all-gather in step), "ddp_muon" (DDP all-reduce + torch.optim.Muon)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from titan_dmuon import NaiveFSDPMuon
+    from titan_dmuon.testing.baselines import NaiveFSDPMuon
 
     mesh = mesh if mesh is not None else make_mesh("z3", world)
     targets = muon_targets(model)
@@ -177,7 +177,7 @@ def train(setup: Setup, data, rank: int, world: int, *, steps: int | None = None
             loss = loss_fn(setup.module(xs), ys) / accumulate
             loss.backward()
             loss_total += loss.item()
-        norm = clip_grad_norm_(setup.model.parameters(), max_norm) if max_norm else None
+        norm = clip_grad_norm_(setup.model.parameters(), max_norm, dedicated=setup.handle) if max_norm else None
         setup.opt.step()
         ns = getattr(setup.opt, "last_step_stats", {}).get("ns_matrices")
         setup.opt.zero_grad()
@@ -237,7 +237,10 @@ def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=A
     is bitwise what any distributed reduction computes ((g0 + g1) / 2 is exact in any order).
 
     A 3-D expert weight (E, rows, cols) is E matrices: each expert's slice is its own
-    torch.optim.Muon leaf (its own momentum and shape-based LR), copied in and out every step."""
+    torch.optim.Muon leaf (its own momentum and shape-based LR), copied in and out every step.
+
+    A Muon target no slice reached gets a zero gradient, as DMuon gives it (every rank reduces
+    every dedicated weight, zeros where it has none): weight decay and momentum still apply."""
     model = copy.deepcopy(model)
     targets = targets_fn(model)
     ids = {id(p) for p in targets}
@@ -260,7 +263,7 @@ def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=A
             pairs = [per_slice[i : i + 2] for i in range(0, len(per_slice), 2)]
             per_slice = [pair[0] if len(pair) == 1 else [_add(a, b) for a, b in zip(*pair)] for pair in pairs]
         for p, g in zip(params, per_slice[0]):
-            p.grad = g  # None where no slice reached the parameter, as with a single backward
+            p.grad = torch.zeros_like(p) if g is None and id(p) in ids else g  # (others: None, as one backward)
         losses.append(loss)
         if max_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())

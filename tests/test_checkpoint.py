@@ -24,7 +24,7 @@ from tests.helpers import (  # noqa: E402
 )
 from titan_dmuon.integration.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.integration.optimizer import DMuonOptimizersContainer  # noqa: E402
-from titan_dmuon.toy_model import loss_fn  # noqa: E402
+from titan_dmuon.testing.toy_model import loss_fn  # noqa: E402
 
 STEPS = 6
 

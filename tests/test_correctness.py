@@ -29,7 +29,7 @@ from tests.helpers import (
     train,
 )
 from titan_dmuon import CommLedger, DMuon, dedicate_params
-from titan_dmuon.toy_model import ToyConfig, ToyTransformer, muon_targets
+from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, muon_targets
 
 STEPS = 5
 
@@ -226,33 +226,42 @@ def _used_only_targets(model):
 
 
 def _odd_model(rank, world, mode, layers, targets_fn):
+    import warnings
+
     data = batches(3)
     model = _Net(layers, spare=targets_fn is _gated_targets)
     ref, _, _ = reference_train(model, data, targets_fn=targets_fn)
     setup = distribute(model, mode, world, targets_fn=targets_fn)
-    train(setup, data, rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(setup, data, rank, world)
     owned = sum(1 for e in setup.handle.plan.entries if e.owner == dist.get_rank())
-    return max_diff(full_state(setup), ref), owned
+    spare_owned = [e.fqn for e in setup.handle.plan.entries if e.owner == dist.get_rank() and "spare" in e.fqn]
+    warned = sorted({f for w in caught for f in spare_owned if f in str(w.message)})
+    return max_diff(full_state(setup), ref), owned, spare_owned, warned
 
 
-def test_parameters_without_gradients_neither_hang_nor_change(pool2):
-    """`spare` weights get no gradient: their owners skip them, exactly like torch.optim.Muon."""
-    for diff, _ in pool2.run(_odd_model, "z3", 2, _gated_targets):
+def test_parameters_without_gradients_neither_hang_nor_go_unnoticed(pool2):
+    """`spare` weights get a gradient on no rank: every rank still reduces them (zeros), so nothing
+    hangs, and the owner gets a zero gradient, as the single-process reference does for a target no
+    slice reaches (weight decay and momentum apply); each owner warns once per such weight."""
+    for diff, _, spare_owned, warned in pool2.run(_odd_model, "z3", 2, _gated_targets):
         assert diff < TOLERANCE
+        assert warned == sorted(spare_owned)
 
 
 @pytest.mark.parametrize("mode", ["z3", "ddp"])
 def test_more_ranks_than_matrices(pool2, mode):
     results = pool2.run(_odd_model, mode, 1, _used_only_targets)
-    assert sorted(owned for _, owned in results) == [0, 1]  # one rank owns nothing
-    for diff, _ in results:
+    assert sorted(owned for _, owned, _, _ in results) == [0, 1]  # one rank owns nothing
+    for diff, _, _, _ in results:
         assert diff < TOLERANCE
 
 
 def test_hsdp_with_idle_ranks(pool4):
     results = pool4.run(_odd_model, "hsdp", 1, _used_only_targets)
-    assert sorted(owned for _, owned in results) == [0, 0, 0, 1]
-    for diff, _ in results:
+    assert sorted(owned for _, owned, _, _ in results) == [0, 0, 0, 1]
+    for diff, _, _, _ in results:
         assert diff < TOLERANCE
 
 
@@ -272,7 +281,7 @@ def _activation_checkpointing(rank, world, wrap_first):
             model.layers[i] = checkpoint_wrapper(layer)
             fully_shard(model.layers[i], mesh=mesh, ignored_params=handle.ignored_params)
         fully_shard(model, mesh=mesh, ignored_params=handle.ignored_params)
-        setup = Setup(model, model, handle, DMuon(model.parameters(), **MUON, **ADAMW), mesh)
+        setup = Setup(model, model, handle, DMuon(model.parameters(), dedicated=handle, **MUON, **ADAMW), mesh)
     train(setup, data, rank, world)
     return max_diff(full_state(setup), ref)
 
@@ -290,7 +299,7 @@ def _meta_init_hsdp(rank, world):
         model = ToyTransformer(ToyConfig())
     setup = distribute(model, "hsdp", world)
     model.to_empty(device="cpu")  # registers new Parameter objects: build the optimizer after
-    setup.opt = DMuon(model.parameters(), **MUON, **ADAMW)
+    setup.opt = DMuon(model.parameters(), dedicated=setup.handle, **MUON, **ADAMW)
     torch.manual_seed(100 + rank)
     with torch.no_grad():
         for p in model.parameters():

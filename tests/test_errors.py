@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.helpers import ADAMW, MUON, batches, distribute, local_slice, toy_model
 from titan_dmuon import DMuon, dedicate_params, wrap_ddp
-from titan_dmuon.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
+from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
 
 
 def _error_of(fn):
@@ -85,8 +85,8 @@ def test_bad_dedicate_input(pool2, case):
 
 def _bad_optimizer(rank, world, options):
     setup = distribute(toy_model(), "z3", world)
-    return _error_of(lambda: DMuon(setup.model.parameters(), **options)) or _error_of(
-        lambda: DMuon([{"params": list(setup.model.parameters()), **options}])
+    return _error_of(lambda: DMuon(setup.model.parameters(), dedicated=setup.handle, **options)) or _error_of(
+        lambda: DMuon([{"params": list(setup.model.parameters()), **options}], dedicated=setup.handle)
     )
 
 
@@ -113,7 +113,7 @@ def test_unknown_group_option(pool2):
 
 def _unknown_group_option(rank, world):
     setup = distribute(toy_model(), "z3", world)
-    return _error_of(lambda: DMuon([{"params": list(setup.model.parameters()), "betas": (0.9, 0.9)}]))
+    return _error_of(lambda: DMuon([{"params": list(setup.model.parameters()), "betas": (0.9, 0.9)}], dedicated=setup.handle))
 
 
 def _forward_on_meta(rank, world):

@@ -11,8 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model, train
-from titan_dmuon import CommLedger, theory_elements_per_rank
-from titan_dmuon.toy_model import loss_fn, muon_targets
+from titan_dmuon import CommLedger, baseline_elements_per_rank
+from titan_dmuon.cost_model import design_elements_per_rank
+from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 
 SMALL = dict(dim=32, hidden_dim=48, n_kv_heads=2, vocab_size=64, n_layers=2)  # divisible by N = 2, 4
 WIDE = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=1)  # divisible by N up to 64
@@ -61,6 +62,7 @@ def _measure(rank, world, config, dims, hsdp=False, **dedicate_kwargs):
         "launches": Fraction(ledger.launches(source="dmuon"), 2),
         "other_launches": Fraction(ledger.launches(source="other"), 2),
         "kept": handle.kept_unit_numel if handle else 0,
+        "design": design_elements_per_rank(handle) if handle else None,
         "first_unit": sum(e.numel for e in handle.plan.entries if e.unit == 0) if handle else 0,
         "units": len({e.unit for e in handle.plan.entries}) if handle else 0,
     }
@@ -81,21 +83,22 @@ def _check_one_d(results, n, dims):
         assert r[f"fsdp_adamw_{mode}"]["total"] == fsdp[mode] * step * (p_m + p_other)
         # naive FSDP2 + Muon: the same plus one all-gather of P_M inside step()
         naive = r[f"naive_{mode}"]
-        assert naive["total"] - fsdp[mode] * step * p_other == theory_elements_per_rank(f"naive_fsdp_{mode}", shard_size=n, numel=p_m)
+        assert naive["total"] - fsdp[mode] * step * p_other == baseline_elements_per_rank(f"naive_fsdp_{mode}", shard_size=n, numel=p_m)
+        assert naive["total"] - fsdp[mode] * step * p_other == (fsdp[mode] + 1) * step * p_m
         assert naive["step"] == step * p_m
         # DMuon: its own collectives hit the theory; FSDP2 handles the rest. Z3 keeps the last
         # layer from forward to backward: one layer's re-broadcast less than FSDP2-Z3 + AdamW.
         dm = r[f"dmuon_{mode}"]
         kept = dm["kept"]
         assert kept == (p_m // dims["n_layers"] if mode == "z3" else 0)
-        assert dm["dmuon"] == theory_elements_per_rank(f"dmuon_{mode}", shard_size=n, numel=p_m, kept_unit_numel=kept)
+        assert dm["dmuon"] == dm["design"] == fsdp[mode] * step * p_m - step * kept
         assert dm["other"] == fsdp[mode] * step * p_other
         assert dm["total"] == r[f"fsdp_adamw_{mode}"]["total"] - step * kept
         # the update needs no collective: step() only launches the next forward's first broadcast early
         assert dm["step_kinds"] == [("dmuon.forward_broadcast", "broadcast")]
         assert dm["step"] == step * dm["first_unit"]
     ddp = r["dmuon_ddp"]
-    assert ddp["dmuon"] == theory_elements_per_rank("dmuon_ddp", shard_size=n, numel=p_m)
+    assert ddp["dmuon"] == ddp["design"] == 2 * step * p_m == baseline_elements_per_rank("ddp_muon", shard_size=n, numel=p_m)
     assert ddp["other"] == 2 * step * p_other  # DDP's all-reduce of the rest
     assert ddp["total"] == r["ddp_muon_z2"]["total"] == 2 * step * (p_m + p_other)
     assert ddp["step"] == step * ddp["first_unit"]
@@ -119,8 +122,9 @@ def _check_hsdp(dmuon_results, fsdp_results, r, n, dims):
     p_m, p_other = _sizes(dims)
     kept, first = dmuon_results[0]["kept"], dmuon_results[0]["first_unit"]
     assert kept == p_m // dims["n_layers"]
-    theory = theory_elements_per_rank("dmuon_z3", shard_size=n, replicate_size=r, numel=p_m, kept_unit_numel=kept)
+    theory = 3 * Fraction(n - 1, n) * p_m - Fraction(n - 1, n) * kept + 2 * Fraction(r - 1, r) * Fraction(p_m, n)
     assert _mean(dmuon_results, "dmuon") == theory
+    assert all(res["design"] == theory for res in dmuon_results)
     # DMuon-HSDP costs what FSDP2-HSDP + AdamW costs (averaged over ranks), less the kept layer's re-broadcast
     assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total") - Fraction(n - 1, n) * kept
     # step() launches the post-step broadcasts to replicate peers and the next forward's first broadcast

@@ -183,7 +183,8 @@ def _check_hf_loaded(loaded, weights):
     """Loaded back from HF into a DMuon job: every weight equal (expert_bias_E is not in the
     qwen3 adapter's map, so HF does not carry it)."""
     assert loaded.keys() == weights.keys()
-    assert _differing(loaded, weights) == [f"layers.{n}.moe.expert_bias_E" for n in range(2)]
+    # (the trained bias may also have come back to zero, the loaded one's start)
+    assert set(_differing(loaded, weights)) <= {f"layers.{n}.moe.expert_bias_E" for n in range(2)}
 
 
 def _check_hf_export(folder, expected, weights, n_experts):

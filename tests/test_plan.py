@@ -78,7 +78,7 @@ def _llama_specs(layers, dim, hidden, kv_dim):
 
 
 def _toy_specs():
-    from titan_dmuon.toy_model import ToyConfig, ToyTransformer, muon_targets
+    from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, muon_targets
 
     model = ToyTransformer(ToyConfig())
     names = {id(p): n for n, p in model.named_parameters()}

@@ -28,7 +28,7 @@ from tests.helpers import (
     train,
 )
 from titan_dmuon import DMuon, clip_grad_norm_, dedicate_params
-from titan_dmuon.toy_model import loss_fn, muon_targets
+from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 
 
 # ---- no host sync in a steady-state step --------------------------------------------------
@@ -65,7 +65,7 @@ def _host_syncs(rank, world, mode):
         x, y = local_slice(batch, rank, world)
         with counter:
             loss_fn(setup.module(x), y).backward()
-            clip_grad_norm_(setup.model.parameters(), 1.0)
+            clip_grad_norm_(setup.model.parameters(), 1.0, dedicated=setup.handle)
             setup.opt.step()
             setup.opt.zero_grad()
     return counter.syncs
@@ -179,18 +179,18 @@ def _remove_and_collect(rank, world):
 
 
 def _dmuon_hooks(setup) -> int:
-    count = sum(len(u.module.__dict__.get("_dmuon_calls", [])) for u in setup.handle._units)
+    count = len(setup.handle.of(setup.model))
     for module in setup.model.modules():
-        for hooks in (module._forward_pre_hooks, module._state_dict_hooks, module._load_state_dict_pre_hooks,
-                      module._load_state_dict_post_hooks):
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._state_dict_hooks,
+                      module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
             count += sum("DedicatedParams" in repr(h) or "state_dict_hooks" in repr(h) for h in hooks.values())
     return count
 
 
 def test_remove_takes_hooks_off_and_nothing_keeps_the_model_alive(pool2):
     """Nothing keeps a dedicated model reachable once the user drops it: no module-level
-    registry keyed by parameters, and the compute params' gradient hooks (held by autograd's
-    C++ side, where the garbage collector cannot see a cycle) reach the handle weakly."""
+    registry, and no hook that autograd's C++ side holds beyond one backward (the per-step
+    hooks live in the autograd graph, which is freed with it)."""
     for installed, leftover, model_gone, handle_gone in pool2.run(_remove_and_collect):
         assert installed > 0 and leftover == 0
         assert model_gone and handle_gone
@@ -231,8 +231,8 @@ def _single_process_steps(rank, world):
         eps=ADAMW["adamw_eps"], weight_decay=ADAMW["adamw_weight_decay"],
     )
     mesh = make_mesh("z3", world)
-    dedicate_params(model, muon_targets(model), mesh)
-    opt = DMuon(model.parameters(), **MUON, **ADAMW, ns_mode="exact")
+    handle = dedicate_params(model, muon_targets(model), mesh)
+    opt = DMuon(model.parameters(), dedicated=handle, **MUON, **ADAMW, ns_mode="exact")
     mismatched = []
     for step, (x, y) in enumerate(data):
         loss_fn(model(x), y).backward()
@@ -264,7 +264,7 @@ def _nonfinite(rank, world, error_if_nonfinite):
     if rank == 0:
         owned[0].grad[0, 0] = float("inf")  # one rank's owned gradient: every rank must see it
     try:
-        return float(clip_grad_norm_(setup.model.parameters(), 1.0, error_if_nonfinite=error_if_nonfinite))
+        return float(clip_grad_norm_(setup.model.parameters(), 1.0, error_if_nonfinite=error_if_nonfinite, dedicated=setup.handle))
     except RuntimeError as e:
         return str(e)
 

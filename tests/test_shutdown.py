@@ -100,7 +100,7 @@ def _child(rank: int, init_file: str, steps: int) -> None:
 
     from tests.helpers import batches, distribute, local_slice, toy_model
     from titan_dmuon import CommLedger, clip_grad_norm_
-    from titan_dmuon.toy_model import loss_fn
+    from titan_dmuon.testing.toy_model import loss_fn
 
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # main thread and gloo workers share one CPU
@@ -127,7 +127,7 @@ def _child(rank: int, init_file: str, steps: int) -> None:
         with CommLedger() as ledger:
             loss = loss_fn(setup.module(xs), ys)
             loss.backward()
-            clip_grad_norm_(setup.model.parameters(), max_norm=1.0)
+            clip_grad_norm_(setup.model.parameters(), max_norm=1.0, dedicated=setup.handle)
             setup.opt.step()
             setup.opt.zero_grad()
         reading[0] = True

@@ -244,7 +244,7 @@ def _same_seed_start(rank, world, family, replicate, experts, ep):
 
             clip = lambda params, max_norm: titan_clip(params, max_norm, ep_enabled=ep > 1)  # noqa: E731
         else:
-            clip = clip_grad_norm_
+            clip = lambda params, max_norm: clip_grad_norm_(params, max_norm, dedicated=handle)  # noqa: E731
         loss = th.train(model, container, dims, data, clip=clip, norms=norms)[0]
         out[optimizer] = (weights, loss, norms[0])
     (titan, titan_loss, titan_norm), (mine, loss, norm) = out["AdamW"], out["dmuon"]

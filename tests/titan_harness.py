@@ -170,7 +170,12 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
                 tokens.shape[0] * SEQ
             )
             loss.backward()
-        norm = (clip or clip_grad_norm_)([p for p in model.parameters()], 1.0)
+        if clip is None:
+            from titan_dmuon.integration.trainer import dmuon_handles
+
+            handles = dmuon_handles(container)
+            clip = lambda params, max_norm: clip_grad_norm_(params, max_norm, dedicated=handles)  # noqa: E731
+        norm = clip([p for p in model.parameters()], 1.0)
         if norms is not None:
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         container.step()

@@ -8,30 +8,35 @@ The TorchTitan-free core:
 * :class:`DMuon` applies Muon to dedicated weights (on their owner only) and
   AdamW to everything else;
 * :func:`clip_grad_norm_` clips over FSDP2 shards and owner-held gradients;
-* :class:`CommLedger` counts every collective in the design's units.
+* :class:`CommLedger` counts every collective in the design's units, and
+  ``titan_dmuon.cost_model`` gives the figures the design promises.
 
 ``titan_dmuon.with_dmuon(config, lr=...)`` turns a TorchTitan 0.3.0
 ``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.setup``); it is
 imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 """
 
-from titan_dmuon.baselines import NaiveFSDPMuon
+from titan_dmuon.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
 from titan_dmuon.ddp import wrap_ddp
 from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.ledger import CommLedger, theory_elements_per_rank
+from titan_dmuon.ledger import CommLedger
 from titan_dmuon.optimizer import DMuon
+from titan_dmuon.options import DMuonOptions
 from titan_dmuon.plan import OwnershipPlan
-from titan_dmuon.runtime import DedicatedParams, dedicate_params
+from titan_dmuon.runtime import DedicatedParams, DedicationMode, UnitOrderError, dedicate_params
 
 __all__ = [
     "CommLedger",
     "DMuon",
+    "DMuonOptions",
     "DedicatedParams",
-    "NaiveFSDPMuon",
+    "DedicationMode",
     "OwnershipPlan",
+    "UnitOrderError",
+    "baseline_elements_per_rank",
     "clip_grad_norm_",
     "dedicate_params",
-    "theory_elements_per_rank",
+    "dmuon_elements_per_rank",
     "wrap_ddp",
 ]
 __version__ = "0.1.0"

@@ -15,8 +15,14 @@ from titan_dmuon.runtime import DedicatedParams
 
 def wrap_ddp(module: nn.Module, handle: DedicatedParams, **ddp_kwargs) -> DistributedDataParallel:
     """``DistributedDataParallel(module)`` over the handle's 1-D mesh, skipping dedicated weights."""
-    if handle.mesh.ndim != 1:
+    if handle.mode.mesh.hsdp:
         raise ValueError("wrap_ddp needs a handle built on a 1-D mesh (DDP has no shard/replicate split)")
+    if handle.local_experts:
+        raise ValueError(
+            f"expert weights {[e.fqn for e in handle.local_experts]} were left to be updated where they live, but "
+            "DDP replicates them on every rank (each would run Muon on all experts); under DDP dedicate them: "
+            "dedicate_params(..., expert_sharding='dedicated')"
+        )
     if handle.module is not module:
         raise ValueError("wrap_ddp must get the same module that was passed to dedicate_params")
     if ddp_kwargs.get("process_group") not in (None, handle.mesh.get_group()):

@@ -19,27 +19,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_dmuon.runtime import find_dedicated, refresh_handles
+from titan_dmuon.runtime.handle import handles_for
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    dedicated=None,
 ) -> torch.Tensor:
     """Clip in place to ``max_norm``; returns the exact global norm (a collective).
 
-    No host sync unless ``error_if_nonfinite`` (which must read the norm, as torch's does)."""
+    ``dedicated``: the handle(s) of ``dedicate_params`` for these parameters. No host
+    sync unless ``error_if_nonfinite`` (which must read the norm, as torch's does)."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     params = list(parameters)
-    refresh_handles()
+    handles = handles_for(params, dedicated)
     owned, sharded, replicated = [], [], []
     meshes = []
     for p in params:
-        found = find_dedicated(p)
-        if found is not None:
-            meshes.append(found[0].mesh)
+        handle = next((h for h in handles if h.member_of(p) is not None), None)
+        if handle is not None:
+            meshes.append(handle.mesh)
             if p.grad is not None:
                 owned.append(p.grad)
         elif p.grad is None:

@@ -10,15 +10,13 @@ bandwidth-optimal algorithm moves them, per rank of the group:
     all-reduce of S:           2(n-1)/n * S
 
 Counts are exact ``Fraction`` s so they can be compared with theory exactly.
-``theory_elements_per_rank`` gives the per-step figure the design promises.
+The design's figures to compare with are in ``titan_dmuon.cost_model``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
-import os
 import sys
 import time
 from collections import defaultdict
@@ -30,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_dmuon.gloo_exit import install_exit_guard
 from titan_dmuon.runtime.comm import comm_source, current_launch, current_source
 
-__all__ = ["CommLedger", "CommRecord", "comm_source", "theory_elements_per_rank"]
+__all__ = ["CommLedger", "CommRecord", "comm_source"]
 
 _phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase", default="")
 
@@ -114,7 +113,7 @@ class CommLedger(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
-        _install_exit_guard()
+        install_exit_guard()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -277,55 +276,6 @@ def _all_gather_released(parts: list[torch.Tensor], packed: torch.Tensor, group)
         time.sleep(1e-4)  # releases the GIL for the worker
 
 
-_exit_guard_installed = False
-
-
-def _install_exit_guard() -> None:
-    global _exit_guard_installed
-    if not _exit_guard_installed:
-        _exit_guard_installed = True
-        atexit.register(_let_gloo_workers_finish)
-
-
-def _let_gloo_workers_finish(timeout_s: float = 2.0) -> None:
-    """At interpreter exit, before finalization: let gloo's worker threads finish releasing their works.
-
-    The hazard ``_all_gather_released`` avoids for the ledger's own collective
-    holds for any gloo collective shortly before exit (the script's last loss
-    all-reduce, say): a worker still to release a finished Work needs the GIL,
-    and gets killed in a noexcept destructor (SIGABRT) if it only gets it once
-    the interpreter is finalizing. atexit handlers run while the interpreter is
-    still whole, so sleep here in short naps (GIL and CPU free) until no gloo
-    worker thread is runnable, a few naps in a row. Linux only (reads /proc);
-    costs a few milliseconds at exit.
-    """
-    try:
-        tids = [t for t in os.listdir("/proc/self/task") if _thread_comm(t).startswith("pt_gloo")]
-    except OSError:
-        return
-    deadline = time.monotonic() + timeout_s
-    quiet = 0
-    while tids and quiet < 3 and time.monotonic() < deadline:
-        time.sleep(0.002)
-        quiet = 0 if any(_thread_state(t) == "R" for t in tids) else quiet + 1
-
-
-def _thread_comm(tid: str) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _thread_state(tid: str) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]  # R running/runnable, S sleeping, ...
-    except (OSError, IndexError):
-        return ""
-
-
 @contextlib.contextmanager
 def _suspended(mode: TorchDispatchMode) -> Iterator[None]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
@@ -338,56 +288,3 @@ def _suspended(mode: TorchDispatchMode) -> Iterator[None]:
             _push_mode(popped)
     else:
         yield
-
-
-# ---- theory -------------------------------------------------------------------
-CONFIGURATIONS = (
-    "naive_fsdp_z2",
-    "naive_fsdp_z3",
-    "dmuon_z2",
-    "dmuon_z3",
-    "ddp_muon",
-    "dmuon_ddp",
-    "alltoall_z2",
-    "alltoall_z3",
-)
-
-
-def theory_elements_per_rank(
-    configuration: str, *, shard_size: int, numel: int, replicate_size: int = 1, kept_unit_numel: int = 0
-) -> Fraction:
-    """Elements per rank per step for the Muon-target parameters (design-facts units).
-
-    DMuon-Z3 keeps the last layer's buffer from forward to backward (its backward
-    comes right after, as TorchTitan does for FSDP2's last layers), which saves
-    its re-broadcast: ``kept_unit_numel`` of those elements (the handle's
-    ``kept_unit_numel``), (N-1)/N of them per rank.
-
-    With ``replicate_size`` R > 1 (HSDP) DMuon adds a replicate-group reduce and
-    a post-step broadcast; each involves only the R owners of a matrix, so
-    averaged over all R*N ranks each costs (R-1)/R * numel/N per rank.
-    """
-    if kept_unit_numel and configuration != "dmuon_z3":
-        raise ValueError(f"kept_unit_numel applies to dmuon_z3 only, not {configuration!r}")
-    n, r, p = shard_size, replicate_size, numel
-    step = Fraction(n - 1, n) * p
-    shard_terms = {
-        "naive_fsdp_z2": 3,
-        "naive_fsdp_z3": 4,
-        "dmuon_z2": 2,
-        "dmuon_z3": 3,
-        "ddp_muon": 2,
-        "dmuon_ddp": 2,
-        "alltoall_z2": 2,
-        "alltoall_z3": 3,
-    }
-    if configuration not in shard_terms:
-        raise ValueError(f"unknown configuration {configuration!r}; expected one of {CONFIGURATIONS}")
-    total = shard_terms[configuration] * step - Fraction(n - 1, n) * kept_unit_numel
-    if configuration.startswith("alltoall"):
-        total += 2 * Fraction(n - 1, n * n) * p
-    if r > 1:
-        if not configuration.startswith("dmuon_z"):
-            raise ValueError(f"replicate_size > 1 is only modelled for DMuon, not {configuration!r}")
-        total += 2 * Fraction(r - 1, r) * Fraction(p, n)
-    return total

@@ -1,8 +1,14 @@
 """DMuon: one optimizer over all of a model's parameters.
 
 Dedicated weights get Muon, applied only by their global owner (no collective
-in the step on a 1-D mesh); every other parameter (FSDP2 DTensor shards,
+in the step on a 1-D mesh); experts left where FSDP2 keeps them get Muon on
+every rank for its own experts; every other parameter (FSDP2 DTensor shards,
 DDP-replicated tensors) gets AdamW with ``torch.optim.AdamW`` semantics.
+
+The step is pipelined with the communication: dedicated weights are updated
+layer by layer in forward order, and after each layer the handle sends it on
+(HSDP's broadcast to replicas; the first layer's broadcast for the next
+forward), so those transfers overlap the Newton–Schulz of the later layers.
 
 Each user param group is split into a Muon group and an AdamW group, both
 carrying their learning rate under ``"lr"``, so LR schedulers scale both.
@@ -22,36 +28,39 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import muon_step
 from titan_dmuon.options import OPTION_NAMES, DMuonOptions
-from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
+from titan_dmuon.runtime.handle import handles_for
 
 
 class DMuon(torch.optim.Optimizer):
     """Muon for dedicated weights (see :func:`titan_dmuon.dedicate_params`), AdamW for the rest.
 
-    Keyword arguments and group options: the fields of
-    :class:`titan_dmuon.options.DMuonOptions` (``lr``, ``momentum``, ``ns_mode``,
-    ``adamw_lr``, ...), e.g. ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
+    ``dedicated``: the handle(s) ``dedicate_params`` returned for this model. Keyword
+    arguments and group options: the fields of :class:`titan_dmuon.options.DMuonOptions`
+    (``lr``, ``momentum``, ``ns_mode``, ``adamw_lr``, ...), e.g.
+    ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
     After each ``step()``, ``last_step_stats`` holds this rank's Newton–Schulz
     figures (matrices, time); reading the time syncs with the device once.
     """
 
-    def __init__(self, params: Iterable, **options) -> None:
+    def __init__(self, params: Iterable, *, dedicated=None, **options) -> None:
         _check_known(options, "DMuon")
         defaults = DMuonOptions(**options)
         user_groups = list(params)
-        refresh_handles()
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
         if not isinstance(user_groups[0], dict):
             user_groups = [{"params": user_groups}]
+        for user_group in user_groups:
+            ps = user_group["params"]
+            user_group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated)
+        self._dedicated_ids: set[int] = set()
         groups = []
         for user_group in user_groups:
             group_options = {k: v for k, v in user_group.items() if k not in ("params", "param_names")}
             _check_known(group_options, "DMuon param-group")
             merged = dataclasses.replace(defaults, **group_options)
-            group_params = user_group["params"]
-            group_params = [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
-            names = user_group.get("param_names")
+            group_params, names = user_group["params"], user_group.get("param_names")
             for use_muon in (True, False):
                 chosen = [i for i, p in enumerate(group_params) if self._is_muon_param(p) == use_muon]
                 if not chosen:
@@ -66,7 +75,17 @@ class DMuon(torch.optim.Optimizer):
         self._ns_matrices = 0
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
-        return find_dedicated(p) is not None or find_local_experts(p) is not None
+        for handle in self._handles:
+            if handle.member_of(p) is not None:
+                self._dedicated_ids.add(id(p))
+                return True
+            if handle.local_expert_of(p) is not None:
+                return True
+        return False
+
+    def dedicated_handles(self) -> list:
+        """The dedicate_params handles this optimizer steps, in a fixed order."""
+        return list(self._handles)
 
     @property
     def last_step_stats(self) -> dict[str, float]:
@@ -81,20 +100,9 @@ class DMuon(torch.optim.Optimizer):
         the model's tensors in place; TorchTitan's zero-gradient step inside this
         call starts broadcasts of the pre-load weights, which must not land after
         the load."""
-        for handle in self.dedicated_handles():
-            handle.wait_for_replicate_broadcasts()
+        for handle in self._handles:
+            handle.wait_for_replicate_broadcasts(host=True)
         return super().state_dict()
-
-    def dedicated_handles(self) -> list:
-        """The dedicate_params handles of this optimizer's Muon parameters, in a fixed order."""
-        handles = []
-        for group in self.param_groups:
-            if group["use_muon"]:
-                for p in group["params"]:
-                    found = find_dedicated(p)
-                    if found is not None and found[0] not in handles:
-                        handles.append(found[0])
-        return handles
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,55 +110,72 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refresh_handles()
-        handles = self.dedicated_handles()  # same order on every rank: it follows the param groups
-        for handle in handles:
-            handle.wait_for_replicate_broadcasts()  # the last step's sends read the weights we update now
         self._ns_matrices = 0
+        self._muon_step([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group_step(group)
-            else:
+            if not group["use_muon"]:
                 self._adamw_group_step(group)
-        for handle in handles:
-            handle.after_step()
         return loss
 
-    def _muon_group_step(self, group: dict) -> None:
-        params, grads, buffers, blocks = [], [], [], []
-        for p in group["params"]:
-            dedicated, local = find_dedicated(p), find_local_experts(p)
-            if dedicated is None and local is None:
-                raise RuntimeError(
-                    "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
-                    "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
-                    "Build DMuon after the model is materialised, as with FSDP2."
-                )
-            if p.grad is None or (dedicated is not None and not dedicated[1].runs_ns):
-                continue
+    def _muon_step(self, groups: list[dict]) -> None:
+        """Dedicated weights unit by unit in forward order, each handle told after each unit;
+        then the experts each rank updates in place (no communication follows them)."""
+        for handle in self._handles:
+            by_unit: dict[int, list] = {}
+            for group in groups:
+                for p in group["params"]:
+                    member = handle.member_of(p)
+                    if member is None:
+                        if id(p) in self._dedicated_ids and not any(h.member_of(p) for h in self._handles):
+                            raise RuntimeError(
+                                "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
+                                "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
+                                "Build DMuon after the model is materialised, as with FSDP2."
+                            )
+                        continue
+                    if member.runs_ns and p.grad is not None:
+                        by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member.entry.blocks))
+            for unit in handle.step_units():
+                handle.before_update(unit)
+                for group, work in by_unit.get(unit.index, {}).values():
+                    self._update(group, [p for p, _ in work], [b for _, b in work])
+                handle.updated(unit)
+        for group in groups:
+            weights, blocks = [], []
+            for p in group["params"]:
+                experts = next((e for h in self._handles if (e := h.local_expert_of(p)) is not None), None)
+                if experts is not None and p.grad is not None:
+                    weights.append(p)
+                    blocks.append(experts.blocks)
+            if weights:
+                self._update(group, weights, blocks, local_experts=True)
+
+    def _update(self, group: dict, params: list, blocks: list, *, local_experts: bool = False) -> None:
+        """Muon on ``params`` (this rank's): momentum state, then one ``muon_step``."""
+        tensors, grads, buffers, kept_blocks = [], [], [], []
+        for p, param_blocks in zip(params, blocks):
             state = self.state[p]
             if "momentum_buffer" not in state:  # (local experts: a DTensor like p, on every rank)
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if dedicated is not None:
-                params.append(p)
-                grads.append(p.grad)
-                buffers.append(state["momentum_buffer"])
-                blocks.append(dedicated[1].entry.blocks)
-            else:
-                weights = _whole_local_experts(p, local[1].fqn)
+            if local_experts:
+                weights = _whole_local_experts(p)
                 if weights.shape[0] == 0:
                     continue  # FSDP2 gave this rank no expert of this weight
-                params.append(weights)
+                tensors.append(weights)
                 grads.append(_local(p.grad))
                 buffers.append(_local(state["momentum_buffer"]))
-                blocks.append(local[1].blocks)
-        if not params:
+            else:
+                tensors.append(p)
+                grads.append(p.grad)
+                buffers.append(state["momentum_buffer"])
+            kept_blocks.append(param_blocks)
+        if not tensors:
             return
         if self._ns_timer is None:
-            self._ns_timer = DeviceTimer(params[0].device)
+            self._ns_timer = DeviceTimer(tensors[0].device)
         with self._ns_timer.timing(accumulate=self._ns_matrices > 0):
             self._ns_matrices += muon_step(
-                params, grads, buffers, blocks,
+                tensors, grads, buffers, kept_blocks,
                 lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
@@ -185,16 +210,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _whole_local_experts(param: torch.Tensor, fqn: str) -> torch.Tensor:
+def _whole_local_experts(param: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a 3-D weight, each whole (FSDP2 / EP shard it on dim 0)."""
     if isinstance(param, DTensor):
         for placement in param.placements:
             # Shard(0), or _StridedShard(0) under FSDP2 + expert parallelism: whole experts per rank
             if not (placement.is_replicate() or getattr(placement, "dim", None) == 0):
                 raise RuntimeError(
-                    f"expert weight {fqn!r} is sharded {param.placements}: DMuon updates experts in place only "
-                    "when every rank holds whole experts (sharded on dim 0). Use dedicate_params(..., "
-                    "expert_sharding='dedicated') to give each expert weight one owner instead."
+                    f"an expert weight of shape {tuple(param.shape)} is sharded {param.placements}: DMuon updates "
+                    "experts in place only when every rank holds whole experts (sharded on dim 0). Use "
+                    "dedicate_params(..., expert_sharding='dedicated') to give each expert weight one owner instead."
                 )
     return _local(param)
 

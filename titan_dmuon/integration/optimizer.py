@@ -22,11 +22,11 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.baselines import NaiveFSDPMuon
+from titan_dmuon.testing.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
 from titan_dmuon.options import DEFAULTS, MUON_KEYS, OPTION_NAMES
-from titan_dmuon.runtime import find_dedicated, find_local_experts, refresh_handles
+from titan_dmuon.runtime import DedicatedParams
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
 # (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
@@ -76,6 +76,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts) -> None:
         self._muon_kwargs = None
+        self._part_handles: list = []
         if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS}
             config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
@@ -88,10 +89,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         super().__init__(config, model_parts=model_parts)
         self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)
 
-    @staticmethod
-    def _resolve_optimizer_factory(name: str):
-        if name == "DMuon":
-            return DMuon
+    def _resolve_optimizer_factory(self, name: str):
+        if name == "DMuon":  # (the model part whose groups were just built: TorchTitan goes part by part)
+            handles = self._part_handles
+            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, **kwargs)
         if name == "NaiveFSDPMuon":
             return _naive_muon
         return OptimizersContainer._resolve_optimizer_factory(name)
@@ -101,9 +102,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
             return OptimizersContainer._build_param_groups(model, param_group_configs, {})
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
-        refresh_handles()
+        self._part_handles = handles = DedicatedParams.of(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        muon = [(n, p) for n, p in named if find_dedicated(p) is not None or find_local_experts(p) is not None]
+        muon = [(n, p) for n, p in named if any(h.member_of(p) or h.local_expert_of(p) for h in handles)]
         muon_ids = {id(p) for _, p in muon}
         rest = [(n, p) for n, p in named if id(p) not in muon_ids]
         kept = []

@@ -139,9 +139,10 @@ class _Dedication:
         reshard = self.settings.reshard_after_forward
         if reshard is None:
             reshard = False if ddp_like else fsdp_reshard
+        targets = muon_parameters(model, self.settings.muon_params)
         self.handle = dedicate_params(
             model,
-            muon_parameters(model, self.settings.muon_params),
+            targets,
             dedication_mesh(dims, self.parallelism.spmd_backend != "partial_dtensor"),
             reshard_after_forward=reshard,
             mp_policy=MixedPrecisionPolicy(
@@ -149,7 +150,7 @@ class _Dedication:
                 reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
                 cast_forward_inputs=False,
             ),
-            split_rows=fused_qkv_blocks(model),
+            split_rows={p: blocks for p, blocks in fused_qkv_blocks(model).items() if any(p is t for t in targets)},
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
             expert_sharding=expert_sharding(model, dims),
         )
@@ -177,26 +178,31 @@ def _ignoring_dedicated_weights(dedication: _Dedication):
 
 
 def expert_sharding(model: nn.Module, parallel_dims) -> str:
-    """Where TorchTitan's FSDP2 keeps whole experts per rank (dim-0 shards), DMuon leaves the experts
-    there ("local"); where it splits them on dim 1 (more FSDP ranks than experts), DMuon dedicates
-    each expert weight to one owner instead. Mirrors ``apply_fsdp_to_decoder``'s rule."""
+    """``dedicate_params``'s ``expert_sharding`` for TorchTitan: under DDP every rank would hold
+    every expert, so each is dedicated; under expert parallelism experts are whole on their EP
+    rank and stay there (when TorchTitan keeps them whole: at most as many expert-FSDP x EP ranks
+    as experts); otherwise DMuon's own rule decides (``DedicationMode.experts_stay_local``), which
+    is TorchTitan's choice between dim-0 and dim-1 shards."""
     experts = [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
     if not experts:
         return "auto"
     if parallel_dims.ep > 1:
         efsdp_ep = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
         if efsdp_ep > min(experts):
-            raise NotImplementedError(
-                f"expert parallelism with {efsdp_ep} expert-FSDP x EP ranks and {min(experts)} experts: TorchTitan "
-                "then splits each expert across ranks (Shard(1)), and DMuon needs whole experts per rank under "
-                "expert parallelism; lower data_parallel_shard_degree or raise expert_parallel_degree so their "
-                "product is at most the number of experts"
-            )
+            raise NotImplementedError(expert_parallel_limit(efsdp_ep, min(experts)))
         return "local"
     if parallel_dims.dp_shard == 1:
-        return "dedicated"  # DDP: every rank would hold every expert
-    fsdp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    return "local" if fsdp_size <= min(experts) else "dedicated"
+        return "dedicated"
+    return "auto"
+
+
+def expert_parallel_limit(efsdp_ep: int, experts: int) -> str:
+    return (
+        f"expert parallelism with {efsdp_ep} expert-FSDP x EP ranks and {experts} experts: TorchTitan then "
+        "splits each expert across ranks (Shard(1)), and DMuon needs whole experts per rank under expert "
+        "parallelism; lower data_parallel_shard_degree or raise expert_parallel_degree so their product is at "
+        "most the number of experts"
+    )
 
 
 def _initialise_as_titan_would(handle, *, sharded: bool) -> None:
@@ -250,9 +256,12 @@ def check_supported(*, parallelism, compile_config, training) -> None:
 
 
 def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
+    """The trainable parameters ``optimizer.muon_params`` selects (frozen ones stay with FSDP2)."""
     compiled = [re.compile(p) for p in patterns]
     chosen = []
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         fqn = canonical_fqn(name)
         if any(p.search(fqn) for p in compiled):
             if param.ndim not in (2, 3):

@@ -35,8 +35,9 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_dmuon.cost_model import design_elements_per_rank
 from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.ledger import CommLedger, theory_elements_per_rank
+from titan_dmuon.ledger import CommLedger
 
 
 def dmuon_handles(optimizers) -> list:
@@ -46,22 +47,15 @@ def dmuon_handles(optimizers) -> list:
     return handles
 
 
-def _clip_for_titan(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False):
-    if pp_mesh is not None or ep_enabled:
-        raise NotImplementedError("DMuon's gradient clipping supports data parallelism only (no PP/EP)")
-    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+def _clip_for_titan(handles):
+    """TorchTitan's clip entry point while a DMuon step runs: DMuon's clip, over these handles."""
 
+    def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False):
+        if pp_mesh is not None:
+            raise NotImplementedError("DMuon's gradient clipping does not support pipeline parallelism yet")
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, dedicated=handles)
 
-def _design_elements(handle) -> Fraction:
-    """The design's elements per rank per micro-batch for this handle (Z3 counts the kept last layer
-    once the first step has shown which layer runs last)."""
-    return theory_elements_per_rank(
-        f"dmuon_z{3 if handle.reshard_after_forward else 2}",
-        shard_size=handle.plan.shard_size,
-        replicate_size=handle.plan.replicate_size,
-        numel=handle.plan.total_numel,
-        kept_unit_numel=handle.kept_unit_numel,
-    )
+    return clip
 
 
 class DMuonTrainer(Trainer):
@@ -85,7 +79,7 @@ class DMuonTrainer(Trainer):
         self.metrics_processor.begin_step()
         with contextlib.ExitStack() as stack:
             if self.optimizers.dmuon_optimizers():  # cheap: no per-parameter scan on the hot path
-                clip = _clip_for_titan
+                clip = _clip_for_titan(dmuon_handles(self.optimizers))
                 if self._sync_debug():
                     clip = _no_host_sync(clip)
                     stack.enter_context(_replaced(self.optimizers, "step", _no_host_sync(self.optimizers.step)))
@@ -199,7 +193,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 elements += sum(e for e, _, _ in popped.values())
                 nbytes += sum(b for _, b, _ in popped.values())
                 launches += sum(n for _, _, n in popped.values())
-                theory += _design_elements(handle) * self.microbatches_per_step
+                theory += design_elements_per_rank(handle) * self.microbatches_per_step
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]

@@ -1,4 +1,4 @@
-"""How DMuon issues collectives: labelled, counted, grouped into launches, on the right stream.
+"""How DMuon issues collectives: labelled, counted, grouped into launches.
 
 * Labels. ``comm_source`` tags every collective DMuon issues with a name
   (``dmuon.forward_broadcast``, ...) and ``Launch`` tags each group of them
@@ -6,13 +6,15 @@
   DMuon's traffic from FSDP2's and count launches. The runtime never imports
   the measuring tool; the tool reads these labels.
 * Counts. ``CommStats`` keeps this rank's elements/bytes (in the design's
-  units) and launches per label, for the training log.
+  units) and launches per label, for the training log: integer sums on the
+  hot path, exact fractions only when read.
 * Launches. A unit's collectives in one direction go out as one launch: a
   coalesced group where the backend can coalesce (NCCL: one ``ncclGroup``),
-  else one by one (gloo).
-* Streams. On an accelerator the gradient reduces run off the compute stream
-  (FSDP2 runs its reduce-scatters on a side stream the same way); on the CPU
-  there are no streams and every stream operation is a no-op.
+  else one by one (gloo). On an accelerator they are issued synchronously
+  from the current (side) stream, so NCCL's kernels run on that stream (as
+  FSDP2's do) and an event recorded after them is what consumers wait on; on
+  the CPU they are asynchronous (gloo's threads) and consumers wait on the
+  works. Either way ``InFlight.wait()`` is the one way to wait.
 """
 
 from __future__ import annotations
@@ -54,70 +56,106 @@ def current_launch() -> tuple[int, bool] | None:
 
 @dataclass
 class CommStats:
-    """This rank's DMuon traffic since the last ``pop``: {label: [elements, bytes, launches]}
-    (launches: groups, i.e. what NCCL launches; gloo runs a group's collectives one by one)."""
+    """This rank's DMuon traffic since the last ``pop``.
 
-    by_source: dict[str, list] = field(default_factory=dict)
+    Per label: for each group size n, the summed sizes S and bytes of the collectives
+    (each moves (n-1)/n * S elements per rank), and the launches (groups, what NCCL launches)."""
 
-    def add(self, source: str, elements: Fraction, nbytes: Fraction, launches: int) -> None:
-        row = self.by_source.setdefault(source, [Fraction(0), Fraction(0), 0])
-        row[0] += elements
+    _sizes: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (label, n) -> [S, bytes]
+    _launches: dict[str, int] = field(default_factory=dict)
+
+    def add(self, source: str, group_size: int, numel: int, nbytes: int) -> None:
+        row = self._sizes.get((source, group_size))
+        if row is None:
+            row = self._sizes[(source, group_size)] = [0, 0]
+        row[0] += numel
         row[1] += nbytes
-        row[2] += launches
+
+    def add_launch(self, source: str) -> None:
+        self._launches[source] = self._launches.get(source, 0) + 1
 
     def pop(self) -> dict[str, tuple[Fraction, Fraction, int]]:
-        out = {k: tuple(v) for k, v in self.by_source.items()}
-        self.by_source = {}
-        return out
+        """{label: (elements, bytes, launches)} per rank, in the design's units, since the last pop."""
+        out: dict[str, list] = {}
+        for (source, n), (numel, nbytes) in self._sizes.items():
+            row = out.setdefault(source, [Fraction(0), Fraction(0), 0])
+            row[0] += Fraction(n - 1, n) * numel
+            row[1] += Fraction(n - 1, n) * nbytes
+        for source, launches in self._launches.items():
+            out.setdefault(source, [Fraction(0), Fraction(0), 0])[2] += launches
+        self._sizes, self._launches = {}, {}
+        return {k: tuple(v) for k, v in out.items()}
 
 
-def _coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether this group's backend runs a group of collectives as one launch.
+@dataclass(eq=False)
+class InFlight:
+    """Collectives issued and not yet waited for: gloo's works (CPU), or an event recorded on the
+    stream that ran them (accelerator)."""
 
-    NCCL does (``ncclGroupStart/End``); gloo cannot; the fake backend used to
-    count launches at large world sizes accepts coalescing like NCCL."""
-    if dist.get_backend(group) == "fake":
-        return True
-    try:
-        return bool(group._get_backend(device).supports_coalescing)
-    except RuntimeError:
-        return False
+    works: list = field(default_factory=list)
+    event: torch.Event | None = None
+
+    def wait(self, stream=None) -> None:
+        """``stream`` (default: the current one) waits for them; on the CPU the host blocks."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.event is not None:
+            (stream or torch.accelerator.current_stream(self.event.device)).wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """The host waits for them (checkpoints only: another thread may read the result)."""
+        self.wait()
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class Launch:
-    """Collectives issued together on one process group (one launch where the backend coalesces).
+    """Collectives issued together on one process group, from the current stream.
 
-    Use inside ``with Launch(...) as launch:``; ``launch.works`` is what to wait on.
+    Use inside ``with Launch(...) as launch:``; ``launch.in_flight`` is what to wait on.
+    A coalesced group is closed on every path, also when an issue raises: an open group
+    would swallow FSDP2's next collectives on the same process group (a hang).
     """
 
-    def __init__(self, group: dist.ProcessGroup, group_size: int, device: torch.device, source: str, stats: CommStats):
+    def __init__(
+        self, group: dist.ProcessGroup, group_size: int, device: torch.device, source: str, stats: CommStats,
+        *, coalesce: bool,
+    ) -> None:
         self.group = group
         self.group_size = group_size
         self.device = device
         self.source = source
         self.stats = stats
-        self.works: list = []
+        self.in_flight = InFlight()
+        self._async = device.type == "cpu"
+        self._coalesce = coalesce and group_size > 1
+        self._coalescing = False
         self._ops = 0
-        self._coalesce = group_size > 1 and _coalesces(group, device)
-        self._stack = contextlib.ExitStack()
-        self._cm = None
+        self._tokens = None
 
     def __enter__(self) -> Launch:
-        self._stack.enter_context(comm_source(self.source))
-        token = _launch.set((next(_launch_ids), self._coalesce))
-        self._stack.callback(_launch.reset, token)
+        self._tokens = (_source.set(self.source), _launch.set((next(_launch_ids), self._coalesce)))
         return self
 
-    def _open_group(self) -> None:
-        """Entered at the first collective: an empty coalesced group would still be a launch."""
-        self._cm = self._stack.enter_context(dist._coalescing_manager(self.group, self.device, async_ops=True))
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-        if self._cm is not None and self._ops:
-            self.works.append(self._cm)
-        if self._ops:
-            self.stats.add(self.source, Fraction(0), Fraction(0), 1)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._coalescing:
+                self._coalescing = False
+                work = self.group._end_coalescing(self.device)
+                if work is not None:
+                    if self._async:
+                        self.in_flight.works.append(work)
+                    else:
+                        work.wait()
+        finally:
+            source, launch = self._tokens
+            _launch.reset(launch)
+            _source.reset(source)
+        if self._ops and exc_type is None:
+            self.stats.add_launch(self.source)
+            if not self._async:
+                self.in_flight.event = torch.accelerator.current_stream(self.device).record_event()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._issue(dist.broadcast, tensor, group_src=src)
@@ -128,56 +166,14 @@ class Launch:
     def _issue(self, fn, tensor: torch.Tensor, **kwargs) -> None:
         if self.group_size == 1:
             return
-        if self._coalesce and self._cm is None:
-            self._open_group()
-        elements = Fraction(self.group_size - 1, self.group_size) * tensor.numel()
-        self.stats.add(self.source, elements, elements * tensor.element_size(), 0)
-        work = fn(tensor, group=self.group, async_op=True, **kwargs)
+        if self._coalesce and not self._coalescing:
+            self.group._start_coalescing(self.device)
+            self._coalescing = True
+        self.stats.add(self.source, self.group_size, tensor.numel(), tensor.numel() * tensor.element_size())
+        work = fn(tensor, group=self.group, async_op=self._async, **kwargs)
         self._ops += 1
-        if not self._coalesce:
-            self.works.append(work)
-
-
-def wait_all(works: list) -> None:
-    """Make the current stream wait for ``works`` (on the CPU/gloo: block until done)."""
-    for work in works:
-        work.wait()
-    works.clear()
-
-
-# ---- streams -------------------------------------------------------------------------
-class Streams:
-    """The compute stream plus side streams for the gradient reduces (shard and replicate stage).
-
-    On the CPU every method is a no-op, so the runtime reads the same on both.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._module = None if device.type == "cpu" else torch.get_device_module(device)
-        if self._module is not None:
-            # high priority, as FSDP2's reduce-scatter stream: its copies must not queue behind compute
-            self.reduce = self._module.Stream(device=device, priority=-1)
-            self.replicate = self._module.Stream(device=device)
-        else:
-            self.reduce = self.replicate = None
-
-    def use(self, stream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if stream is None else self._module.stream(stream)
-
-    def current(self):
-        return None if self._module is None else self._module.current_stream(self.device)
-
-    def wait(self, waiter, waited) -> None:
-        """``waiter`` (a stream; None = current) waits for all work queued so far on ``waited``."""
-        if self._module is None:
-            return
-        (waiter or self.current()).wait_stream(waited or self.current())
-
-    def keep_alive_on(self, tensor: torch.Tensor, stream) -> None:
-        """The caching allocator must not reuse ``tensor``'s memory before ``stream`` is done with it."""
-        if self._module is not None and stream is not None:
-            tensor.record_stream(stream)
+        if self._async and not self._coalesce and work is not None:
+            self.in_flight.works.append(work)
 
 
 def free_storage(tensor: torch.Tensor) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -14,40 +13,15 @@ from torch.distributed.tensor import DTensor
 
 from titan_dmuon.muon_math import row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, validate_across_ranks
-from titan_dmuon.runtime.handle import DedicatedParams, LocalExperts
-from titan_dmuon.runtime.unit import Bucket, Member, Segment, Unit
-
-HSDP_DIM_NAMES = ("dp_replicate", "dp_shard")
-_HSDP_ALIASES = {HSDP_DIM_NAMES, ("dp_replicate", "fsdp")}  # TorchTitan's legacy backend names the shard dim "fsdp"
-
-# Live handles, held weakly: how DMuon and the clip utility find dedicated weights
-# without keeping any model alive.
-_live_handles: weakref.WeakSet = weakref.WeakSet()
-
-
-def refresh_handles() -> None:
-    """Every live handle follows parameters ``module._apply`` replaced (``to_empty()``); callers
-    that then look many parameters up (``find_dedicated``) do this once first."""
-    for handle in list(_live_handles):
-        handle.refresh()
-
-
-def find_dedicated(param: torch.Tensor) -> tuple[DedicatedParams, Member] | None:
-    """(handle, member) if ``param`` is a dedicated weight of a live handle, else None."""
-    for handle in list(_live_handles):
-        member = handle.member_of(param)
-        if member is not None:
-            return handle, member
-    return None
-
-
-def find_local_experts(param: torch.Tensor) -> tuple[DedicatedParams, LocalExperts] | None:
-    """(handle, record) if ``param`` is a 3-D expert weight a live handle leaves where it lives."""
-    for handle in list(_live_handles):
-        experts = handle.local_expert_of(param)
-        if experts is not None:
-            return handle, experts
-    return None
+from titan_dmuon.runtime.comm import CommStats
+from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.handle import DedicatedParams
+from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Segment
+from titan_dmuon.runtime.mode import DedicationMode
+from titan_dmuon.runtime.reducer import GradientReducer
+from titan_dmuon.runtime.replica_sync import ReplicaSync
+from titan_dmuon.runtime.streams import Streams
+from titan_dmuon.runtime.unit import Unit
 
 
 def dedicate_params(
@@ -89,20 +63,14 @@ def dedicate_params(
             so every rank holds whole experts; each rank runs Muon on its own
             experts, no collective of DMuon's (they are not in ``ignored_params``).
             ``"dedicated"``: one owner per weight, like the 2-D ones (DDP, or fewer
-            experts than shard ranks). ``"auto"``: local when the shard group has
-            no more ranks than the weight has experts, else dedicated.
+            experts than ranks). ``"auto"``: local when the data-parallel world
+            (R x N ranks) has no more ranks than the weight has experts, else
+            dedicated (``DedicationMode.experts_stay_local``).
     """
-    if expert_sharding not in ("auto", "local", "dedicated"):
-        raise ValueError(f"expert_sharding must be 'auto', 'local' or 'dedicated', got {expert_sharding!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"reshard_after_forward must be a bool (True = Z3, False = Z2), got {reshard_after_forward!r} "
-            f"of type {type(reshard_after_forward).__name__}"
-        )
-    replicate_size, shard_size = _check_mesh(mesh)
+    mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding)
+    mesh_info = mode.mesh
     _check_not_wrapped(module)
     params = list(params)
-    refresh_handles()
     sites = _registration_sites(module)
     split_rows = dict(split_rows or {})
     seen: set[int] = set()
@@ -124,7 +92,7 @@ def dedicate_params(
             )
         if id(p) in seen:
             raise ValueError(f"parameter {fqn!r} is listed twice")
-        if find_dedicated(p) is not None:
+        if getattr(p, "_dmuon_handle", None) is not None and p._dmuon_handle() is not None:
             raise ValueError(f"parameter {fqn!r} is already dedicated by an earlier dedicate_params call")
         if p.ndim not in (2, 3):
             raise ValueError(
@@ -132,11 +100,21 @@ def dedicate_params(
                 "(experts, rows, cols) can be dedicated (Muon orthogonalises matrices; leave biases, norms "
                 "and embeddings to AdamW)"
             )
+        if not p.requires_grad:
+            raise ValueError(
+                f"parameter {fqn!r} is frozen (requires_grad=False): it gets no gradient and no Muon update; "
+                "leave frozen weights out of the parameters given to dedicate_params"
+            )
         seen.add(id(p))
         resolved.append((fqn, p, owner_module, name))
     for p in split_rows:
         if id(p) not in seen:
-            raise ValueError("split_rows names a parameter that is not being dedicated")
+            where = sites.get(id(p))
+            label = repr(where[0][0]) if where else f"of shape {tuple(p.shape)}"
+            raise ValueError(
+                f"split_rows names the parameter {label}, which is not among the parameters being dedicated; "
+                "give split_rows only for parameters you pass to dedicate_params"
+            )
 
     def blocks_of(fqn, p):
         try:
@@ -145,7 +123,7 @@ def dedicate_params(
             raise ValueError(f"parameter {fqn!r}: {e}") from None
 
     def stays_local(p) -> bool:
-        return p.ndim == 3 and (expert_sharding == "local" or (expert_sharding == "auto" and p.shape[0] >= shard_size))
+        return p.ndim == 3 and mode.experts_stay_local(p.shape[0])
 
     local = [LocalExperts(fqn=fqn, module=m, name=n, blocks=blocks_of(fqn, p)) for fqn, p, m, n in resolved if stays_local(p)]
     resolved = [r for r in resolved if not stays_local(r[1])]
@@ -159,40 +137,36 @@ def dedicate_params(
     for (fqn, p, _, _), unit_module in zip(resolved, unit_modules):
         idx = unit_index.setdefault(id(unit_module), len(unit_index))
         specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p)))
+    replicate_size, shard_size = mesh_info.replicate_size, mesh_info.shard_size
     local_load = _local_expert_load(local, replicate_size, shard_size) if local else None
     plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, initial_load=local_load)
-    validate_across_ranks(plan, [mesh.get_group(d) for d in range(mesh.ndim)], _mesh_device(mesh))
+    validate_across_ranks(plan, mesh_info.groups, mesh_info.device)
 
-    if mesh.ndim == 2:
-        my_replicate, my_shard = mesh.get_local_rank(0), mesh.get_local_rank(1)
-    else:
-        my_replicate, my_shard = 0, mesh.get_local_rank()
     members = []
     for (_, p, owner_module, name), entry in zip(resolved, plan.entries):
-        holds_full = plan.shard_owner(entry) == my_shard
-        runs_ns = holds_full and plan.replicate_owner(entry) == my_replicate
-        members.append(Member(entry=entry, module=owner_module, name=name, param=p, holds_full=holds_full, runs_ns=runs_ns))
+        holds_full = plan.shard_owner(entry) == mesh_info.shard_rank
+        runs_ns = holds_full and plan.replicate_owner(entry) == mesh_info.replicate_rank
+        members.append(Member(entry=entry, module=owner_module, name=name, param=p, holds_full=holds_full,
+                              runs_ns=runs_ns, unit=entry.unit))
         if not holds_full:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
+    streams = Streams(mesh_info.device)
+    stats = CommStats()
+    ctx = RuntimeContext(mode=mode, stats=stats, streams=streams)
+    ctx.reducer = GradientReducer(
+        mode=mode, streams=streams, stats=stats, reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
+        divide_factor=float(gradient_divide_factor or plan.world_size),
+    )
+    ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
+    module_names = {id(m): n for n, m in module.named_modules()}
     modules_by_index = {unit_index[id(mod)]: mod for mod in unit_modules}
-    unit_objs = [
-        _layout_unit(idx, modules_by_index[idx], [m for m in members if m.entry.unit == idx], plan)
+    ctx.units = [
+        _layout_unit(idx, module_names.get(id(modules_by_index[idx]), "<root>") or "<root>", modules_by_index[idx],
+                     [m for m in members if m.entry.unit == idx], plan, ctx)
         for idx in range(len(unit_index))
     ]
-    handle = DedicatedParams(
-        module=module,
-        plan=plan,
-        mesh=mesh,
-        members=members,
-        units=unit_objs,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        gradient_divide_factor=float(gradient_divide_factor or plan.world_size),
-        local_experts=local,
-    )
-    _live_handles.add(handle)
-    return handle
+    return DedicatedParams(module=module, plan=plan, ctx=ctx, members=members, mp_policy=mp_policy, local_experts=local)
 
 
 def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:
@@ -200,15 +174,15 @@ def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_siz
     (torch.chunk: ceil(E/N) whole experts per shard index, the last ones fewer or none)."""
     load = [0] * shard_size
     for experts in local:
-        num_experts = experts.module._parameters[experts.name].shape[0]
-        per_expert = experts.spec_flops(experts.module._parameters[experts.name].shape)
+        num_experts = experts.param.shape[0]
+        per_expert = experts.expert_flops()
         chunk = -(-num_experts // shard_size)
         for s in range(shard_size):
             load[s] += per_expert * max(0, min(chunk, num_experts - s * chunk))
     return load * replicate_size
 
 
-def _layout_unit(index: int, module: nn.Module, members: list[Member], plan: OwnershipPlan) -> Unit:
+def _layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
     """Buffer order: by shard owner (one broadcast segment each), then by global owner (one reduce bucket each)."""
     ordered = sorted(members, key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
     segments, offset = [], 0
@@ -221,29 +195,7 @@ def _layout_unit(index: int, module: nn.Module, members: list[Member], plan: Own
                 offset += m.entry.numel
             buckets.append(Bucket(shard_owner=shard_owner, replicate_owner=replicate_owner, members=in_bucket))
         segments.append(Segment(shard_owner=shard_owner, start=start, stop=offset, buckets=buckets))
-    return Unit(index=index, module=module, members=ordered, segments=segments, numel=offset)
-
-
-def _check_mesh(mesh) -> tuple[int, int]:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim == 1:
-        return 1, mesh.size()
-    if mesh.ndim == 2:
-        names = tuple(mesh.mesh_dim_names or ())
-        if names not in _HSDP_ALIASES:
-            raise ValueError(
-                f"a 2-D mesh must have dims named {HSDP_DIM_NAMES} (replicate x shard, HSDP); got {names or 'no names'}. "
-                'Build it with init_device_mesh(device, (R, N), mesh_dim_names=("dp_replicate", "dp_shard"))'
-            )
-        return mesh.size(0), mesh.size(1)
-    raise ValueError(f"mesh must be 1-D (DDP/FSDP) or 2-D (HSDP), got {mesh.ndim} dims {mesh.mesh_dim_names}")
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    return Unit(index=index, name=name, module=module, members=ordered, segments=segments, numel=offset, ctx=ctx)
 
 
 def _check_not_wrapped(module: nn.Module) -> None:

@@ -1,23 +1,26 @@
-"""``DedicatedParams``: the hooks that drive a step, and the handle users hold.
+"""``DedicatedParams``: the handle users hold, and the hooks that drive a step.
 
 One step, for a unit (a layer) U with dedicated weights:
 
 * root pre-forward: the first unit's broadcast is in flight already (issued
-  at the end of the previous step) or is issued now;
-* U pre-forward: wait for U's broadcast, issue the next unit's (prefetch),
-  swap U's compute params in;
-* U post-forward: Z3 frees U's buffer (except the last unit, whose backward
+  as soon as the previous step updated that unit) or is issued now;
+* U pre-forward (a hook that runs after FSDP2's own, so after U's all-gather
+  is issued): wait for U's broadcast, issue the next unit's, swap U's compute
+  params in, and hook U's inputs so that their gradient marks U's backward done;
+* U post-forward: Z3 frees U's buffer (except the last unit's, whose backward
   comes next), Z2 keeps it; a hook on U's outputs marks U's backward start;
 * U pre-backward: (Z3) wait for U's re-broadcast and prefetch the unit before it;
-* U post-backward (every compute param has its gradient): the reducer
-  launches U's reduces; U's buffer is freed and its registered params put back;
+* U post-backward (its inputs' gradient is computed, so every weight gradient
+  of U is too): free U's buffer, put the registered params back, reduce U's
+  gradients to their owners (every member, zeros where this rank has none);
 * end of backward: the reducer finishes; owners have ``.grad``;
-* after the optimizer step (``after_step``, called by DMuon): HSDP replica
-  broadcasts, then the first unit's broadcast for the next step.
+* the optimizer step (``DMuon.step``) goes unit by unit in forward order and
+  calls ``updated(U)`` after each: HSDP's replica broadcast of U, and for the
+  first unit its broadcast for the next forward, overlapping the later units'
+  Newton–Schulz.
 
-Every hook runs eagerly, outside ``torch.compile``'s graphs (the unit hooks
-around the unit's ``__call__``, see ``_UnitCall``), and is labelled
-``DMuon::...`` in profiler traces.
+Every hook runs eagerly, outside ``torch.compile``'s graphs (dynamo-disabled,
+as FSDP2's are), and is labelled ``DMuon::...`` in profiler traces.
 """
 
 from __future__ import annotations
@@ -25,23 +28,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from titan_dmuon.muon_math import block_rows, ns_flops
 from titan_dmuon.plan import OwnershipPlan
-from titan_dmuon.runtime.comm import CommStats, Streams, comm_source
-from titan_dmuon.runtime.reducer import GradientReducer
-from titan_dmuon.runtime.replica_sync import ReplicaSync
+from titan_dmuon.runtime.comm import comm_source
+from titan_dmuon.runtime.context import RuntimeContext, UnitOrderError
+from titan_dmuon.runtime.members import LocalExperts, Member
+from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
-from titan_dmuon.runtime.unit import BufferState, Member, Phase, Unit
+from titan_dmuon.runtime.unit import BufferState, Phase, Unit
 
 
 def _hook(label: str):
@@ -58,83 +59,59 @@ def _hook(label: str):
     return decorate
 
 
-@dataclass(eq=False)
-class LocalExperts:
-    """A 3-D expert weight left to FSDP2 / expert parallelism, sharded on dim 0: every rank
-    holds whole experts and runs Muon on them itself (no collective of DMuon's)."""
-
-    fqn: str
-    module: nn.Module
-    name: str
-    blocks: tuple  # row blocks of each expert's matrix
-
-    @property
-    def param(self) -> nn.Parameter:
-        """The registered parameter now (FSDP2 replaces it by a DTensor parameter)."""
-        return self.module._parameters[self.name]
-
-    def spec_flops(self, shape) -> int:
-        """NS FLOPs of one expert's matrix."""
-        return sum(ns_flops(block_rows(b), shape[-1]) for b in self.blocks)
-
-
-def _local_shape_and_offset(shape, mesh, placements):
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-
-
 def _in_backward() -> bool:
+    """True inside autograd's backward (e.g. an activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
 
 
-class _UnitCall:
-    """Mixed into each unit module's class: DMuon's pre/post-forward run around ``__call__``.
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradient is computed, which
+    is after every weight gradient of the unit (autograd runs AccumulateGrad first), as
+    FSDP2's RegisterPostBackwardFunction."""
 
-    Not as module hooks: TorchTitan compiles every block (``block.compile(fullgraph=True)``
-    compiles ``_call_impl``, hooks included), and a hook that must run eagerly would break
-    that graph. Around ``__call__`` they run outside the compiled region, as plain Python.
-    """
+    @staticmethod
+    def forward(ctx, on_backward, *inputs):
+        ctx.on_backward = on_backward
+        return inputs
 
-    def __call__(self, *args, **kwargs):
-        calls = self.__dict__.get("_dmuon_calls", ())
-        for pre, _ in calls:
-            pre()
-        output = super().__call__(*args, **kwargs)
-        for _, post in calls:
-            post(output)
-        return output
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return (None, *grads)
 
 
-_unit_classes: dict[type, type] = {}
+class _DedicatedRoot:
+    """Mixed into the class of the module given to ``dedicate_params``: follows parameters that
+    ``nn.Module._apply`` replaced (``to_empty()`` on a meta model registers new objects), in
+    this one place, as FSDP2's ``_apply`` override does."""
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for handle in self.__dict__.get("_dmuon_handles", ()):
+            handle.follow_registered_params()
+        return out
 
 
-def _attach_unit_call(module: nn.Module, pre, post) -> "_UnitCallHandle":
+_ROOT_CLASSES: dict[type, type] = {}  # memo of the generated classes (as FSDP2's), not state
+
+
+def _attach(module: nn.Module, handle: DedicatedParams) -> None:
     cls = type(module)
-    if not issubclass(cls, _UnitCall):
-        if cls not in _unit_classes:
-            _unit_classes[cls] = type(f"DMuon{cls.__name__}", (_UnitCall, cls), {})
-        module.__class__ = _unit_classes[cls]
-    module.__dict__.setdefault("_dmuon_calls", []).append((pre, post))
-    return _UnitCallHandle(module, (pre, post))
-
-
-class _UnitCallHandle:
-    def __init__(self, module: nn.Module, entry) -> None:
-        self.module, self.entry = module, entry
-
-    def remove(self) -> None:
-        calls = self.module.__dict__.get("_dmuon_calls", [])
-        if self.entry in calls:
-            calls.remove(self.entry)
+    if not issubclass(cls, _DedicatedRoot):
+        if cls not in _ROOT_CLASSES:
+            _ROOT_CLASSES[cls] = type(f"Dedicated{cls.__name__}", (_DedicatedRoot, cls), {})
+        module.__class__ = _ROOT_CLASSES[cls]
+    module.__dict__.setdefault("_dmuon_handles", []).append(handle)
 
 
 class DedicatedParams:
     """Handle returned by :func:`titan_dmuon.dedicate_params`.
 
     ``ignored_params`` goes to every ``fully_shard(..., ignored_params=...)``
-    call; ``plan`` says who owns what; ``pop_comm_stats`` returns this rank's
-    DMuon communication since the last call; ``remove()`` takes the hooks off.
+    call; pass the handle to ``DMuon(..., dedicated=handle)`` and
+    ``clip_grad_norm_(..., dedicated=handle)``; ``plan`` says who owns what;
+    ``pop_comm_stats`` returns this rank's DMuon communication since the last
+    call; ``remove()`` takes the hooks off.
     """
 
     def __init__(
@@ -142,75 +119,85 @@ class DedicatedParams:
         *,
         module: nn.Module,
         plan: OwnershipPlan,
-        mesh: DeviceMesh,
+        ctx: RuntimeContext,
         members: list[Member],
-        units: list[Unit],
-        reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy | None,
-        gradient_divide_factor: float,
-        local_experts: list[LocalExperts] = (),
+        local_experts: list[LocalExperts],
     ) -> None:
         self.module = module
-        self.local_experts = list(local_experts)
         self.plan = plan
-        self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward
-        self.param_dtype = mp_policy.param_dtype if mp_policy else None
+        self.mode: DedicationMode = ctx.mode
+        self.local_experts = list(local_experts)
+        self._ctx = ctx
         self._members = members
-        self._units = units
-        if mesh.ndim == 2:
-            replicate_group, self.shard_group = mesh.get_group(0), mesh.get_group(1)
-            self.replicate_rank, self.shard_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
-        else:
-            replicate_group, self.shard_group = None, mesh.get_group()
-            self.replicate_rank, self.shard_rank = 0, mesh.get_local_rank()
-        self._stats = CommStats()
-        self._streams: Streams | None = None  # made at the first forward, on the weights' device
-        self._reducer_args = dict(
-            shard_group=self.shard_group, shard_size=plan.shard_size, shard_rank=self.shard_rank,
-            replicate_group=replicate_group, replicate_size=plan.replicate_size, replicate_rank=self.replicate_rank,
-            reduce_dtype=mp_policy.reduce_dtype if mp_policy else None, divide_factor=gradient_divide_factor,
-            stats=self._stats,
-        )
-        self._reducer: GradientReducer | None = None
-        self._replicas = ReplicaSync(
-            replicate_group=replicate_group, replicate_size=plan.replicate_size, shard_rank=self.shard_rank, stats=self._stats
-        )
-        self._by_id: dict[int, Member] = {id(m.param): m for m in members}
-        self._hooks: list = []
+        self._units: list[Unit] = ctx.units
+        self._param_dtype = mp_policy.param_dtype if mp_policy else None
+        self._by_param: dict[int, Member] = {}
+        self._experts_by_param: dict[int, LocalExperts] = {}
+        self._hooks: list = [module.register_forward_pre_hook(self._root_pre_forward)]
         self._initialized = False
-        self._forward_order: list[Unit] = []
-        self._recording_order = True
         self._callback_queued = False
-        self.buffer_bytes = 0  # packed-buffer memory allocated now on this rank
-        self.peak_buffer_bytes = 0  # its high-water mark since reset_peak_buffer_bytes()
-        self._install_hooks()
+        for owner in self.owning_modules:
+            self._hooks += install_state_dict_hooks(self, owner)
+        _attach(module, self)
+        self.follow_registered_params()
 
-    # ---- public ------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"DedicatedParams({len(self._members)} weights in {len(self._units)} units, {self.mode.name})"
+
+    @staticmethod
+    def of(module: nn.Module) -> list[DedicatedParams]:
+        """The handles of ``dedicate_params`` calls made on ``module`` (e.g. a TorchTitan model part)."""
+        return list(module.__dict__.get("_dmuon_handles", ()))
+
+    # ---- what this rank holds -------------------------------------------------------------
+    @property
+    def mesh(self):
+        return self.mode.mesh.mesh
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.mode.reshard_after_forward
+
+    @property
+    def members(self) -> list[Member]:
+        return list(self._members)
+
     @property
     def ignored_params(self) -> set[nn.Parameter]:
-        self.refresh()
         return {m.param for m in self._members}
 
     @property
     def params(self) -> list[nn.Parameter]:
-        self.refresh()
         return [m.param for m in self._members]
 
     @property
     def fqns(self) -> list[str]:
         """Canonical names (without activation-checkpoint or compile wrapper segments)."""
-        return [m.entry.fqn for m in self._members]
+        return [m.fqn for m in self._members]
+
+    @property
+    def owning_modules(self) -> list[nn.Module]:
+        """The modules that register dedicated weights (e.g. the Linear layers)."""
+        out: list[nn.Module] = []
+        for m in self._members:
+            if not any(m.module is o for o in out):
+                out.append(m.module)
+        return out
 
     def member_of(self, param: torch.Tensor) -> Member | None:
-        """This handle's record of ``param`` if it is one of its dedicated weights (as of the last
-        ``refresh()``: callers that look many parameters up refresh once first)."""
-        found = self._by_id.get(id(param))
+        """This handle's record of ``param`` if it is one of its dedicated weights."""
+        found = self._by_param.get(id(param))
         return found if found is not None and found.param is param else None
 
     def local_expert_of(self, param: torch.Tensor) -> LocalExperts | None:
         """This handle's record of ``param`` if it is a 3-D expert weight updated where it lives."""
-        return next((e for e in self.local_experts if e.param is param), None)
+        found = self._experts_by_param.get(id(param))
+        if found is not None and found.param is param:
+            return found
+        self._experts_by_param = {id(e.param): e for e in self.local_experts}  # FSDP2 replaced them
+        found = self._experts_by_param.get(id(param))
+        return found if found is not None and found.param is param else None
 
     def members_of(self, module: nn.Module) -> list[Member]:
         return [m for m in self._members if m.module is module]
@@ -223,46 +210,63 @@ class DedicatedParams:
         """True on the ranks that keep the full weight between steps (one per replicate group)."""
         return self._member(param).holds_full
 
+    def _member(self, param: nn.Parameter) -> Member:
+        found = self.member_of(param)
+        if found is None:
+            raise KeyError("not a dedicated parameter of this handle")
+        return found
+
+    def follow_registered_params(self) -> None:
+        """Follow parameters ``module._apply`` replaced by new objects (``to_empty()``)."""
+        for m in self._members:
+            current = m.module._parameters.get(m.name)
+            if current is not None and current is not m.param and current is not m.compute:
+                m.param = current
+        self._by_param = {id(m.param): m for m in self._members}
+        for m in self._members:
+            m.param._dmuon_handle = weakref.ref(self)  # DMuon and the clip refuse it without this handle
+
+    # ---- figures ----------------------------------------------------------------------------
     def pop_comm_stats(self) -> dict[str, tuple[Fraction, Fraction, int]]:
         """{label: (elements, bytes, launches)} issued by DMuon on this rank since the last call."""
-        return self._stats.pop()
+        return self._ctx.stats.pop()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Packed-buffer memory allocated now on this rank."""
+        return self._ctx.buffer_bytes
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """Its high-water mark since ``reset_peak_buffer_bytes()``."""
+        return self._ctx.peak_buffer_bytes
 
     def reset_peak_buffer_bytes(self) -> None:
-        self.peak_buffer_bytes = self.buffer_bytes
+        self._ctx.peak_buffer_bytes = self._ctx.buffer_bytes
 
     @property
     def kept_unit_numel(self) -> int:
         """Z3: elements of the unit kept from forward to backward (the last one forward runs).
 
         Known after the first step; 0 before, and in Z2 (where every unit is kept)."""
-        if not self.reshard_after_forward or self._recording_order or not self._forward_order:
+        ctx = self._ctx
+        if not self.mode.reshard_after_forward or ctx.recording or not ctx.forward_order:
             return 0
-        return self._forward_order[-1].numel
+        return ctx.forward_order[-1].numel
 
-    @property
-    def owning_modules(self) -> list[nn.Module]:
-        """The modules that register dedicated weights (e.g. the Linear layers)."""
-        out: list[nn.Module] = []
-        for m in self._members:
-            if not any(m.module is o for o in out):
-                out.append(m.module)
-        return out
-
+    # ---- weights everywhere, checkpoints, initialisation ------------------------------------------------
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
         """Every dedicated weight in full on every rank (a collective; for export and tests)."""
-        self.refresh()
         self.wait_for_replicate_broadcasts()
+        mesh = self.mode.mesh
         out = {}
         for m in self._members:
-            if m.holds_full:
-                full = m.param.detach().clone()
-            else:
-                full = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
-            if self.plan.shard_size > 1:
+            full = m.param.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=m.param.dtype, device=m.param.device)
+            if mesh.shard_size > 1:
                 with comm_source("dmuon.export"):
-                    dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=self.shard_group)
-            out[m.entry.fqn] = full
+                    dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
+            out[m.fqn] = full
         return out
 
     @contextlib.contextmanager
@@ -277,24 +281,24 @@ class DedicatedParams:
 
         On exit the owners keep the assembled full weight (one all-gather per sharded weight:
         a collective, at the same point on every rank) and the other ranks their 0-element
-        placeholders. Transient memory: one full weight per rank at a time. Initialisers that
-        run unchanged under FSDP2 run unchanged here, and so do ranks' random streams.
+        placeholders. Transient memory: one full weight per rank at a time.
         """
         from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        self.refresh()
+        mesh = self.mesh
         members = self.members_of(module)
         stand_ins = []
         for m in members:
             if sharded:
                 dim = shard_dim(m) if shard_dim is not None else 0
-                placements = (Shard(dim),) if self.mesh.ndim == 1 else (Replicate(), Shard(dim))
-                local_shape, _ = _local_shape_and_offset(m.entry.shape, self.mesh, placements)
+                placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+                local_shape, _ = compute_local_shape_and_global_offset(torch.Size(m.shape), mesh, placements)
                 local = torch.empty(local_shape, dtype=m.param.dtype, device=m.param.device)
-                data = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=torch.Size(m.entry.shape),
-                                          stride=torch.empty(m.entry.shape, device="meta").stride())
+                data = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(m.shape),
+                                          stride=torch.empty(m.shape, device="meta").stride())
             else:
-                data = torch.empty(m.entry.shape, dtype=m.param.dtype, device=m.param.device)
+                data = torch.empty(m.shape, dtype=m.param.dtype, device=m.param.device)
             stand_ins.append(nn.Parameter(data, requires_grad=m.param.requires_grad))
             m.module._parameters[m.name] = stand_ins[-1]
         completed = False
@@ -304,43 +308,87 @@ class DedicatedParams:
         finally:
             for m, stand_in in zip(members, stand_ins):
                 m.module._parameters[m.name] = m.param
-                if not completed:
-                    continue
-                with torch.no_grad():
-                    full = stand_in.data.full_tensor() if sharded else stand_in.data
-                    if m.holds_full:
-                        m.param.copy_(full)
+                if completed:
+                    with torch.no_grad():
+                        full = stand_in.data.full_tensor() if sharded else stand_in.data
+                        if m.holds_full:
+                            m.param.copy_(full)
+        if completed:
+            self.weights_changed()
 
-    def wait_for_replicate_broadcasts(self) -> None:
-        """Finish the post-step broadcasts to replicate peers (HSDP), e.g. before a save."""
-        self._replicas.wait_all()
+    def wait_for_replicate_broadcasts(self, *, host: bool = False) -> None:
+        """Finish the post-step broadcasts to replicate peers (HSDP): the current stream waits,
+        or with ``host=True`` the host (before a checkpoint reads the weights)."""
+        if host:
+            self._ctx.replicas.synchronize_all()
+        else:
+            self._ctx.replicas.wait_all()
 
     def discard_gathered_weights(self) -> None:
         """Drop buffers gathered ahead of a forward (e.g. before the weights are loaded anew)."""
         for unit in self._units:
             if not unit.swapped_in and unit.state is not BufferState.FREE:
-                self._free(unit)
+                unit.free()
 
-    def after_step(self) -> None:
-        """After the optimizer step: HSDP replica broadcasts, then the first unit's broadcast
-        for the next step, so the next forward starts with it in flight."""
-        self.refresh()
-        self._replicas.start(self._units, source="dmuon.replicate_broadcast")
-        self._gather_first_unit()
+    def weights_changed(self) -> None:
+        """The owners' weights were written outside ``step()`` (a load, an initialiser): gathers
+        ahead of the next forward are dropped and later ones read the new values."""
+        self.discard_gathered_weights()
+        for unit in self._units:
+            unit.weights_event = self._ctx.streams.record()
 
-    def refresh(self) -> None:
-        """Follow parameters that ``module._apply`` replaced by new objects.
+    # ---- gradient accumulation without sync (pipelining) ------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward passes keep each layer's gradients on every rank, accumulating, and keep
+        its gathered weights (each weight is broadcast once, not once per micro-batch); they are
+        reduced by the next backward with sync on, or by ``reduce_gradients()``. As FSDP2's
+        method of the same name. Memory: every dedicated weight and its accumulated gradient
+        in full on every rank until the reduce (Z2's weights plus a gradient of the same size)."""
+        self._ctx.gradient_sync = bool(requires_gradient_sync)
 
-        ``model.to_empty(device=...)`` on a meta-device model (TorchTitan's order:
-        parallelize, then materialise) registers NEW ``nn.Parameter`` objects.
-        """
-        for m in self._members:
-            old = m.param
-            m.refresh()
-            if m.param is not old:
-                self._by_id.pop(id(old), None)
-                self._by_id[id(m.param)] = m
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce the gradients that accumulated with sync off (a collective at the same point on
+        every rank; what pipelining schedules call after the last micro-batch's backward)."""
+        held = [u for u in reversed(self._ctx.units_in_order()) if u.holds_unreduced_grads]
+        for unit in held:
+            unit.reduce_held_gradients()
+        if held:
+            self._ctx.reducer.finish()
 
+    @property
+    def holds_unreduced_gradients(self) -> bool:
+        return any(u.holds_unreduced_grads for u in self._units)
+
+    # ---- the optimizer step (DMuon) -----------------------------------------------------------------
+    def step_units(self) -> list[Unit]:
+        """The units in the order ``DMuon.step`` updates them: forward order (known after a step)."""
+        if self.holds_unreduced_gradients:
+            raise RuntimeError(
+                "the optimizer step came while gradients were held unreduced (gradient sync off): call "
+                "handle.reduce_gradients() after the last micro-batch, or turn gradient sync back on "
+                "(set_requires_gradient_sync(True)) before its backward"
+            )
+        return self._ctx.units_in_order()
+
+    def before_update(self, unit: Unit) -> None:
+        """The compute stream, about to write ``unit``'s weights, waits for the broadcasts that read
+        them (HSDP: last step's broadcast to replicas)."""
+        self._ctx.replicas.wait(unit)
+
+    def updated(self, unit: Unit) -> None:
+        """``unit``'s weights are updated: send them to their replicas (HSDP), and if it is the first
+        unit forward runs, start its broadcast for the next forward now (a program point on every
+        rank, whatever each rank owns of it)."""
+        ctx = self._ctx
+        unit.weights_event = ctx.streams.record()
+        ctx.replicas.broadcast(unit, source="dmuon.replicate_broadcast")
+        if self._initialized and not ctx.recording and ctx.forward_order and unit is ctx.forward_order[0]:
+            if not unit.swapped_in:
+                unit.free()  # (a buffer gathered before this step holds the old weights)
+            unit.gather("dmuon.forward_broadcast")
+
+    # ---- removal ----------------------------------------------------------------------------------
     def remove(self) -> None:
         """Take every DMuon hook off the model (after finishing what is in flight).
 
@@ -351,129 +399,81 @@ class DedicatedParams:
         for unit in self._units:
             if unit.swapped_in:
                 unit.swap_out()
-            self._free(unit)
+            unit.free()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        handles = self.module.__dict__.get("_dmuon_handles", [])
+        if self in handles:
+            handles.remove(self)
+        for m in self._members:
+            m.param.__dict__.pop("_dmuon_handle", None)
 
-    # ---- setup -----------------------------------------------------------------------------
-    def _member(self, param: nn.Parameter) -> Member:
-        self.refresh()
-        found = self.member_of(param)
-        if found is None:
-            raise KeyError("not a dedicated parameter of this handle")
-        return found
-
-    def _install_hooks(self) -> None:
-        hooks = self._hooks
-        hooks.append(self.module.register_forward_pre_hook(lambda mod, args: self._root_pre_forward()))
-        for unit in self._units:
-            hooks.append(
-                _attach_unit_call(unit.module, lambda u=unit: self._pre_forward(u), lambda out, u=unit: self._post_forward(u, out))
-            )
-        for module in self.owning_modules:
-            hooks += install_state_dict_hooks(self, module)
-
+    # ---- hooks ----------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        """Allocate compute params on first forward, once the model is materialised."""
+        """At the first forward, once the model is materialised: compute params, the unit hooks
+        (registered now, so they run after FSDP2's own), and HSDP's first replica sync."""
         if self._initialized:
             return
-        self.refresh()
+        self.follow_registered_params()
         for m in self._members:
             if m.param.is_meta:
                 raise RuntimeError(
-                    f"dedicated parameter {m.entry.fqn!r} is still on the meta device at the first forward: "
+                    f"dedicated parameter {m.fqn!r} is still on the meta device at the first forward: "
                     "call model.to_empty(device=...) and initialise the weights first"
                 )
-        device = self._members[0].param.device
-        self._streams = Streams(device)
-        self._reducer = GradientReducer(streams=self._streams, **self._reducer_args)
-        # Tensor hooks are held by autograd's C++ side, out of the garbage collector's sight:
-        # a strong reference back to this handle would keep the whole model alive forever.
-        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+        device = self.mode.mesh.device
         for unit in self._units:
-            dtype = self.param_dtype or unit.members[0].param.dtype
-            unit.allocate_compute_params(dtype, lambda member: on_grad_ready()(member))
+            unit.allocate_compute_params(self._param_dtype or unit.members[0].param.dtype, device)
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, unit), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            unit.weights_event = self._ctx.streams.record()
         self._initialized = True
-        # Replicas may have been initialised differently: the global owner's copy wins.
-        self._replicas.start(self._units, source="dmuon.replicate_sync")
+        for unit in self._units:  # replicas may have been initialised differently: the global owner's copy wins
+            self._ctx.replicas.broadcast(unit, source="dmuon.replicate_sync")
 
-    # ---- forward -----------------------------------------------------------------------------
     @_hook("root_pre_forward")
-    def _root_pre_forward(self) -> None:
+    def _root_pre_forward(self, module, args) -> None:
         if _in_backward():
             return
         self._lazy_init()
-        self._gather_first_unit()  # no-op when the end of the last step launched it
+        ctx = self._ctx
+        ctx.begin_forward()
+        if not ctx.recording and ctx.forward_order:
+            ctx.forward_order[0].gather("dmuon.forward_broadcast")  # no-op when the step launched it
 
     @_hook("pre_forward")
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, module, args, kwargs):
         if _in_backward():
-            return  # activation-checkpoint recompute: the pre-backward hook already gathered
-        self._lazy_init()
-        if self._recording_order and unit not in self._forward_order:
-            self._forward_order.append(unit)
-        self._gather(unit, source="dmuon.forward_broadcast")
-        unit.wait()
-        following = self._neighbour(unit, +1)
-        if following is not None and not self._recording_order:
-            self._gather(following, source="dmuon.forward_broadcast")
-        unit.phase = Phase.FORWARD
-        unit.swap_in()
+            return None  # activation-checkpoint recompute: the pre-backward hook already gathered
+        unit.pre_forward()
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None  # (its backward's end is the end-of-backward callback)
+        hooked = _PostBackward.apply(functools.partial(self._post_backward, unit), *(flat[i] for i in positions))
+        for i, tensor in zip(positions, hooked):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
 
     @_hook("post_forward")
-    def _post_forward(self, unit: Unit, output) -> None:
+    def _post_forward(self, unit: Unit, module, args, output) -> None:
         if _in_backward():
             return
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and tensors:
-            unit.phase = Phase.AWAITING_BACKWARD
-            unit.grads_ready = 0
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, u=unit: self._pre_backward(u), mode="any")
-            if self.reshard_after_forward and not self._is_last_in_forward(unit):
-                self._free(unit)
-        else:  # no backward will come (evaluation, no_grad)
-            unit.phase = Phase.IDLE
-            self._free(unit)
-            unit.swap_out()
+        unit.post_forward(output, functools.partial(self._pre_backward, unit))
 
-    def _is_last_in_forward(self, unit: Unit) -> bool:
-        return not self._recording_order and bool(self._forward_order) and unit is self._forward_order[-1]
-
-    # ---- backward ------------------------------------------------------------------------------
     @_hook("pre_backward")
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
-        unit.phase = Phase.BACKWARD
-        unit.grads_ready = 0
-        self._gather(unit, source="dmuon.backward_broadcast")
-        unit.wait()
-        if self.reshard_after_forward:
-            preceding = self._neighbour(unit, -1)
-            if preceding is not None and preceding.phase is Phase.AWAITING_BACKWARD:
-                self._gather(preceding, source="dmuon.backward_broadcast")
-
-    @_hook("post_accumulate_grad")
-    def _on_grad_ready(self, member: Member) -> None:
-        self._queue_final_callback()
-        unit = self._units[member.entry.unit]
-        if unit.phase not in (Phase.AWAITING_BACKWARD, Phase.BACKWARD):
-            return
-        unit.grads_ready += 1
-        if unit.grads_ready == len(unit.members):
-            self._post_backward(unit)
+        unit.pre_backward()
 
     @_hook("post_backward")
     def _post_backward(self, unit: Unit) -> None:
-        """Release the unit's buffer, then launch its reduces to the owners.
-
-        The buffer goes first (the gradients are separate tensors), so it is never
-        alive together with the reduce buffers, as FSDP2 reshards before its
-        reduce-scatter copy-in."""
-        unit.phase = Phase.IDLE
-        self._free(unit)
-        unit.swap_out()
-        self._reducer.reduce(unit)
+        self._queue_final_callback()
+        unit.post_backward()
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -483,41 +483,43 @@ class DedicatedParams:
     @_hook("finish_backward")
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        self._recording_order = False
-        order = self._forward_order + [u for u in self._units if u not in self._forward_order]
-        for unit in reversed(order):
-            if unit.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD):
-                self._post_backward(unit)  # some parameters got no gradient this time
-            elif unit.state is not BufferState.FREE and not unit.swapped_in:
-                self._free(unit)  # prefetched but never used
-        self._reducer.finish()
+        ctx = self._ctx
+        ctx.recording = False
+        for unit in reversed(ctx.units_in_order()):
+            if unit.phase is Phase.BACKWARD:
+                unit.post_backward()  # its inputs needed no gradient: no hook marked its end
+            elif unit.phase is Phase.AWAITING_BACKWARD and ctx.gradient_sync:
+                raise UnitOrderError(
+                    f"layer {unit.name!r} ran forward but got no gradient in this backward pass: its output does "
+                    "not reach the loss on this rank, and every rank must reduce every dedicated layer's "
+                    "gradients. Make its output reach the loss, run it under torch.no_grad(), or leave its "
+                    "weights off Muon"
+                )
+            elif unit.state is not BufferState.FREE and not unit.swapped_in and ctx.gradient_sync:
+                unit.free()  # prefetched but never used
+        if ctx.gradient_sync:
+            ctx.reducer.finish()
 
-    # ---- buffers ------------------------------------------------------------------------------------
-    def _gather(self, unit: Unit, *, source: str) -> None:
-        if unit.state is not BufferState.FREE:
-            return
-        self._replicas.wait(unit)  # its holders' weights are current
-        self._track_buffer(
-            unit.gather(
-                shard_rank=self.shard_rank, shard_group=self.shard_group, shard_size=self.plan.shard_size,
-                source=source, stats=self._stats,
+
+def handles_for(params, dedicated) -> list[DedicatedParams]:
+    """The handles ``dedicated`` names (one, a sequence, or None), checked against ``params``: a
+    dedicated weight whose handle is not among them is refused, since it would otherwise be
+    treated as a plain tensor (AdamW on an owner's full weight, a norm counting it wrongly)."""
+    if dedicated is None:
+        handles = []
+    elif isinstance(dedicated, DedicatedParams):
+        handles = [dedicated]
+    else:
+        handles = list(dedicated)
+        if not all(isinstance(h, DedicatedParams) for h in handles):
+            raise TypeError("dedicated= takes the handle(s) dedicate_params returned")
+    for p in params:
+        stamp = getattr(p, "_dmuon_handle", None)
+        owner = stamp() if stamp is not None else None
+        if owner is not None and owner not in handles:
+            raise ValueError(
+                f"a parameter of shape {tuple(owner.member_of(p).shape) if owner.member_of(p) else tuple(p.shape)} "
+                "was dedicated by dedicate_params, but its handle was not passed: give it as dedicated=handle "
+                "(DMuon(..., dedicated=handle), clip_grad_norm_(..., dedicated=handle))"
             )
-        )
-
-    def _gather_first_unit(self) -> None:
-        """Launch the broadcast of the first unit forward runs (known once a step has run)."""
-        if self._initialized and not self._recording_order and self._forward_order:
-            self._gather(self._forward_order[0], source="dmuon.forward_broadcast")
-
-    def _free(self, unit: Unit) -> None:
-        self._track_buffer(-unit.free())
-
-    def _track_buffer(self, delta: int) -> None:
-        self.buffer_bytes += delta
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-
-    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
-        if unit not in self._forward_order:
-            return None
-        i = self._forward_order.index(unit) + step
-        return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
+    return handles

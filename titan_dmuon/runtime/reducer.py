@@ -1,32 +1,43 @@
 """Backward: each layer's gradients reduced to their owners, off the compute stream.
 
+Every member of a unit is reduced every time, with zeros where this rank has
+no gradient (a layer used on some ranks only, a path skipped for lack of
+tokens): every rank issues the same collectives at the same point whatever
+its gradients are, and the owner gets the sum over the ranks that had one,
+which is what a single process computes on the whole batch. (A weight that
+gets no gradient on any rank thus gets a zero one: weight decay and momentum
+still apply, as with FSDP2's ``reduce_scatter_unused_params``; the owner
+warns once when it meets one.)
+
 A unit's gradients are copied (and cast to the reduce dtype) into one flat
-buffer per bucket on the compute stream, which frees autograd's gradients at
-once; the shard-stage reduces then go out as one launch from the reduce
-stream. The compute stream never waits for them until the end of backward.
+buffer per bucket on the compute stream (one foreach copy), which frees
+autograd's gradients at once; the shard-stage reduces then go out as one
+launch from the reduce stream. Under HSDP the shard owner forwards its
+reduced bucket across the replicate group to the one global owner; that
+replicate stage is issued at the *next* program point (the next unit's
+post-backward, or the end of backward) from the replicate stream, after the
+shard stage it depends on. Collectives go out at the same points in the same
+order on every rank (gloo and NCCL match them by order; chaining "whenever a
+reduce completes" once deadlocked HSDP).
 
-Under HSDP the shard owner forwards its reduced bucket across the replicate
-group to the one global owner. That replicate stage is issued at the *next*
-program point (the next unit's post-backward, or the end of backward) from the
-replicate stream, after the shard stage it depends on: collectives go out at
-the same points in the same order on every rank (gloo and NCCL match them by
-order; chaining "whenever a reduce completes" once deadlocked HSDP), and on
-the CPU the host waits only for the previous layer's reduce, which a layer of
-backward compute has usually hidden.
-
-Buffers outlive their collectives: each flat is recorded on the side streams
-that use it and dropped only after those streams waited for its collective.
+Lifetimes, as FSDP2's reduce-scatter inputs: the flats live in the compute
+stream's memory and are held by reference until the compute stream has
+waited for the collective that reads them (at the next program point: at
+most one layer in flight, FSDP2's default); owners keep theirs as ``.grad``.
 """
 
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from titan_dmuon.runtime.comm import CommStats, Launch, Streams, wait_all
-from titan_dmuon.runtime.unit import Bucket, Member, Unit
+from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.members import Bucket, Member
+from titan_dmuon.runtime.mode import DedicationMode
+from titan_dmuon.runtime.streams import Streams
 
 
 class Stage(enum.Enum):
@@ -39,110 +50,112 @@ class _Flight:
     """One launch in flight and the buffers it reads and writes."""
 
     stage: Stage
-    works: list
-    stream: object  # the side stream it was issued from
-    items: list[tuple[Bucket, list[Member], torch.Tensor]]  # bucket, members with a gradient (flat order), flat
+    in_flight: InFlight
+    items: list[tuple[Bucket, torch.Tensor]]  # bucket, its flat buffer (members in bucket order)
 
 
 class GradientReducer:
     def __init__(
-        self,
-        *,
-        shard_group,
-        shard_size: int,
-        shard_rank: int,
-        replicate_group,
-        replicate_size: int,
-        replicate_rank: int,
-        reduce_dtype: torch.dtype | None,
+        self, *, mode: DedicationMode, streams: Streams, stats: CommStats, reduce_dtype: torch.dtype | None,
         divide_factor: float,
-        streams: Streams,
-        stats: CommStats,
     ) -> None:
-        self.shard_group, self.shard_size, self.shard_rank = shard_group, shard_size, shard_rank
-        self.replicate_group, self.replicate_size, self.replicate_rank = replicate_group, replicate_size, replicate_rank
-        self.reduce_dtype = reduce_dtype
-        self.divide_factor = divide_factor
+        self.mode = mode
         self.streams = streams
         self.stats = stats
+        self.reduce_dtype = reduce_dtype
+        self.divide_factor = divide_factor
         self._in_flight: list[_Flight] = []
-        self._done: list[tuple[Bucket, list[Member], torch.Tensor]] = []  # reduced buckets this rank owns
+        self._done: list[tuple[Bucket, torch.Tensor]] = []  # reduced buckets this rank owns
+        self._missing_on_owner: list[Member] = []
+        self._warned: set[str] = set()
 
     @torch.no_grad()
-    def reduce(self, unit: Unit) -> None:
+    def reduce(self, unit) -> None:
         """Post-backward of ``unit``: move earlier launches on, then launch this unit's shard stage."""
         self._advance()
         items = self._copy_in(unit)
-        if not items:
-            return
-        streams = self.streams
-        streams.wait(streams.reduce, None)  # the reduce stream starts after the copy-in
+        mesh, streams = self.mode.mesh, self.streams
+        streams.wait_stream(streams.reduce)  # the reduce stream starts after the copy-in
         with streams.use(streams.reduce):
-            with Launch(self.shard_group, self.shard_size, items[0][2].device, "dmuon.shard_reduce", self.stats) as launch:
-                for bucket, _, flat in items:
-                    streams.keep_alive_on(flat, streams.reduce)
+            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, "dmuon.shard_reduce", self.stats,
+                        coalesce=mesh.coalesces) as launch:
+                for bucket, flat in items:
                     launch.reduce(flat, dst=bucket.shard_owner)
-        self._in_flight.append(_Flight(Stage.SHARD, launch.works, streams.reduce, items))
+        self._in_flight.append(_Flight(Stage.SHARD, launch.in_flight, items))
 
-    def _copy_in(self, unit: Unit) -> list[tuple[Bucket, list[Member], torch.Tensor]]:
-        """One flat buffer per bucket, filled by copy_ (and cast) from the compute grads, which are freed."""
-        items = []
+    def _copy_in(self, unit) -> list[tuple[Bucket, torch.Tensor]]:
+        """One flat buffer per bucket, filled by one foreach copy (and cast) from the compute
+        grads, which are freed; zeros for a member without a gradient on this rank."""
+        items, targets, grads, missing = [], [], [], []
+        device = self.mode.mesh.device
         for bucket in unit.buckets:
-            members = [m for m in bucket.members if m.compute.grad is not None]
-            if not members:
-                continue
-            dtype = self.reduce_dtype or members[0].compute.grad.dtype
-            flat = torch.empty(sum(m.entry.numel for m in members), dtype=dtype, device=members[0].compute.device)
+            dtype = self.reduce_dtype or bucket.members[0].compute.dtype
+            flat = torch.empty(bucket.numel, dtype=dtype, device=device)
             offset = 0
-            for m in members:
-                flat[offset : offset + m.entry.numel].view(m.entry.shape).copy_(m.compute.grad)
-                m.compute.grad = None
-                offset += m.entry.numel
-            items.append((bucket, members, flat))
+            for m in bucket.members:
+                view = flat[offset : offset + m.numel].view(m.shape)
+                if m.compute.grad is None:
+                    missing.append(view)
+                    if m.runs_ns:
+                        self._missing_on_owner.append(m)
+                else:
+                    targets.append(view)
+                    grads.append(m.compute.grad)
+                    m.compute.grad = None
+                offset += m.numel
+            items.append((bucket, flat))
+        if targets:
+            torch._foreach_copy_(targets, grads)
+        if missing:
+            torch._foreach_zero_(missing)
         return items
 
     def _advance(self) -> None:
         """Every launch issued so far moves one stage on; a program point, the same on every rank."""
+        mesh, streams = self.mode.mesh, self.streams
         flights, self._in_flight = self._in_flight, []
         for flight in flights:
-            # non-owners' flats hold partial sums (dist.reduce overwrites them): dropped below
-            mine = [item for item in flight.items if item[0].shard_owner == self.shard_rank]
-            if flight.stage is Stage.SHARD and self.replicate_size > 1:
-                self._launch_replicate_stage(flight, mine)
+            # non-owners' flats hold partial sums (dist.reduce overwrites them): dropped below,
+            # once the compute stream (whose memory they are) has waited for the reduce
+            mine = [(b, f) for b, f in flight.items if b.shard_owner == mesh.shard_rank]
+            if flight.stage is Stage.SHARD and mesh.hsdp:
+                with streams.use(streams.replicate):
+                    flight.in_flight.wait()  # the replicate stream (not compute) waits for the shard stage
+                    with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, "dmuon.replicate_reduce",
+                                self.stats, coalesce=mesh.coalesces) as launch:
+                        for bucket, flat in mine:
+                            launch.reduce(flat, dst=bucket.replicate_owner)
+                flight.in_flight.wait()  # compute, before the other flats' memory can be reused
+                self._in_flight.append(_Flight(Stage.REPLICATE, launch.in_flight, mine))
                 continue
-            with self.streams.use(flight.stream):
-                wait_all(flight.works)
-            self._done += [item for item in mine if item[0].replicate_owner == self.replicate_rank]
-
-    def _launch_replicate_stage(self, flight: _Flight, mine) -> None:
-        streams = self.streams
-        with streams.use(streams.replicate):
-            wait_all(flight.works)  # the replicate stream (not the compute stream) waits for the shard stage
-            for _, _, flat in flight.items:  # that wait, not the reduce stream, orders them after the shard
-                streams.keep_alive_on(flat, streams.replicate)  # stage: non-owners' flats are freed below
-            device = flight.items[0][2].device
-            with Launch(self.replicate_group, self.replicate_size, device, "dmuon.replicate_reduce", self.stats) as launch:
-                for bucket, _, flat in mine:
-                    launch.reduce(flat, dst=bucket.replicate_owner)
-        self._in_flight.append(_Flight(Stage.REPLICATE, launch.works, streams.replicate, mine))
+            flight.in_flight.wait()
+            self._done += [(b, f) for b, f in mine if b.replicate_owner == mesh.replicate_rank]
 
     @torch.no_grad()
     def finish(self) -> None:
         """End of backward: finish every stage, then hand the global owners their gradients."""
         while self._in_flight:
             self._advance()
-        streams = self.streams
-        streams.wait(None, streams.reduce)
-        streams.wait(None, streams.replicate)
-        for _, members, flat in self._done:
+        for bucket, flat in self._done:
             offset = 0
-            for m in members:
-                grad = flat[offset : offset + m.entry.numel].view(m.entry.shape).to(m.param.dtype)
+            for m in bucket.members:
+                grad = flat[offset : offset + m.numel].view(m.shape).to(m.param.dtype)
                 if self.divide_factor != 1.0:
                     grad.div_(self.divide_factor)
                 if m.param.grad is None:
                     m.param.grad = grad  # a view of the bucket's buffer: no copy
                 else:
                     m.param.grad.add_(grad)  # gradient accumulation across micro-batches
-                offset += m.entry.numel
+                offset += m.numel
         self._done.clear()
+        for m in self._missing_on_owner:
+            if m.fqn not in self._warned:
+                self._warned.add(m.fqn)
+                warnings.warn(
+                    f"dedicated weight {m.fqn!r} got no gradient on its owner rank in a backward pass; DMuon "
+                    "reduced zeros from every rank without one, so its update uses the sum over the ranks that "
+                    "had one, or a zero gradient where none had (weight decay and momentum still apply, as for "
+                    "torch.optim.Muon with a zero gradient). Leave weights that no rank uses off Muon.",
+                    stacklevel=2,
+                )
+        self._missing_on_owner.clear()

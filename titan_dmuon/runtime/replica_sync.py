@@ -1,47 +1,62 @@
-"""HSDP: after the optimizer step, each weight's global owner sends it to its replicate peers.
+"""HSDP: after a layer's weights are updated, its global owners send them to their replicate peers.
 
 In every replicate group the rank at a weight's shard index holds the full
-weight; only one of them (the global owner) ran Newton–Schulz. After the step
-it broadcasts the new value across the replicate group, straight into the
-peers' persistent weights (no staging copy), one launch per unit. The
-broadcasts run while the next step starts; the unit's next gather, a
-state-dict read or the next optimizer step waits for them first.
+weight; only one of them (the global owner) ran Newton–Schulz. As soon as a
+layer's update is applied (``DMuon.step`` goes layer by layer in forward order)
+its new values are broadcast across the replicate group, straight into the
+peers' persistent weights (no staging copy), one launch per unit, from the
+replicate stream after the update's event. Who reads them waits on the stream
+that reads: the layer's next gather (gather stream), the global owner's next
+update of it (compute stream), a checkpoint (the host: DCP may stage it from
+another thread and stream).
 """
 
 from __future__ import annotations
 
-from titan_dmuon.runtime.comm import CommStats, Launch, wait_all
-from titan_dmuon.runtime.unit import Unit
+import torch
+
+from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.mode import DedicationMode
+from titan_dmuon.runtime.streams import Streams
 
 
 class ReplicaSync:
-    def __init__(self, *, replicate_group, replicate_size: int, shard_rank: int, stats: CommStats) -> None:
-        self.replicate_group = replicate_group
-        self.replicate_size = replicate_size
-        self.shard_rank = shard_rank
+    def __init__(self, *, mode: DedicationMode, streams: Streams, stats: CommStats) -> None:
+        self.mode = mode
+        self.streams = streams
         self.stats = stats
-        self._works: dict[int, list] = {}  # unit index -> launch in flight
+        self._in_flight: dict[int, InFlight] = {}  # unit index -> its broadcasts
 
-    def start(self, units: list[Unit], *, source: str) -> None:
-        """Broadcast every held weight from its global owner (a program point on every rank)."""
-        if self.replicate_size == 1:
+    @torch.no_grad()
+    def broadcast(self, unit, *, source: str) -> None:
+        """Send ``unit``'s held weights from their global owners (a program point on every rank)."""
+        mesh = self.mode.mesh
+        if not mesh.hsdp:
             return
-        for unit in units:
-            self.wait(unit)
-            holding = [b for s in unit.segments if s.shard_owner == self.shard_rank for b in s.buckets]
-            if not holding:
-                continue
-            device = holding[0].members[0].param.device
-            with Launch(self.replicate_group, self.replicate_size, device, source, self.stats) as launch:
+        self.wait(unit)
+        holding = [b for s in unit.segments if s.shard_owner == mesh.shard_rank for b in s.buckets]
+        if not holding:
+            return
+        with self.streams.use(self.streams.replicate):
+            self.streams.wait_event(None, unit.weights_event)
+            with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, source, self.stats,
+                        coalesce=mesh.coalesces) as launch:
                 for bucket in holding:
                     for m in bucket.members:
                         launch.broadcast(m.param.detach(), src=bucket.replicate_owner)
-            self._works[unit.index] = launch.works
+        self._in_flight[unit.index] = launch.in_flight
 
-    def wait(self, unit: Unit) -> None:
-        wait_all(self._works.pop(unit.index, []))
+    def wait(self, unit, stream=None) -> None:
+        """``stream`` (default: the current one) waits for ``unit``'s broadcasts."""
+        in_flight = self._in_flight.pop(unit.index, None)
+        if in_flight is not None:
+            in_flight.wait(stream)
 
-    def wait_all(self) -> None:
-        for works in self._works.values():
-            wait_all(works)
-        self._works.clear()
+    def wait_all(self, stream=None) -> None:
+        for unit_index in list(self._in_flight):
+            self._in_flight.pop(unit_index).wait(stream)
+
+    def synchronize_all(self) -> None:
+        """The host waits for every broadcast in flight (before a checkpoint reads the weights)."""
+        for unit_index in list(self._in_flight):
+            self._in_flight.pop(unit_index).synchronize()

@@ -1,15 +1,19 @@
-"""A unit: the dedicated weights of one layer, gathered into one packed buffer.
+"""A unit: the dedicated weights of one layer, gathered into one packed buffer, and its lifecycle.
 
 Between steps a unit's buffer has no storage and each dedicated weight lives
 only on its owners (the registered ``nn.Parameter``; other ranks keep a
 0-element placeholder). Before the layer runs, owners copy their weights into
 the buffer (in the compute dtype) and broadcast their segment; the layer's
 modules then see views of the buffer ("compute params") until its backward
-is done. The buffer's life is a small state machine::
+is done. The buffer is a small state machine::
 
     FREE --gather()--> GATHERING --wait()--> READY --free()--> FREE
 
-and the unit's place in the step is its ``Phase``.
+and the unit's place in the step is its ``Phase``. The four transitions
+(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``) are
+methods of the unit, as FSDP2's ``FSDPParamGroup`` owns its own; the hooks in
+``handle.py`` only call them. What units share (streams, the reducer, the
+forward order, counters) is the ``RuntimeContext``.
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from titan_dmuon.plan import PlanEntry
-from titan_dmuon.runtime.comm import CommStats, Launch, alloc_storage, free_storage, wait_all
+from titan_dmuon.runtime.comm import InFlight, Launch, alloc_storage, free_storage
+from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.members import Bucket, Member, Segment
 
 
 class BufferState(enum.Enum):
     FREE = "free"  # no storage
     GATHERING = "gathering"  # broadcasts into it are in flight
-    READY = "ready"  # holds this step's weights
+    READY = "ready"  # holds this step's weights; the compute stream has waited for them
 
 
 class Phase(enum.Enum):
@@ -38,105 +44,83 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class Member:
-    """One dedicated weight as this rank sees it."""
-
-    entry: PlanEntry
-    module: nn.Module  # registers the weight under ``name``
-    name: str
-    param: nn.Parameter  # the registered parameter: full data on its shard owners, a placeholder elsewhere
-    holds_full: bool  # this rank keeps the full weight between steps (one rank per replicate group)
-    runs_ns: bool  # this rank is the global owner: it gets .grad and momentum and runs Newton–Schulz
-    offset: int = 0  # into the unit's packed buffer
-    compute: nn.Parameter | None = None  # view of the packed buffer used by forward and backward
-
-    def refresh(self) -> None:
-        """Follow a parameter that ``module._apply`` replaced (``to_empty()`` on a meta model)."""
-        current = self.module._parameters.get(self.name)
-        if current is not None and current is not self.param and current is not self.compute:
-            self.param = current
-
-
-@dataclass(eq=False)
-class Bucket:
-    """Members of a unit with the same shard owner and the same global owner: one reduce buffer."""
-
-    shard_owner: int
-    replicate_owner: int
-    members: list[Member]
-
-
-@dataclass(eq=False)
-class Segment:
-    """Members of a unit held by one shard index: a contiguous slice of the packed buffer."""
-
-    shard_owner: int
-    start: int
-    stop: int
-    buckets: list[Bucket]
-
-
-@dataclass(eq=False)
 class Unit:
     index: int
+    name: str  # the unit module's name in the model, for messages
     module: nn.Module
     members: list[Member]  # in buffer order
     segments: list[Segment]
     numel: int
+    ctx: RuntimeContext
     buffer: torch.Tensor | None = None
     state: BufferState = BufferState.FREE
     phase: Phase = Phase.IDLE
-    grads_ready: int = 0
     swapped_in: bool = False
-    _works: list = field(default_factory=list)
+    holds_unreduced_grads: bool = False  # gradient sync off: gradients accumulate on the compute params
+    weights_event: object = None  # the last write of the owners' weights (a step, a load): gathers wait for it
+    _in_flight: InFlight | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name!r}, {self.state.value}, {self.phase.value})"
 
     @property
     def buckets(self) -> list[Bucket]:
         return [b for s in self.segments for b in s.buckets]
 
-    def allocate_compute_params(self, dtype: torch.dtype, on_grad_ready) -> None:
+    # ---- the packed buffer ------------------------------------------------------------
+    def allocate_compute_params(self, dtype: torch.dtype, device: torch.device) -> None:
         """Views of one packed buffer, registered as leaf parameters for autograd (storage freed)."""
-        device = self.members[0].param.device
         storage = torch.empty(self.numel, dtype=dtype, device=device)
         self.buffer = storage
         for m in self.members:
             view = torch.empty(0, dtype=dtype, device=device)
             # A separate tensor on the same storage: writes into the buffer do not bump the
             # version counter autograd checks on the compute param.
-            view.set_(storage.untyped_storage(), m.offset, m.entry.shape)
+            view.set_(storage.untyped_storage(), m.offset, m.shape)
             m.compute = nn.Parameter(view, requires_grad=m.param.requires_grad)
-            m.compute.register_post_accumulate_grad_hook(lambda p, m=m: on_grad_ready(m))
         free_storage(storage)
 
     @torch.no_grad()
-    def gather(self, *, shard_rank: int, shard_group, shard_size: int, source: str, stats: CommStats) -> int:
-        """Start filling the buffer from the owners (no-op unless FREE); returns bytes allocated."""
+    def gather(self, source: str) -> None:
+        """Start filling the buffer from the owners (no-op unless FREE), on the gather stream:
+        after the last write of the weights it reads, never after the compute stream's queue."""
         if self.state is not BufferState.FREE:
-            return 0
-        allocated = alloc_storage(self.buffer)
-        for segment in self.segments:
-            if segment.shard_owner == shard_rank:
-                for bucket in segment.buckets:
-                    for m in bucket.members:
-                        self.buffer[m.offset : m.offset + m.entry.numel].view(m.entry.shape).copy_(m.param)
-        with Launch(shard_group, shard_size, self.buffer.device, source, stats) as launch:
-            for segment in self.segments:
-                launch.broadcast(self.buffer[segment.start : segment.stop], src=segment.shard_owner)
-        self._works = launch.works
+            return
+        ctx, mesh, streams = self.ctx, self.ctx.mode.mesh, self.ctx.streams
+        with streams.use(streams.gather):
+            streams.wait_event(None, self.weights_event)
+            ctx.replicas.wait(self)  # HSDP: this rank's held weights came from their global owner
+            ctx.track_buffer(alloc_storage(self.buffer))
+            mine = [m for s in self.segments if s.shard_owner == mesh.shard_rank for b in s.buckets for m in b.members]
+            if mine:
+                views = [self.buffer[m.offset : m.offset + m.numel].view(m.shape) for m in mine]
+                torch._foreach_copy_(views, [m.param for m in mine])
+            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats, coalesce=mesh.coalesces) as launch:
+                for segment in self.segments:
+                    launch.broadcast(self.buffer[segment.start : segment.stop], src=segment.shard_owner)
+        self._in_flight = launch.in_flight
         self.state = BufferState.GATHERING
-        return allocated
 
     def wait(self) -> None:
-        """The current stream waits for the broadcasts; the buffer is then READY."""
+        """The compute stream waits for the broadcasts (on the CPU: the host); the buffer is READY."""
         if self.state is BufferState.GATHERING:
-            wait_all(self._works)
+            self._in_flight.wait()
+            self._in_flight = None
             self.state = BufferState.READY
 
-    def free(self) -> int:
-        """Release the buffer (after its broadcasts); returns bytes freed."""
-        self.wait()
+    def free(self) -> None:
+        """Release the buffer. Its memory belongs to the gather stream, which reuses it: if compute
+        read it, the gather stream first waits for compute's last use (an event, no host wait)."""
+        if self.state is BufferState.FREE:
+            return
+        streams = self.ctx.streams
+        if self.state is BufferState.GATHERING:  # prefetched, never used: only its broadcast touched it
+            self._in_flight.wait(streams.gather)
+            self._in_flight = None
+        else:
+            streams.wait_event(streams.gather, streams.record())
+        self.ctx.track_buffer(-free_storage(self.buffer))
         self.state = BufferState.FREE
-        return free_storage(self.buffer) if self.buffer is not None else 0
 
     def swap_in(self) -> None:
         for m in self.members:
@@ -147,3 +131,68 @@ class Unit:
         for m in self.members:
             m.module._parameters[m.name] = m.param
         self.swapped_in = False
+
+    # ---- the lifecycle ------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        """Its weights in place before the layer runs; the next unit's broadcast starts (after
+        FSDP2's all-gather for this one, which FSDP2's own pre-forward hook issued just before)."""
+        ctx = self.ctx
+        ctx.enter_forward(self)
+        self.gather("dmuon.forward_broadcast")  # no-op when prefetched
+        self.wait()
+        following = ctx.neighbour(self, +1)
+        if following is not None:
+            following.gather("dmuon.forward_broadcast")
+        self.phase = Phase.FORWARD
+        self.swap_in()
+
+    def post_forward(self, output, on_backward) -> None:
+        """Z3 frees the buffer (not the last unit's: its backward comes next); a hook on the
+        outputs (``on_backward``) marks the start of this unit's backward."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            self.phase = Phase.AWAITING_BACKWARD
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: on_backward(), mode="any")
+            if self.ctx.mode.reshard_after_forward and self.ctx.gradient_sync and not self.ctx.is_last_in_forward(self):
+                self.free()
+        else:  # no backward will come (evaluation, no_grad)
+            self.phase = Phase.IDLE
+            if self.ctx.gradient_sync:
+                self.free()
+            self.swap_out()
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        ctx.check_backward_order(self)
+        self.phase = Phase.BACKWARD
+        self.gather("dmuon.backward_broadcast")
+        self.wait()
+        if ctx.mode.reshard_after_forward and ctx.gradient_sync:
+            preceding = ctx.neighbour(self, -1)
+            if preceding is not None and preceding.phase is Phase.AWAITING_BACKWARD:
+                preceding.gather("dmuon.backward_broadcast")
+
+    def post_backward(self) -> None:
+        """Every gradient of the layer is computed (its inputs' gradients are): release the
+        buffer, put the registered params back, and reduce the gradients to their owners, or,
+        with gradient sync off, keep them accumulating on the compute params.
+
+        The buffer goes first (the gradients are separate tensors), so it is never alive
+        together with the reduce buffers, as FSDP2 reshards before its reduce-scatter copy-in."""
+        if self.phase is not Phase.BACKWARD:
+            return  # (already done: the end-of-backward callback after the input-gradient hook)
+        self.phase = Phase.IDLE
+        self.swap_out()
+        if self.ctx.gradient_sync:
+            self.free()
+            self.ctx.reducer.reduce(self)
+        else:
+            self.holds_unreduced_grads = True
+
+    def reduce_held_gradients(self) -> None:
+        """Gradient sync was off: reduce what accumulated (every member: zeros where none), free."""
+        self.holds_unreduced_grads = False
+        if self.swapped_in:
+            self.swap_out()
+        self.free()
+        self.ctx.reducer.reduce(self)

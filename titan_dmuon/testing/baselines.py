@@ -28,8 +28,11 @@ class NaiveFSDPMuon(DMuon):
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         return id(p) in self._muon_ids
 
-    def _muon_group_step(self, group: dict) -> tuple[int, float]:
-        count = 0
+    def _muon_step(self, groups: list[dict]) -> None:
+        for group in groups:
+            self._naive_group_step(group)
+
+    def _naive_group_step(self, group: dict) -> None:
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -47,5 +50,4 @@ class NaiveFSDPMuon(DMuon):
             mine = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None)
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(mine, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape[-2:]))
-            count += stack.shape[0]
-        return count, 0.0
+            self._ns_matrices += stack.shape[0]

@@ -1,0 +1,55 @@
+"""The design's communication per step, in the units of the design (elements per rank).
+
+A broadcast, reduce, all-gather (output S), reduce-scatter (input S) or all-to-all
+(S per rank) over n ranks moves (n-1)/n * S elements per rank, an all-reduce 2(n-1)/n * S.
+``CommLedger`` counts what was issued; these are the figures it is compared with.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
+
+
+def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0) -> Fraction:
+    """DMuon's own elements per rank per step (per micro-batch with gradient sync on) for the
+    Muon targets, under ``mode`` (a ``DedicationMode``), on a shard group of N ranks.
+
+    Z2 broadcasts once and reduces once: 2(N-1)/N * numel; Z3 re-broadcasts for backward:
+    3(N-1)/N * numel, less the unit kept from forward to backward (the last one forward runs,
+    ``DedicatedParams.kept_unit_numel``). HSDP (R replicas) adds a replicate-group reduce and a
+    post-step broadcast; each involves only the R owners of a matrix, so averaged over all
+    R*N ranks each costs (R-1)/R * numel / N per rank."""
+    n, r = mode.mesh.shard_size, mode.mesh.replicate_size
+    if kept_unit_numel and not mode.reshard_after_forward:
+        raise ValueError("kept_unit_numel applies to Z3 (reshard_after_forward=True) only")
+    passes = 3 if mode.reshard_after_forward else 2
+    total = passes * Fraction(n - 1, n) * numel - Fraction(n - 1, n) * kept_unit_numel
+    if r > 1:
+        total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
+    return total
+
+
+def design_elements_per_rank(handle) -> Fraction:
+    """``dmuon_elements_per_rank`` for a ``DedicatedParams`` handle (Z3 counts the kept last layer
+    once the first step has shown which layer runs last)."""
+    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=handle.kept_unit_numel)
+
+
+def baseline_elements_per_rank(configuration: str, *, shard_size: int, numel: int) -> Fraction:
+    """The Muon targets' elements per rank per step for what DMuon is compared with:
+    naive FSDP2 + Muon (FSDP2's traffic plus an all-gather of the full gradient in the step:
+    3 or 4 (N-1)/N), DDP + Muon (an all-reduce: 2(N-1)/N) and the all-to-all designs
+    (TorchTitan's DistMuon, dion: FSDP2's traffic plus two all-to-alls of P/N: + 2(N-1)/N^2)."""
+    n, p = shard_size, numel
+    step = Fraction(n - 1, n) * p
+    if configuration == "naive_fsdp_z2":
+        return 3 * step
+    if configuration == "naive_fsdp_z3":
+        return 4 * step
+    if configuration == "ddp_muon":
+        return 2 * step
+    if configuration in ("alltoall_z2", "alltoall_z3"):
+        return (2 if configuration == "alltoall_z2" else 3) * step + 2 * Fraction(n - 1, n * n) * p
+    raise ValueError(f"unknown configuration {configuration!r}; expected one of {BASELINES}")

@@ -1,0 +1,52 @@
+"""The streams DMuon's collectives run on, and the events that order them (FSDP2's pattern).
+
+* ``gather``: owners copy their weights into a layer's buffer and broadcast it. It never waits
+  for the compute stream's queued kernels as such: it waits for the optimizer's update of the
+  weights it reads (an event per layer) and, before reusing memory that compute has read, for
+  the event recorded when compute was done with it.
+* ``reduce``: a layer's gradient reduces to their owners, after the compute stream's copy-in.
+* ``replicate`` (HSDP): the replicate-group reduces, and the post-step broadcasts to replicas.
+
+Buffers are kept alive by references and freed only after the stream that will reuse their
+memory has waited for their last use (no ``record_stream``). High priority for the side
+streams, as FSDP2's: their copies must not queue behind compute. On the CPU there are no
+streams: every method is a no-op and events are None, so the runtime reads the same on both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Streams:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._module = None if device.type == "cpu" else torch.get_device_module(device)
+        if self._module is None:
+            self.gather = self.reduce = self.replicate = None
+        else:
+            self.gather = self._module.Stream(device=device, priority=-1)
+            self.reduce = self._module.Stream(device=device, priority=-1)
+            self.replicate = self._module.Stream(device=device)
+
+    def use(self, stream) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current for the block (a no-op on the CPU)."""
+        return contextlib.nullcontext() if stream is None else self._module.stream(stream)
+
+    def record(self, stream=None) -> torch.Event | None:
+        """An event at the end of what is queued on ``stream`` (default: the current one)."""
+        if self._module is None:
+            return None
+        return (stream or self._module.current_stream(self.device)).record_event()
+
+    def wait_event(self, stream, event: torch.Event | None) -> None:
+        """``stream`` (None: the current one) waits for ``event`` (None: nothing to wait for)."""
+        if event is not None:
+            (stream or self._module.current_stream(self.device)).wait_event(event)
+
+    def wait_stream(self, waiter, waited=None) -> None:
+        """``waiter`` waits for all work queued so far on ``waited`` (None: the current stream)."""
+        if self._module is not None:
+            waiter.wait_stream(waited or self._module.current_stream(self.device))
