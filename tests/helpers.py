@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -228,7 +229,9 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1):
+def reference_train(
+    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1, before_slice=None
+):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
 
     ``slices``: the global batch is processed as that many equal slices (one per data-parallel
@@ -240,7 +243,8 @@ def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=A
     torch.optim.Muon leaf (its own momentum and shape-based LR), copied in and out every step.
 
     A Muon target no slice reached gets a zero gradient, as DMuon gives it (every rank reduces
-    every dedicated weight, zeros where it has none): weight decay and momentum still apply."""
+    every dedicated weight, zeros where it has none): weight decay and momentum still apply.
+    ``before_slice(model, i)`` runs before slice i's forward (a model whose path depends on the rank)."""
     model = copy.deepcopy(model)
     targets = targets_fn(model)
     ids = {id(p) for p in targets}
@@ -256,6 +260,8 @@ def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=A
         loss, per_slice = 0.0, []
         for i in range(slices):
             x, y = local_slice(batch, i, slices)
+            if before_slice is not None:
+                before_slice(model, i)
             part = loss_fn(model(x), y) / slices
             per_slice.append(torch.autograd.grad(part, params, allow_unused=True))
             loss += part.item()
@@ -278,6 +284,42 @@ def reference_train(model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=A
         opt_muon.zero_grad()
         opt_adamw.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
+
+
+@contextlib.contextmanager
+def late_delivery():
+    """DMuon's asynchronous collectives (``dist.broadcast``/``dist.reduce``) deliver their result
+    only at ``wait()``: each runs on a scratch copy of its tensor that is copied back when waited.
+    On gloo a result read before its wait is usually already there (the race rarely opens); here a
+    missing wait reads stale data and changes the answer, as it would on a GPU."""
+
+    class _Late:
+        def __init__(self, work, scratch, target):
+            self.work, self.scratch, self.target = work, scratch, target
+
+        def wait(self, *args):
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+                with torch.no_grad():
+                    self.target.copy_(self.scratch)
+            return True
+
+    def late(fn):
+        def call(tensor, *args, async_op=False, **kwargs):
+            if not async_op:
+                return fn(tensor, *args, async_op=False, **kwargs)
+            scratch = tensor.detach().clone()
+            return _Late(fn(scratch, *args, async_op=True, **kwargs), scratch, tensor)
+
+        return call
+
+    real = dist.broadcast, dist.reduce
+    dist.broadcast, dist.reduce = late(real[0]), late(real[1])
+    try:
+        yield
+    finally:
+        dist.broadcast, dist.reduce = real
 
 
 def _add(a, b):

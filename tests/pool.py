@@ -115,3 +115,56 @@ class WorkerPool:
                 p.kill()
                 p.join(timeout=10)
         self._procs = []
+
+
+def _one_shot(rank: int, world_size: int, init_file: str, pg_timeout_s: float, fn, args, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+        code = 0
+    except BaseException:  # noqa: BLE001 - a rank that fails exits at once, as under torchrun
+        results.put((rank, False, traceback.format_exc()))
+        code = 1
+    results.close()
+    results.join_thread()
+    os._exit(code)  # no graceful teardown: the peers see this rank go away, as after a crash
+
+
+def run_job(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` once in fresh processes that exit when it returns or raises
+    (a job, not a pool: for tests where a rank fails on purpose). Returns per rank
+    ``(ok, value_or_traceback, exit_code)``; fails the test if the job outlives ``timeout``."""
+    ctx = mp.get_context("spawn")
+    fd, init_file = tempfile.mkstemp(prefix="dmuon_job_")
+    os.close(fd)
+    os.unlink(init_file)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_one_shot, args=(r, world_size, init_file, pg_timeout_s, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join(timeout=10)
+    outcome: dict[int, tuple] = {}
+    while True:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue.Empty:
+            break
+        outcome[rank] = (ok, value)
+    if alive:
+        raise AssertionError(f"{fn.__name__}: job still running after {timeout:.0f}s (a hang); results: {outcome}")
+    return [(*outcome.get(r, (False, "no result")), procs[r].exitcode) for r in range(world_size)]

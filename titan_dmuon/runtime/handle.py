@@ -134,7 +134,10 @@ class DedicatedParams:
         self._param_dtype = mp_policy.param_dtype if mp_policy else None
         self._by_param: dict[int, Member] = {}
         self._experts_by_param: dict[int, LocalExperts] = {}
-        self._hooks: list = [module.register_forward_pre_hook(self._root_pre_forward)]
+        self._hooks: list = [
+            module.register_forward_pre_hook(self._root_pre_forward),
+            module.register_forward_hook(self._root_post_forward),
+        ]
         self._initialized = False
         self._callback_queued = False
         for owner in self.owning_modules:
@@ -442,6 +445,17 @@ class DedicatedParams:
         ctx.begin_forward()
         if not ctx.recording and ctx.forward_order:
             ctx.forward_order[0].gather("dmuon.forward_broadcast")  # no-op when the step launched it
+
+    @_hook("root_post_forward")
+    def _root_post_forward(self, module, args, output) -> None:
+        """Queue the end-of-backward callback as backward starts, ahead of FSDP2's (registered before
+        it: dedicate_params comes before fully_shard), so that a layer whose gradient never comes is
+        named before FSDP2 issues its final reduce-scatters, which would no longer match the peers'."""
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._queue_final_callback(), mode="any")
 
     @_hook("pre_forward")
     def _pre_forward(self, unit: Unit, module, args, kwargs):

@@ -1,0 +1,272 @@
+"""Each runtime module on its own, in one process on the fake process group (fast: a change to the
+reducer or the unit lifecycle is checked here without the multi-process suite).
+
+The fake backend accepts any collective and moves no data, so these tests check state machines,
+counts and buffers; values are checked only where no collective produces them.
+"""
+
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import toy_model
+
+
+def _on_fake_pg(world, fn):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+def _handle(world=4, mode="z3", **kwargs):
+    from tests.helpers import distribute
+
+    return distribute(toy_model(**kwargs), mode, world)
+
+
+# ---- comm --------------------------------------------------------------------------------------------
+def test_comm_stats_count_integers_and_read_exact_fractions():
+    from titan_dmuon.runtime.comm import CommStats
+
+    stats = CommStats()
+    stats.add("dmuon.a", 4, 100, 200)
+    stats.add("dmuon.a", 4, 20, 40)
+    stats.add("dmuon.a", 2, 10, 40)
+    stats.add_launch("dmuon.a")
+    assert stats.pop() == {"dmuon.a": (Fraction(3, 4) * 120 + Fraction(1, 2) * 10, Fraction(3, 4) * 240 + 20, 1)}
+    assert stats.pop() == {}
+
+
+def _launch_counts():
+    from titan_dmuon.runtime.comm import CommStats, Launch
+
+    stats = CommStats()
+    with Launch(dist.group.WORLD, 4, torch.device("cpu"), "dmuon.x", stats, coalesce=True) as launch:
+        launch.broadcast(torch.ones(6), src=1)
+        launch.reduce(torch.ones(2), dst=3)
+    with Launch(dist.group.WORLD, 1, torch.device("cpu"), "dmuon.y", stats, coalesce=True) as alone:
+        alone.broadcast(torch.ones(6), src=0)  # a group of one: nothing to send
+    return stats.pop(), len(launch.in_flight.works), len(alone.in_flight.works)
+
+
+def test_a_launch_counts_elements_once_and_one_launch(solo):
+    counts, works, alone = solo.run(_launch_counts_job)[0]
+    assert counts == {"dmuon.x": (Fraction(3, 4) * 8, Fraction(3, 4) * 32, 1)}
+    assert works == 1 and alone == 0  # one coalesced work to wait on; none for a group of one
+
+
+def _launch_counts_job(rank, world):
+    return _on_fake_pg(4, _launch_counts)
+
+
+def test_in_flight_waits_once():
+    from titan_dmuon.runtime.comm import InFlight
+
+    class Work:
+        waited = 0
+
+        def wait(self):
+            Work.waited += 1
+
+    in_flight = InFlight(works=[Work(), Work()])
+    in_flight.wait()
+    in_flight.wait()
+    assert Work.waited == 2 and in_flight.works == []
+
+
+# ---- mode ------------------------------------------------------------------------------------------
+def _modes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_dmuon.runtime import DedicationMode
+
+    one_d = DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True)
+    two_d = DedicationMode.build(
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")), reshard_after_forward=False
+    )
+    errors = []
+    for bad in (lambda: DedicationMode.build(init_device_mesh("cpu", (2, 2)), reshard_after_forward=True),
+                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward="yes"),
+                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True, expert_sharding="x")):
+        try:
+            bad()
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    return (
+        (one_d.name, one_d.mesh.shard_size, one_d.mesh.replicate_size, one_d.mesh.hsdp, one_d.mesh.coalesces),
+        (two_d.name, two_d.mesh.shard_size, two_d.mesh.replicate_size, two_d.mesh.hsdp),
+        [one_d.experts_stay_local(e) for e in (2, 4, 8)], [two_d.experts_stay_local(e) for e in (2, 4)],
+        errors,
+    )
+
+
+def test_the_mode_is_decided_once_from_the_mesh(solo):
+    one_d, two_d, local_1d, local_2d, errors = solo.run(_modes_job)[0]
+    assert one_d == ("dmuon_z3", 4, 1, False, True) and two_d == ("dmuon_z2", 2, 2, True)
+    # one rule for experts: local when the data-parallel world has no more ranks than experts
+    assert local_1d == [False, True, True] and local_2d == [False, True]
+    assert len(errors) == 3 and "dp_replicate" in errors[0] and "bool" in errors[1] and "expert_sharding" in errors[2]
+
+
+def _modes_job(rank, world):
+    return _on_fake_pg(4, _modes)
+
+
+# ---- unit: the buffer's state machine, and the order checks ----------------------------------------------
+def _unit_lifecycle():
+    from titan_dmuon.runtime.unit import BufferState
+
+    setup = _handle()
+    handle = setup.handle
+    handle._lazy_init()
+    unit = handle._units[0]
+    states = [unit.state]
+    unit.gather("dmuon.forward_broadcast")
+    states.append(unit.state)
+    allocated = handle.buffer_bytes
+    unit.gather("dmuon.forward_broadcast")  # no-op while not FREE
+    unit.wait()
+    states.append(unit.state)
+    unit.swap_in()
+    swapped = all(m.module._parameters[m.name] is m.compute for m in unit.members)
+    unit.swap_out()
+    restored = all(m.module._parameters[m.name] is m.param for m in unit.members)
+    unit.free()
+    states.append(unit.state)
+    prefetched = handle._units[1]
+    prefetched.gather("dmuon.forward_broadcast")
+    prefetched.free()  # never used: freed straight from GATHERING
+    return ([s.value for s in states], allocated, unit.numel * 4, handle.buffer_bytes, swapped, restored,
+            prefetched.state is BufferState.FREE)
+
+
+def test_a_units_buffer_goes_free_gathering_ready_free(solo):
+    states, allocated, expected, after, swapped, restored, prefetched_freed = solo.run(_lifecycle_job)[0]
+    assert states == ["free", "gathering", "ready", "free"]
+    assert allocated == expected and after == 0
+    assert swapped and restored and prefetched_freed
+
+
+def _lifecycle_job(rank, world):
+    return _on_fake_pg(4, _unit_lifecycle)
+
+
+def _order_checks():
+    from titan_dmuon.runtime import UnitOrderError
+
+    setup = _handle(n_layers=3)
+    ctx = setup.handle._ctx
+    units = ctx.units
+    ctx.begin_forward()
+    for unit in units:
+        ctx.enter_forward(unit)  # the first step records the order
+    ctx.recording = False
+    messages = []
+    ctx.begin_forward()
+    ctx.enter_forward(units[0])
+    try:
+        ctx.enter_forward(units[2])  # layer 1 skipped
+    except UnitOrderError as e:
+        messages.append(str(e))
+    ctx.begin_forward()
+    for unit in units:
+        ctx.enter_forward(unit)
+        unit.phase = unit.phase.AWAITING_BACKWARD
+    try:
+        ctx.check_backward_order(units[0])  # layers 1 and 2 had no backward yet
+    except UnitOrderError as e:
+        messages.append(str(e))
+    return messages, [u.name for u in units]
+
+
+def test_the_context_names_a_skipped_layer(solo):
+    messages, names = solo.run(_order_job)[0]
+    assert names == ["layers.0", "layers.1", "layers.2"]
+    assert len(messages) == 2
+    assert "'layers.2' ran forward but layer(s) ['layers.1'] did not run" in messages[0]
+    assert "'layers.1' ran forward but got no gradient before layer 'layers.0'" in messages[1]  # the first one it meets
+
+
+def _order_job(rank, world):
+    return _on_fake_pg(4, _order_checks)
+
+
+# ---- reducer: every member, zeros where none --------------------------------------------------------------
+def _copy_in():
+    setup = _handle()
+    handle = setup.handle
+    handle._lazy_init()
+    unit = handle._units[0]
+    for i, m in enumerate(unit.members):
+        m.compute.grad = None if i == 1 else torch.full(m.shape, float(i + 1))
+    items = handle._ctx.reducer._copy_in(unit)
+    flat_values = []
+    for bucket, flat in items:
+        offset = 0
+        for m in bucket.members:
+            flat_values.append((unit.members.index(m), float(flat[offset : offset + m.numel].unique()[0])))
+            offset += m.numel
+    return sorted(flat_values), [m.compute.grad is None for m in unit.members], len(unit.members)
+
+
+def test_the_reducer_copies_every_member_and_zeros_the_missing_one(solo):
+    values, freed, n = solo.run(_copy_in_job)[0]
+    assert values == [(i, 0.0 if i == 1 else float(i + 1)) for i in range(n)]
+    assert all(freed)  # autograd's gradients are dropped once copied
+
+
+def _copy_in_job(rank, world):
+    return _on_fake_pg(4, _copy_in)
+
+
+# ---- handle: to_empty() is followed in one place -----------------------------------------------------------
+def _follow_to_empty():
+    from tests.helpers import distribute
+    from titan_dmuon.runtime import DedicatedParams
+    from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer
+
+    with torch.device("meta"):
+        model = ToyTransformer(ToyConfig())
+    setup = distribute(model, "z3", 4)
+    before = [m.param for m in setup.handle.members]
+    model.to_empty(device="cpu")
+    after = [m.param for m in setup.handle.members]
+    registered = [m.module._parameters[m.name] for m in setup.handle.members]
+    return (
+        all(a is not b for a, b in zip(after, before)),
+        all(a is r for a, r in zip(after, registered)),
+        all(setup.handle.member_of(p) is not None for p in registered),
+        DedicatedParams.of(model) == [setup.handle],
+        all(p._dmuon_handle() is setup.handle for p in registered),
+    )
+
+
+def test_the_handle_follows_to_empty_through_one_override(solo):
+    assert all(solo.run(_follow_job)[0])
+
+
+def _follow_job(rank, world):
+    return _on_fake_pg(4, _follow_to_empty)
+
+
+# ---- cost model ------------------------------------------------------------------------------------------
+class _Mode:
+    def __init__(self, n, r, z3):
+        self.mesh = type("M", (), {"shard_size": n, "replicate_size": r})()
+        self.reshard_after_forward = z3
+
+
+@pytest.mark.parametrize("n, r, z3, kept", [(8, 1, False, 0), (8, 1, True, 10), (4, 2, True, 10)])
+def test_the_cost_model_is_the_designs_formula(n, r, z3, kept):
+    from titan_dmuon.cost_model import dmuon_elements_per_rank
+
+    p = 1000
+    expected = (3 if z3 else 2) * Fraction(n - 1, n) * p - Fraction(n - 1, n) * kept
+    expected += 2 * Fraction(r - 1, r) * Fraction(p, n) if r > 1 else 0
+    assert dmuon_elements_per_rank(_Mode(n, r, z3), numel=p, kept_unit_numel=kept) == expected
