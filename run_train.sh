@@ -12,7 +12,7 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run_train.sh
 #
 # Environment:
-#   CONFIG_FILE   TOML job config (default train_configs/debug_model.toml), run by titan_dmuon.train
+#   CONFIG_FILE   TOML job config (default train_configs/debug_model.toml), run by titan_dmuon.integration.train
 #   MODULE/CONFIG TorchTitan's Python config instead: python -m torchtitan.train --module $MODULE
 #                 --config $CONFIG (MODULE defaults to titan_dmuon, whose configs mirror train_configs/)
 #   NGPU          processes per node (default: the number of GPUs, or 2 on a CPU machine)
@@ -31,10 +31,12 @@ if [ -n "${MODULE:-}${CONFIG:-}" ]; then
   if [ -z "${CONFIG:-}" ]; then
     echo "run_train.sh: MODULE=$MODULE needs CONFIG=<config function>" >&2; exit 2
   fi
-  ENTRY=(-m torchtitan.train --module "${MODULE:-titan_dmuon}" --config "$CONFIG")
+  ENTRY=(-m torchtitan.train)
+  JOB=(--module "${MODULE:-titan_dmuon}" --config "$CONFIG")
 else
   CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
-  ENTRY=(-m titan_dmuon.train --config_file "$CONFIG_FILE")
+  ENTRY=(-m titan_dmuon.integration.train)
+  JOB=(--config_file "$CONFIG_FILE")
 fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
@@ -61,8 +63,12 @@ else
   LAUNCH=(--nnodes 1 --rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
 fi
 
+# Check the config once, before any worker starts (each worker checks it again, but when one rank
+# fails first torchrun kills the others before rank 0 logs why): one line, exit status 2.
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titan_dmuon.integration.check "${JOB[@]}" "$@" || exit $?
+
 CMD=("$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${LAUNCH[@]}"
      --local-ranks-filter "$LOG_RANK" --role rank --tee 3
-     "${ENTRY[@]}" "$@")
+     "${ENTRY[@]}" "${JOB[@]}" "$@")
 echo "+ ${CMD[*]}"
 exec "${CMD[@]}"

@@ -31,7 +31,7 @@ def test_its_1b_configs_are_valid():
 
     cpu.enable()
     from benchmarks.gpu_configs import llama3_1b_adamw, llama3_1b_dmuon
-    from titan_dmuon.integration.setup import validate_dmuon
+    from titan_dmuon.integration.validation import validate_dmuon
 
     dmuon, adamw = llama3_1b_dmuon(), llama3_1b_adamw()
     assert dmuon.optimizer.name == "dmuon" and dmuon.model_spec.flavor == "1B" == adamw.model_spec.flavor

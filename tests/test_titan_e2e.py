@@ -131,7 +131,8 @@ def test_two_node_launch_on_one_machine(tmp_path):
 def test_config_error_stops_before_any_process_group(tmp_path):
     """The entry point run_train.sh launches on every rank: a bad key exits with status 2."""
     env = {**os.environ, "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "titan_dmuon.train", "--config_file", "train_configs/debug_model.toml", "--training.stepz", "3"]
+    cmd = [sys.executable, "-m", "titan_dmuon.integration.train", "--config_file", "train_configs/debug_model.toml",
+           "--training.stepz", "3"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "command line: unknown key [training] stepz (did you mean 'steps'?)" in result.stdout + result.stderr

@@ -18,8 +18,8 @@ cpu.enable()  # TorchTitan's device choice, before anything builds a trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
 from titan_dmuon.integration.config import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.finalize import prepare_for_build  # noqa: E402
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS, DedicationSettings, DMuonParallelize  # noqa: E402
-from titan_dmuon.integration.setup import prepare_for_build  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,7 +180,7 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     assert fn.bound and fn.dedication == DedicationSettings(
         muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"), reshard_after_forward=False
     )
-    adamw = prepare_for_build(_parse("--optimizer.name", "AdamW")).model_spec.parallelize_fn
+    adamw = prepare_for_build(_parse("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008")).model_spec.parallelize_fn
     assert adamw.bound and adamw.dedication is None  # TorchTitan's own parallelize_fn (plus the gloo fix)
 
 
@@ -251,20 +251,28 @@ def test_data_parallel_degree_change_is_named(saved, now):
     assert _data_parallel_change({}, metadata) == []  # the dataloader excluded from loading
 
 
-def test_cuda_graph_capture_is_turned_off_for_dmuon(monkeypatch):
+def test_cuda_graph_capture_is_turned_off_for_dmuon(monkeypatch, caplog):
     """TorchTitan captures forward+backward in a CUDA graph by default and then replays it without
-    running Python: DMuon's hooks would not run. with_dmuon turns it off, and so does the trainer
-    when a command-line override turns it back on; AdamW keeps TorchTitan's setting."""
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    running Python: DMuon's hooks would not run. with_dmuon turns it off silently, and so does the
+    trainer when a command-line override turns it back on, warning only where capture could happen
+    (the warning fired on every CPU run, and in the Python door even with the flag given, because
+    it ran before TorchTitan applied the overrides); AdamW keeps TorchTitan's setting."""
+    import logging
 
-    from titan_dmuon.integration.setup import prepare_for_build
+    import torch
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert llama3_debugmodel().training.disable_cuda_graphs is False  # TorchTitan's default
-    config = with_dmuon(llama3_debugmodel(), lr=0.02)
-    assert config.training.disable_cuda_graphs is True
-    config.training.disable_cuda_graphs = False  # as --training.no-disable_cuda_graphs would
-    assert prepare_for_build(config).training.disable_cuda_graphs is True
-    config.optimizer.name = "AdamW"
+    with caplog.at_level(logging.WARNING):
+        config = with_dmuon(llama3_debugmodel(), lr=0.02)
+        assert config.training.disable_cuda_graphs is True
+        assert prepare_for_build(_parse("--training.disable_cuda_graphs")).training.disable_cuda_graphs is True
+        assert not [r for r in caplog.records if "cuda_graphs" in r.getMessage()]
+        config.training.disable_cuda_graphs = False  # as --training.no-disable_cuda_graphs would
+        assert prepare_for_build(config).training.disable_cuda_graphs is True
+    warned = [r for r in caplog.records if "--training.disable_cuda_graphs" in r.getMessage()]
+    assert len(warned) == (1 if torch.cuda.is_available() else 0)
+    config.optimizer.name, config.optimizer.lr = "AdamW", config.optimizer.adamw_lr
     config.training.disable_cuda_graphs = False
     assert prepare_for_build(config).training.disable_cuda_graphs is False

@@ -11,14 +11,15 @@ A file in the classic TorchTitan layout::
 starts from TorchTitan's own config for the model (``<name>_<flavor>`` in its
 config_registry), then each key overrides the field of the same name in the
 0.3.0 config dataclass of that section. ``--section.key value`` arguments
-override the file (command line > TOML > TorchTitan defaults). Every key,
-type and value is checked before any process group starts; errors name the
-file (or the command line), the key, the bad value and what is expected.
+override the file (command line > TOML > TorchTitan defaults); true/false keys
+also take TorchTitan's flags ``--section.key`` and ``--section.no-key``. Every
+key, type and value is checked before any process group starts; errors name
+the file (or the command line), the key, the bad value and what is expected.
 
-This is a thin layer over ``setup.py``: it reads the file into TorchTitan's
-config, then sets DMuon up exactly as ``with_dmuon`` does (same checks, same
-finalisation); only the checks that need to know which keys the file set
-(e.g. ``betas`` with name = "dmuon") live here.
+This is a thin layer: it reads the file into TorchTitan's config, then sets
+DMuon up as ``with_dmuon`` does (``trainer_config``, ``validation``,
+``finalize``); it only knows which keys the file set, which
+``validation.validate_optimizer_keys`` checks.
 """
 
 from __future__ import annotations
@@ -31,15 +32,20 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from titan_dmuon.integration.setup import (
+from titan_dmuon.integration.finalize import finalize
+from titan_dmuon.integration.models import config_function
+from titan_dmuon.integration.optimizer import ADAMW_NAMES
+from titan_dmuon.integration.trainer_config import dmuon_trainer_config
+from titan_dmuon.integration.validation import (
     ConfigError,
     Naming,
-    convert,
-    describe,
-    dmuon_trainer_config,
-    finalize,
+    command_line,
+    toml_value,
     validate_dmuon,
+    validate_optimizer_keys,
 )
+from titan_dmuon.integration.values import convert, describe, is_boolean
+from titan_dmuon.options import ADAMW_KEYS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,13 +69,16 @@ class _Setting:
     value: Any
     source: str  # file path or "command line"
     from_cli: bool
+    flag: str | None = None  # the command-line word of a flag (--section.key / --section.no-key)
 
 
-def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int | None = None):
-    """The TorchTitan ``Trainer.Config`` (DMuon-aware subclass) for a TOML file plus overrides."""
-    settings = _read_toml(config_file)
-    for section, key, value in _parse_cli(cli_args):
-        settings.setdefault(section, {})[key] = _Setting(value, "command line", True)
+def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int | None = None, this_machine: bool = False):
+    """The TorchTitan ``Trainer.Config`` (DMuon-aware subclass) for a TOML file plus overrides
+    (``this_machine``: the job is about to run here; see ``validate_dmuon``)."""
+    from_file = _read_toml(config_file)
+    settings = {section: dict(table) for section, table in from_file.items()}
+    for section, key, setting in _parse_cli(cli_args):
+        settings.setdefault(section, {})[key] = setting
     unknown = set(settings) - {"job", "model", *TRAINER_SECTIONS}
     if unknown:
         section = sorted(unknown)[0]
@@ -80,6 +89,7 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
         )
 
     config = dmuon_trainer_config(_base_config(settings.get("model", {})))
+    file_optimizer = _file_optimizer_name(from_file, config.optimizer.name)
     for key, setting in settings.get("job", {}).items():
         value = _check_plain(setting, "job", key, JOB_KEYS)
         if key == "dump_folder":
@@ -95,9 +105,31 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
         for key, setting in settings.get(section, {}).items():
             _apply(target, section, key, setting)
 
-    _check_optimizer_keys(config.optimizer, settings.get("optimizer", {}))
-    validate_dmuon(config, world_size=world_size, names=_TomlNames(settings))
-    return finalize(config)
+    sources = {key: setting.source for key, setting in settings.get("optimizer", {}).items()}
+    validate_optimizer_keys(config.optimizer, sources, file_name=file_optimizer, config_file=config_file)
+    if config.optimizer.name in ADAMW_NAMES:
+        _adamw_from_flat_keys(config.optimizer)
+    validate_dmuon(config, world_size=world_size, names=_TomlNames(settings), this_machine=this_machine)
+    try:
+        return finalize(config, keep_cuda_graph_setting="disable_cuda_graphs" in settings.get("training", {}))
+    except ConfigError as e:  # TorchTitan's own checks of the whole config
+        raise ConfigError(f"{config_file}: {e}") from None
+
+
+def _file_optimizer_name(from_file: dict[str, dict[str, _Setting]], base_name: str) -> str | None:
+    """The optimizer the file's own [optimizer] keys were written for (its name, else the base config's)."""
+    setting = from_file.get("optimizer", {}).get("name")
+    if setting is None:
+        return base_name
+    return setting.value if isinstance(setting.value, str) else None
+
+
+def _adamw_from_flat_keys(opt) -> None:
+    """With name = "AdamW"/"Adam" the file sets AdamW's flat keys (adamw_* are refused there):
+    ``adamw_*`` follow them, so the config says one thing (validation refuses a config whose flat
+    keys and adamw_* disagree: a DMuon config switched to AdamW)."""
+    for adamw, plain in ADAMW_KEYS.items():
+        setattr(opt, adamw, getattr(opt, plain))
 
 
 # ---- reading -------------------------------------------------------------------------
@@ -117,30 +149,35 @@ def _read_toml(path: str) -> dict[str, dict[str, _Setting]]:
     return out
 
 
-def _parse_cli(args) -> list[tuple[str, str, str]]:
-    """``--section.key value`` / ``--section.key=value`` pairs."""
+def _parse_cli(args) -> list[tuple[str, str, _Setting]]:
+    """``--section.key value`` / ``--section.key=value``, and TorchTitan's spellings of true/false
+    keys: ``--section.key`` (true), ``--section.no-key`` or ``--section.no_key`` (false), with
+    ``-`` or ``_`` in names. A word that starts with ``--`` is never taken as a value."""
     out, args, i = [], list(args), 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"command line: expected --section.key value, got {arg!r}")
-        if "=" in arg:
-            name, value = arg[2:].split("=", 1)
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"command line: {arg} needs a value")
-            name, value = arg[2:], args[i + 1]
-            i += 1
-        section, _, key = name.partition(".")
-        out.append((section, key, value))
+            raise ConfigError(
+                f"command line: expected --section.key value, got {arg!r} "
+                "(true/false keys also as flags: --section.key, --section.no-key)"
+            )
+        name, has_value, value = arg[2:].partition("=")
+        flag = None
+        if not has_value:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                flag = arg
+        section, _, key = name.replace("-", "_").partition(".")
+        if flag is not None:
+            key, value = (key[3:], False) if key.startswith("no_") else (key, True)
+        out.append((section, key, _Setting(value, "command line", True, flag)))
         i += 1
     return out
 
 
 # ---- the base config and its sections --------------------------------------------------
 def _base_config(model_settings: dict[str, _Setting]):
-    from titan_dmuon.integration.models import config_function
-
     for key, setting in model_settings.items():
         _check_plain(setting, "model", key, MODEL_KEYS)
     name_setting, flavor_setting = model_settings.get("name"), model_settings.get("flavor")
@@ -191,6 +228,9 @@ def _check_plain(setting: _Setting, section: str, key: str, allowed: dict[str, t
 # ---- types ----------------------------------------------------------------------------
 def _coerce(setting: _Setting, section: str, key: str, annotation):
     """``setting.value`` as ``annotation``, or a ConfigError saying what was expected."""
+    if setting.flag is not None and not is_boolean(annotation):
+        problem = "needs a value" if setting.value else "sets false, a flag for true/false keys only"
+        raise ConfigError(f"command line: {setting.flag} {problem} ([{section}] {key} expects {describe(annotation)})")
     try:
         return convert(setting.value, annotation, from_cli=setting.from_cli)
     except (TypeError, ValueError) as e:
@@ -205,7 +245,7 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# ---- checks that depend on which keys were set ----------------------------------------------
+# ---- how errors name settings ----------------------------------------------------------------
 class _TomlNames(Naming):
     """Errors name the file (or the command line) a value came from, and the key as [section] key."""
 
@@ -229,17 +269,5 @@ class _TomlNames(Naming):
     def source(self, section: str, *keys: str) -> str:
         return f"{self.where(section, *keys)}: "
 
-
-def _check_optimizer_keys(opt, optimizer_settings: dict[str, _Setting]) -> None:
-    """Keys the file set that the chosen optimizer would ignore."""
-    from titan_dmuon.integration.optimizer import ADAMW_ONLY_KEYS, MUON_FAMILY_KEYS
-
-    muon_family = opt.name in ("dmuon", "naive_muon")
-    for key, setting in optimizer_settings.items():
-        if muon_family and key in ADAMW_ONLY_KEYS:
-            hint = f"; with name = \"dmuon\" use adamw_{key} for the non-Muon parameters" if key != "implementation" else ""
-            raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"AdamW\" only{hint}")
-        if not muon_family and key in MUON_FAMILY_KEYS:
-            raise ConfigError(f"{setting.source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}")
-        if opt.name == "naive_muon" and key == "reshard_after_forward":
-            raise ConfigError(f"{setting.source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; naive_muon follows parallelism.fsdp_reshard_after_forward")
+    def how_to_set(self, section: str, key: str, value) -> str:
+        return f"[{section}] {key} = {toml_value(value)} ({command_line(section, key, value)})"

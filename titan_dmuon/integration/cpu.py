@@ -8,8 +8,8 @@ are handled:
 1. device type: TorchTitan picks "cuda" when it sees no accelerator and copies
    that choice into several modules at import time; ``enable`` sets "cpu" (so
    the backend becomes gloo) there and in every copy already made. Every
-   DMuon door calls it: titan_dmuon.train, titan_dmuon.config_registry (on
-   import), with_dmuon, and DMuonTrainer before it builds anything.
+   DMuon door calls it: integration/train.py and check.py, titan_dmuon.config_registry
+   (on import), with_dmuon, and DMuonTrainer before it builds anything.
 2. the CUDA memory monitor and the CUDA barrier in ``set_pg_timeouts``: CPU
    equivalents (peak RSS of the process; a plain barrier).
 3. FlexAttention has no CPU backward: ``use_sdpa_attention`` switches each

@@ -34,13 +34,15 @@ DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients"
 DEDICATION_KEYS = ("muon_params", "reshard_after_forward")
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")
+MUON_FAMILY_NAMES = ("dmuon", "naive_muon")  # optimizer.name values that read the Muon keys
+ADAMW_NAMES = ("AdamW", "Adam")  # TorchTitan's own: every parameter from the flat keys
 CATCH_ALL = ".*"
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        name: Literal["dmuon", "AdamW", "Adam", "naive_muon"] = "AdamW"
+        name: Literal["dmuon", "AdamW", "Adam", "naive_muon"] = "AdamW"  # MUON_FAMILY_NAMES + ADAMW_NAMES
         """"dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest; "AdamW"/"Adam":
         TorchTitan's own; "naive_muon": FSDP2 + Muon with a full-gradient all-gather in step (a
         benchmark baseline; orthogonalises a fused q/k/v weight as one matrix)."""

@@ -53,7 +53,7 @@ class DedicationSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class DMuonParallelize:
-    """The model spec's ``parallelize_fn`` once DMuon is set up (``setup.finalize``).
+    """The model spec's ``parallelize_fn`` once DMuon is set up (``finalize.finalize``).
 
     What it does depends on the optimizer config (``name``, ``muon_params``,
     ``reshard_after_forward``), and TorchTitan applies command-line overrides by
@@ -100,8 +100,8 @@ def parallelize_with_dmuon(
     base_fn,
     settings: DedicationSettings,
 ) -> nn.Module:
-    """TorchTitan ``parallelize_fn``: the family's own ``base_fn`` with DMuon's dedication."""
-    check_supported(parallelism=parallelism, compile_config=compile_config, training=training)
+    """TorchTitan ``parallelize_fn``: the family's own ``base_fn`` with DMuon's dedication (the config
+    was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds)."""
     dedication = _Dedication(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, settings=settings)
     with _ignoring_dedicated_weights(dedication):
         model = base_fn(
@@ -183,7 +183,7 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
     rank and stay there (when TorchTitan keeps them whole: at most as many expert-FSDP x EP ranks
     as experts); otherwise DMuon's own rule decides (``DedicationMode.experts_stay_local``), which
     is TorchTitan's choice between dim-0 and dim-1 shards."""
-    experts = [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
+    experts = routed_expert_counts(model)
     if not experts:
         return "auto"
     if parallel_dims.ep > 1:
@@ -197,12 +197,20 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
 
 
 def expert_parallel_limit(efsdp_ep: int, experts: int) -> str:
+    """Why DMuon refuses expert parallelism over more ranks than experts, and the fix. (Raising
+    expert_parallel_degree does not help: TorchTitan's expert-FSDP x EP ranks are always
+    data_parallel_shard x context x tensor parallel ranks.)"""
     return (
         f"expert parallelism with {efsdp_ep} expert-FSDP x EP ranks and {experts} experts: TorchTitan then "
         "splits each expert across ranks (Shard(1)), and DMuon needs whole experts per rank under expert "
-        "parallelism; lower data_parallel_shard_degree or raise expert_parallel_degree so their product is at "
-        "most the number of experts"
+        "parallelism; lower data_parallel_shard_degree (raising data_parallel_replicate_degree keeps the world "
+        f"size) so that at most {experts} ranks share the experts"
     )
+
+
+def routed_expert_counts(model: nn.Module) -> list[int]:
+    """The number of routed experts of each MoE layer (empty for a dense model)."""
+    return [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
 
 
 def _initialise_as_titan_would(handle, *, sharded: bool) -> None:
@@ -230,33 +238,10 @@ def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Modu
     return model
 
 
-def check_supported(*, parallelism, compile_config, training) -> None:
-    """DMuon's TorchTitan limits, checked before any process group exists (and again here)."""
-    unsupported = {
-        "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
-        "parallelism.pipeline_parallel_degree": parallelism.pipeline_parallel_degree,
-        "parallelism.context_parallel_degree": parallelism.context_parallel_degree,
-    }
-    for key, degree in unsupported.items():
-        if degree != 1:
-            raise NotImplementedError(
-                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and "
-                "expert parallelism only; set it to 1 or use optimizer.name = 'AdamW'"
-            )
-    if parallelism.spmd_backend == "full_dtensor":
-        raise NotImplementedError(
-            "parallelism.spmd_backend = 'full_dtensor' makes every parameter a DTensor before FSDP2, and DMuon's "
-            "dedicated weights are plain tensors on their owners; use 'spmd_types' (the default) or 'partial_dtensor'"
-        )
-    if training.enable_cpu_offload:
-        raise NotImplementedError(
-            "training.enable_cpu_offload = true is not supported with optimizer.name = 'dmuon' (owners keep their "
-            "weights on the device); set it to false or use optimizer.name = 'AdamW'"
-        )
-
-
 def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
-    """The trainable parameters ``optimizer.muon_params`` selects (frozen ones stay with FSDP2)."""
+    """The trainable parameters ``optimizer.muon_params`` selects (frozen ones stay with FSDP2).
+    The list was checked against the model at config time (``validation``); the errors here only
+    guard direct callers."""
     compiled = [re.compile(p) for p in patterns]
     chosen = []
     for name, param in model.named_parameters():

@@ -2,7 +2,7 @@
 
 * Setup at build time. TorchTitan's entry point applies command-line
   overrides after the config function ran, so the config DMuonTrainer is
-  given is checked again (setup.prepare_for_build, before any process group)
+  given is checked again (finalize.prepare_for_build, before any process group)
   and the parallelize step is bound to ITS optimizer settings.
 * Gradient clipping. ``Trainer.train_step`` clips with torch's clip over all
   parameters, which cannot mix FSDP2's DTensor shards with owner-held plain
@@ -37,6 +37,8 @@ from torchtitan.trainer import Trainer
 
 from titan_dmuon.cost_model import design_elements_per_rank
 from titan_dmuon.grad_clip import clip_grad_norm_
+from titan_dmuon.integration.finalize import prepare_for_build
+from titan_dmuon.integration.validation import ConfigError
 from titan_dmuon.ledger import CommLedger
 
 
@@ -64,8 +66,6 @@ class DMuonTrainer(Trainer):
         pass
 
     def __init__(self, config: Config) -> None:
-        from titan_dmuon.integration.setup import ConfigError, prepare_for_build
-
         try:
             config = prepare_for_build(config)
         except ConfigError as e:

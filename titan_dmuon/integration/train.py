@@ -1,6 +1,6 @@
 """Train a TorchTitan model from a TOML config, with DMuon when ``[optimizer] name = "dmuon"``.
 
-    torchrun --nproc_per_node 2 -m titan_dmuon.train --config_file train_configs/debug_model.toml \\
+    torchrun --nproc_per_node 2 -m titan_dmuon.integration.train --config_file train_configs/debug_model.toml \\
         [--section.key value ...]
 
 (``run_train.sh`` wraps this.) Mirrors ``torchtitan.train.main``; the only
@@ -15,11 +15,13 @@ import sys
 
 from titan_dmuon.integration import cpu
 
+USAGE = "usage: python -m titan_dmuon.integration.train --config_file FILE.toml [--section.key value ...]"
+
 
 def main(argv: list[str] | None = None) -> None:
-    config_file, overrides = _split_config_file(list(sys.argv[1:] if argv is None else argv))
+    config_file, overrides = split_config_file(list(sys.argv[1:] if argv is None else argv))
     if not config_file:
-        sys.exit("usage: python -m titan_dmuon.train --config_file FILE.toml [--section.key value ...]")
+        sys.exit(USAGE)
     cpu.enable()  # before TorchTitan's trainer is imported; a no-op with an accelerator
 
     import torch
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     try:
-        config = load_config(config_file, overrides, world_size=world_size)
+        config = load_config(config_file, overrides, world_size=world_size, this_machine=True)
     except ConfigError as e:
         logger.error(f"config error: {e}")
         sys.exit(2)
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("Process group destroyed")
 
 
-def _split_config_file(args: list[str]) -> tuple[str | None, list[str]]:
+def split_config_file(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the ``--config_file`` value, the other arguments: the overrides)."""
     rest, config_file, i = [], None, 0
     while i < len(args):
         if args[i] == "--config_file":

@@ -1,0 +1,320 @@
+"""Bad job configs stop before any process group, in one line that reaches the user.
+
+In-process where possible (``load_config``, ``with_dmuon``, TorchTitan's own command-line
+parsing, the pre-launch check); one end-to-end run of ``run_train.sh``. Every check here was
+missing once: its test says what happened without it.
+"""
+
+import ast
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from titan_dmuon.integration import cpu
+
+cpu.enable()  # before anything imports TorchTitan's trainer
+
+from titan_dmuon import with_dmuon  # noqa: E402
+from titan_dmuon.integration.check import check, main  # noqa: E402
+from titan_dmuon.integration.config import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.finalize import prepare_for_build  # noqa: E402
+from titan_dmuon.integration.validation import validate_dmuon  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_JOB = "train_configs/debug_model.toml"
+DMUON = '[optimizer]\nname = "dmuon"\nlr = 0.02\n'
+MOE = '[model]\nname = "qwen3"\nflavor = "moe_debug"\n[optimizer]\nname = "dmuon"\n[parallelism]\n'
+FUSED_QKV_REGEX = r"\.attention\.qkv_linear\.wqkv\.weight$"
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch):
+    """The registry's debug configs make and read ./assets/debug, as run_train.sh does from the root."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _toml(tmp_path, body: str, name: str = "job.toml") -> str:
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+def _parse(*args: str, config: str = "llama3_debugmodel_dmuon"):
+    """What torchtitan.train builds: the config function, then TorchTitan's overrides (tyro)."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "titan_dmuon", "--config", config, *args])
+
+
+def _llama3():
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return llama3_debugmodel()
+
+
+def _one_line_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ---- the restructure -----------------------------------------------------------------------------
+def test_integration_modules_import_each_other_without_a_cycle():
+    """setup.py and trainer.py imported each other (hidden in function-level imports); every import
+    between integration modules, at any level, now goes one way."""
+    folder = os.path.join(ROOT, "titan_dmuon", "integration")
+    graph = {}
+    for name in sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py")):
+        with open(os.path.join(folder, f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "titan_dmuon.integration":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titan_dmuon.integration."):
+                deps.add(node.module.split(".")[2])
+        graph[name] = deps - {name}
+
+    def reaches(start, target, seen=()):
+        return any(d == target or (d not in seen and reaches(d, target, (*seen, d))) for d in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
+    assert not os.path.exists(os.path.join(ROOT, "titan_dmuon", "train.py"))  # moved, no shim left
+
+
+# ---- 1. switching optimizer ------------------------------------------------------------------------
+def test_python_door_switch_to_adamw_names_the_values_and_the_fix():
+    """``CONFIG=llama3_debugmodel_dmuon ./run_train.sh --optimizer.name AdamW`` trained TorchTitan's
+    AdamW at lr 0.05, DMuon's Muon lr (the config's AdamW lr 8e-4 was dropped). Refused, and the
+    suggested command line (TorchTitan's spelling, tuples included) then passes."""
+    message = _one_line_error(validate_dmuon, _parse("--optimizer.name", "AdamW"))
+    assert "optimizer.name = 'AdamW'" in message and "lr = 0.05 but adamw_lr = 0.0008" in message
+    assert message.endswith("pass --optimizer.lr 0.0008"), message
+    validate_dmuon(_parse("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008"))
+
+    args = ("--optimizer.name", "Adam", "--optimizer.adamw_betas", "0.8", "0.9", "--optimizer.adamw_weight_decay", "0.0")
+    message = _one_line_error(validate_dmuon, _parse(*args))
+    assert "betas = (0.9, 0.95) but adamw_betas = (0.8, 0.9)" in message and "weight_decay = 0.1 but adamw_weight_decay = 0.0" in message
+    fix = message.split(" pass ", 1)[1].split()
+    assert fix == ["--optimizer.lr", "0.0008", "--optimizer.betas", "0.8", "0.9", "--optimizer.weight_decay", "0.0"]
+    config = _parse(*args, *fix)
+    validate_dmuon(config)
+    assert (config.optimizer.lr, config.optimizer.betas, config.optimizer.weight_decay) == (8e-4, (0.8, 0.9), 0.0)
+
+
+def test_toml_adamw_sets_adamw_keys_from_the_flat_keys(tmp_path):
+    """With name = "AdamW" the file sets lr/betas/eps/weight_decay; adamw_* kept the base config's and
+    the switch check would refuse every TOML AdamW job whose values differ from TorchTitan's."""
+    body = '[optimizer]\nname = "AdamW"\nlr = 1e-3\nbetas = [0.8, 0.9]\neps = 1e-6\nweight_decay = 0.0\n'
+    opt = load_config(_toml(tmp_path, body), world_size=2).optimizer
+    assert (opt.adamw_lr, opt.adamw_betas, opt.adamw_eps, opt.adamw_weight_decay) == (1e-3, (0.8, 0.9), 1e-6, 0.0)
+    assert load_config("train_configs/debug_model_adamw.toml", world_size=2).optimizer.adamw_lr == 8e-4
+
+
+def test_toml_door_switch_to_adamw_says_how():
+    """The main job with --optimizer.name AdamW was refused for its momentum key, without saying how to
+    switch; now the message names every Muon key to remove and the AdamW file to start from."""
+    message = _one_line_error(load_config, MAIN_JOB, ["--optimizer.name", "AdamW"], world_size=2)
+    assert message.startswith(f"{MAIN_JOB}: [optimizer] momentum applies to name = \"dmuon\"")
+    assert f"remove momentum, nesterov, ns_steps, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, reshard_after_forward from [optimizer] in {MAIN_JOB}" in message
+    assert "--optimizer.lr <value> --optimizer.weight_decay <value>" in message
+    assert message.endswith("or start from an AdamW file such as train_configs/debug_model_adamw.toml")
+
+
+@pytest.mark.parametrize("file_name, switch_to, reads_as", [("dmuon", "AdamW", "AdamW's lr"), ("AdamW", "dmuon", "Muon's lr")])
+def test_toml_switch_does_not_reinterpret_the_files_lr(tmp_path, file_name, switch_to, reads_as):
+    """A file without Muon keys (only lr) switched on the command line silently read its lr as the
+    other optimizer's: Muon's 0.02 became AdamW's, or AdamW's 1e-3 Muon's."""
+    path = _toml(tmp_path, f'[optimizer]\nname = "{file_name}"\nlr = 0.02\n')
+    message = _one_line_error(load_config, path, ["--optimizer.name", switch_to], world_size=2)
+    assert f"[optimizer] lr = 0.02 is written for name = \"{file_name}\"" in message and reads_as in message
+    assert message.endswith("--optimizer.lr <value>")
+    assert load_config(path, ["--optimizer.name", switch_to, "--optimizer.lr", "0.001"], world_size=2).optimizer.lr == 0.001
+
+
+# ---- 2. the pre-launch check -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--config_file", MAIN_JOB, "--training.stepz", "3"], "command line: unknown key [training] stepz"),
+        (["--config_file", MAIN_JOB, "--parallelism.data_parallel_shard_degree", "3"], "world size is 2"),
+        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--optimizer.name", "AdamW"], "pass --optimizer.lr 0.0008"),
+        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--parallelism.data_parallel_shard_degree", "3"], "world size is 2"),
+        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"],
+         "command line: Unrecognized options: --training.stepz, 3 (TorchTitan's parser"),
+        (["--module", "titan_dmuon", "--config", "nope"], "Config function 'nope' not found"),
+        (["--training.steps", "3"], "expected --config_file FILE.toml or --module M --config F"),
+    ],
+)
+def test_prelaunch_check_builds_the_config_as_the_workers_do(args, phrase):
+    """Config errors were raised only inside the torchrun workers, where torchrun may kill rank 0
+    before it logs (when rank 1 fails first). The check builds the config as the workers do
+    (TOML, or TorchTitan's config function plus its own overrides) with the world size."""
+    assert phrase in _one_line_error(check, args, world_size=2)
+
+
+def test_prelaunch_check_passes_good_jobs_quietly(capsys):
+    for args in (
+        ["--config_file", MAIN_JOB, "--optimizer.no-nesterov"],
+        ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--optimizer.no-nesterov"],
+        ["--module", "torchtitan.models.llama3", "--config", "llama3_debugmodel"],  # not DMuon: TorchTitan's to check
+    ):
+        assert main(args) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_prelaunch_check_prints_one_line_last_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"]) == 2
+    err = capsys.readouterr().err.rstrip("\n")
+    assert "Unrecognized options" in err.rsplit("\n", 1)[0]  # TorchTitan's own message first
+    assert err.rsplit("\n", 1)[1].startswith("config error: command line: Unrecognized options: --training.stepz, 3")
+
+
+def test_run_train_sh_stops_before_torchrun_with_the_line_last(tmp_path):
+    """End to end: the message is the last line and no torchrun is started (run_train.sh prints
+    the torchrun command just before it runs it)."""
+    env = {**os.environ, "CONFIG_FILE": MAIN_JOB, "NGPU": "2", "PYTHON": sys.executable}
+    result = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.stepz", "3"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.rstrip("\n").rsplit("\n", 1)[-1].startswith(
+        "config error: command line: unknown key [training] stepz (did you mean 'steps'?)"
+    ), result.stderr[-2000:]
+    assert "torch.distributed.run" not in result.stdout + result.stderr
+
+
+# ---- 3. checks against the model (meta device) ----------------------------------------------
+def test_muon_params_entry_matching_nothing_is_named_with_close_names():
+    """``^output\\.weight$`` (the head is lm_head.weight) failed after the process groups started,
+    inside DMuon's dedication, as a 130-150 line traceback."""
+    message = _one_line_error(with_dmuon, _llama3(), muon_params=[r"\.feed_forward\.w1\.weight$", r"^output\.weight$"])
+    assert message.startswith(r"optimizer.muon_params entry '^output\.weight$' matches no parameter of the llama3 debugmodel model")
+    assert "lm_head.weight" in message.split("; its parameters")[0] and "layers.*.attention.wo.weight" in message
+    with_dmuon(_llama3())  # DMuon's default list has entries for other families: not an error
+
+
+def test_muon_params_selecting_a_norm_is_refused():
+    message = _one_line_error(with_dmuon, _llama3(), muon_params=[r"\.feed_forward\.", r"norm\.weight$"])
+    assert r"entry 'norm\.weight$' selects layers.0.attention_norm.weight of shape (256,)" in message
+    assert "Muon needs 2-D weight matrices or 3-D expert weights" in message and "stay on AdamW" in message
+
+
+def test_muon_params_selecting_the_token_embedding_is_refused():
+    """The embedding is 2-D, so it passed every shape check and was trained with Muon."""
+    message = _one_line_error(with_dmuon, _llama3(), muon_params=[r"\.attention\.wo\.weight$", "tok_embeddings"])
+    assert "entry 'tok_embeddings' selects tok_embeddings.weight, the token embedding (an nn.Embedding)" in message
+    assert "lookup table" in message and "orthogonalises matrices that act on activations" in message
+    assert "stays on AdamW" in message
+
+
+def test_readme_style_muon_params_work_on_llama3_and_warn_about_the_fused_wqkv(tmp_path, caplog):
+    """The README's plain-PyTorch selection (``.attention.w``, ``.feed_forward.w``) on llama3 failed
+    with "split_rows names a parameter that is not being dedicated"; it now trains and leaves the
+    fused wqkv on AdamW, which DMuonTrainer says once, with the regex that would include it."""
+    readme = [".attention.w", ".feed_forward.w"]
+    config = with_dmuon(_llama3(), muon_params=readme)
+    (warning,) = validate_dmuon(config)
+    assert "leaves layers.*.attention.qkv_linear.wqkv.weight (TorchTitan's fused q/k/v weight) on AdamW" in warning
+    assert f"add the regex {FUSED_QKV_REGEX} to the list" in warning
+    body = DMUON + 'muon_params = [".attention.w", ".feed_forward.w"]\n'
+    assert load_config(_toml(tmp_path, body), world_size=2).optimizer.muon_params == readme
+    with caplog.at_level(logging.WARNING):
+        prepare_for_build(config)
+    assert [r.getMessage() for r in caplog.records if "fused q/k/v" in r.getMessage()] == [warning]
+    assert validate_dmuon(with_dmuon(_llama3(), muon_params=[*readme, FUSED_QKV_REGEX])) == []  # the advice works
+
+
+def test_impossible_expert_parallel_degree_is_a_config_error(tmp_path, monkeypatch):
+    """expert_parallel_degree 3 on 2 ranks failed in TorchTitan's mesh setup after the process groups
+    started (its expert mesh had 2 // 3 = 0 ranks)."""
+    message = _one_line_error(load_config, _toml(tmp_path, MOE + "expert_parallel_degree = 3\n"), world_size=2)
+    assert "[parallelism] expert_parallel_degree = 3: expected a divisor of" in message and "= 2" in message
+    assert message.endswith("one of 1, 2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = _parse("--parallelism.expert_parallel_degree", "3", config="qwen3_moe_debug_dmuon")
+    import torch.distributed as dist
+
+    assert "parallelism.expert_parallel_degree = 3: expected a divisor" in _one_line_error(config.build)
+    assert not dist.is_initialized()
+
+
+def test_expert_parallelism_over_more_ranks_than_experts_is_refused_at_config_time(tmp_path):
+    """DMuon needs whole experts per rank under EP; this was found only in the parallelize step."""
+    body = MOE + 'expert_parallel_degree = 2\nspmd_backend = "partial_dtensor"\n'
+    message = _one_line_error(load_config, _toml(tmp_path, body), world_size=128)
+    assert "expert parallelism with 128 expert-FSDP x EP ranks and 64 experts" in message
+    assert "lower data_parallel_shard_degree" in message
+    load_config(_toml(tmp_path, body, "ok.toml"), world_size=64)
+
+
+@pytest.mark.skipif(cpu.accelerator_present(), reason="gloo is used only without an accelerator")
+def test_expert_parallelism_on_gloo_needs_partial_dtensor(tmp_path):
+    """TorchTitan's default spmd_types EP all-to-all fails on gloo (with any optimizer), after the
+    process groups started. The fix is named in each door's spelling, and works as written."""
+    path = _toml(tmp_path, MOE + "expert_parallel_degree = 2\n")
+    message = _one_line_error(load_config, path, world_size=2, this_machine=True)
+    assert "[parallelism] expert_parallel_degree = 2 with parallelism.spmd_backend = 'spmd_types'" in message
+    assert message.endswith('set [parallelism] spmd_backend = "partial_dtensor" (--parallelism.spmd_backend partial_dtensor)')
+    load_config(path, ["--parallelism.spmd_backend", "partial_dtensor"], world_size=2, this_machine=True)
+    load_config(path, world_size=2)  # a cluster config may be loaded (and checked) anywhere
+
+    config = _parse("--parallelism.expert_parallel_degree", "2", config="qwen3_moe_debug_dmuon")
+    message = _one_line_error(validate_dmuon, config, world_size=2, this_machine=True)
+    assert message.endswith("set parallelism.spmd_backend = 'partial_dtensor' (--parallelism.spmd_backend partial_dtensor)")
+    fixed = _parse("--parallelism.expert_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor",
+                   config="qwen3_moe_debug_dmuon")
+    validate_dmuon(fixed, world_size=2, this_machine=True)
+
+
+def test_torchtitans_own_checks_are_one_line_config_errors(tmp_path):
+    """TorchTitan's Trainer.Config checks and model-config update raised ValueError tracebacks."""
+    path = _toml(tmp_path, DMUON + "[debug]\nbatch_invariant = true\n")
+    message = _one_line_error(load_config, path, world_size=2)
+    assert message == f"{path}: TorchTitan rejects this config: Batch-invariant mode is not supported in pre-training."
+    message = _one_line_error(load_config, _toml(tmp_path, DMUON + "[training]\nseq_len = 200000\n", "b.toml"), world_size=2)
+    assert "TorchTitan cannot build the llama3 debugmodel model for this job: Training sequence length 200000 exceeds" in message
+
+
+# ---- 5. command-line booleans and the CUDA-graph warning -------------------------------------------------
+def test_toml_command_line_takes_torchtitans_flags():
+    """The TOML door took only ``--section.key true|false``; TorchTitan's flags (the spelling DMuon's
+    messages use, and the Python door's) were errors, and ``--training.steps --optimizer.lr 1``
+    took "--optimizer.lr" as the number of steps."""
+    flags = ["--optimizer.no-nesterov", "--metrics.count_all_comm", "--training.disable-cuda-graphs", "--checkpoint.no_enable"]
+    for config in (load_config(MAIN_JOB, flags, world_size=2), _parse(*flags)):
+        assert config.optimizer.nesterov is False and config.metrics.count_all_comm is True
+        assert config.training.disable_cuda_graphs is True and config.checkpoint.enable is False
+    unset_or_flag = ["--optimizer.no-reshard_after_forward"]  # (true/false/unset: TorchTitan wants a value)
+    assert load_config(MAIN_JOB, unset_or_flag, world_size=2).optimizer.reshard_after_forward is False
+    assert load_config(MAIN_JOB, ["--optimizer.nesterov", "false"], world_size=2).optimizer.nesterov is False
+    message = _one_line_error(load_config, MAIN_JOB, ["--training.steps", "--optimizer.lr", "1"], world_size=2)
+    assert message == "command line: --training.steps needs a value ([training] steps expects an integer)"
+    message = _one_line_error(load_config, MAIN_JOB, ["--training.no-steps"], world_size=2)
+    assert "--training.no-steps sets false, a flag for true/false keys only" in message
+
+
+def test_cuda_graph_warning_only_after_overrides_and_where_capture_could_happen(tmp_path, monkeypatch, caplog):
+    """The warning fired on every CPU run, and in the Python door even with --training.disable_cuda_graphs
+    given (it ran before TorchTitan applied the overrides). Now with_dmuon and TOML turn capture off
+    silently; DMuonTrainer warns only for an explicit false, and only with CUDA."""
+    import torch
+
+    with caplog.at_level(logging.WARNING):
+        assert with_dmuon(_llama3()).training.disable_cuda_graphs is True
+        assert load_config(MAIN_JOB, world_size=2).training.disable_cuda_graphs is True
+        explicit = load_config(_toml(tmp_path, DMUON + "[training]\ndisable_cuda_graphs = false\n"), world_size=2)
+        assert explicit.training.disable_cuda_graphs is False  # the job's own setting, for the trainer to warn about
+        assert prepare_for_build(explicit).training.disable_cuda_graphs is True
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        prepare_for_build(_parse("--training.disable_cuda_graphs"))
+        assert not [r for r in caplog.records if "cuda_graphs" in r.getMessage()]
+        prepare_for_build(_parse("--training.no-disable_cuda_graphs"))
+    (warning,) = [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()]
+    assert warning.startswith("training.disable_cuda_graphs = false: DMuon's hooks") and "Pass --training.disable_cuda_graphs" in warning

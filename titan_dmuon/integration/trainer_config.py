@@ -1,0 +1,88 @@
+"""A TorchTitan ``Trainer.Config`` as DMuon's: DMuonTrainer.Config with DMuon-aware sections.
+
+Both doors start here (``with_dmuon`` and the TOML layer): the config keeps
+every setting, and its optimizer, metrics and checkpoint configs become the
+subclasses that know DMuon's keys, so TorchTitan's ``config.build()`` builds
+DMuon's trainer, container, metrics and checkpoint checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.trainer import Trainer
+
+from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
+from titan_dmuon.integration.optimizer import CATCH_ALL, DMuonOptimizersContainer
+from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
+from titan_dmuon.integration.validation import ConfigError
+from titan_dmuon.options import ADAMW_KEYS
+
+
+def dmuon_trainer_config(config):
+    """``config`` as a DMuonTrainer.Config with DMuon-aware optimizer, metrics and checkpoint configs."""
+    if isinstance(config, DMuonTrainer.Config):
+        cls = type(config)
+    elif type(config) is Trainer.Config or _same_fields(config, Trainer.Config):
+        cls = DMuonTrainer.Config  # (e.g. the Kimi recipes' config class: only extra checks, no extra settings)
+    elif isinstance(config, Trainer.Config):
+        raise ConfigError(
+            f"{type(config).__qualname__} is the config of another trainer; DMuon runs DMuonTrainer "
+            "(TorchTitan's Trainer with DMuon's clipping and metrics) and takes a Trainer.Config"
+        )
+    else:
+        raise ConfigError(f"expected a TorchTitan Trainer.Config, got {type(config).__qualname__}")
+    if config.model_spec is None:
+        raise ConfigError("the config has no model_spec; start from a TorchTitan config registry function")
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    values["optimizer"] = _dmuon_optimizer_config(config.optimizer)
+    values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
+    values["checkpoint"] = _as_subclass(DMuonCheckpointManager.Config, config.checkpoint, "checkpoint")
+    return cls(**values)
+
+
+def _same_fields(config, cls) -> bool:
+    return isinstance(config, cls) and {f.name for f in dataclasses.fields(config)} == {f.name for f in dataclasses.fields(cls)}
+
+
+def _dmuon_optimizer_config(base):
+    """TorchTitan's optimizer config as DMuon's container config.
+
+    Its AdamW/Adam param groups are kept for the parameters Muon does not take (e.g. no weight
+    decay on embeddings, Adam on the router); the catch-all group (pattern ".*") becomes the
+    flat keys, AdamW's ``lr``/``betas``/``eps``/``weight_decay`` and, for DMuon, the same as
+    ``adamw_*`` (the TOML layer's flat [optimizer] keys). TorchTitan's own Muon groups
+    (DistMuon, in its Kimi recipes) give way to DMuon."""
+    if isinstance(base, DMuonOptimizersContainer.Config):
+        return base
+    if type(base) is not OptimizersContainer.Config:
+        raise ConfigError(
+            f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
+            "start from TorchTitan's OptimizersContainer.Config"
+        )
+    groups = [g for g in base.param_groups if g.optimizer_name in ("AdamW", "Adam")]
+    catch_all = next((g for g in groups if g.pattern == CATCH_ALL), None)
+    flat = {
+        k: (tuple(v) if k == "betas" else v)
+        for k, v in (catch_all.optimizer_kwargs if catch_all else {}).items()
+        if k in ADAMW_KEYS.values()
+    }
+    return DMuonOptimizersContainer.Config(
+        name=catch_all.optimizer_name if catch_all else "AdamW",
+        implementation=base.implementation,
+        param_groups=[g for g in groups if g is not catch_all],
+        **flat,
+        **{adamw: flat[plain] for adamw, plain in ADAMW_KEYS.items() if plain in flat},
+    )
+
+
+def _as_subclass(cls, instance, section: str):
+    if isinstance(instance, cls):
+        return instance
+    if not issubclass(cls, type(instance)):
+        raise ConfigError(
+            f"{section}: {type(instance).__qualname__} cannot be combined with DMuon's {cls.__qualname__}; "
+            f"start from TorchTitan's {cls.__mro__[1].__qualname__}"
+        )
+    return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.init})

@@ -1,0 +1,416 @@
+"""Every check of a DMuon job config, in one module, for every door.
+
+``validate_dmuon`` runs in ``with_dmuon``, in the TOML layer, in the
+pre-launch check of ``run_train.sh`` (``integration/check.py``) and again in
+DMuonTrainer on the config TorchTitan actually builds (command-line overrides
+applied), always before any process group exists. Each problem is one
+ConfigError line that names the setting, the bad value and how to fix it in
+the door it is printed in (``Naming``): ``optimizer.momentum = 1.5: expected a
+number in [0, 1)``; the TOML layer also names the file and writes keys as
+``[section] key``.
+
+Checks that need the model (``optimizer.muon_params`` against its parameter
+names and shapes, expert counts for expert parallelism) build it on the meta
+device, as TorchTitan's trainer does before parallelizing: no memory, no
+process group, well under a second even for a 70B model.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from titan_dmuon.integration import cpu
+from titan_dmuon.integration.models import ModelNotSupported, check_model
+from titan_dmuon.integration.optimizer import (
+    ADAMW_NAMES,
+    ADAMW_ONLY_KEYS,
+    DMUON_OPTION_KEYS,
+    MUON_FAMILY_KEYS,
+    MUON_FAMILY_NAMES,
+    DMuonOptimizersContainer,
+)
+from titan_dmuon.integration.parallelize import (
+    DEFAULT_MUON_PARAMS,
+    expert_parallel_limit,
+    fused_qkv_blocks,
+    routed_expert_counts,
+)
+from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
+from titan_dmuon.runtime import canonical_fqn
+
+ADAMW_EXAMPLE = "train_configs/debug_model_adamw.toml"
+
+
+class ConfigError(ValueError):
+    """A bad job config: names the setting, the bad value and what is expected (from TOML, also where)."""
+
+
+class Naming:
+    """How a message names a setting in its door. Python configs: ``optimizer.momentum``; TOML adds the file."""
+
+    def key(self, section: str, key: str) -> str:
+        return f"{section}.{key}"
+
+    def section(self, section: str, *keys: str) -> str:
+        return f"{section}:"
+
+    def source(self, section: str, *keys: str) -> str:
+        """Prefix for messages that name their settings themselves."""
+        return ""
+
+    def how_to_set(self, section: str, key: str, value) -> str:
+        """The fix as this door writes it, with the command-line spelling both doors accept."""
+        return f"{section}.{key} = {value!r} ({command_line(section, key, value)})"
+
+
+PYTHON_NAMES = Naming()
+
+
+def command_line(section: str, key: str, value) -> str:
+    """``--section.key value`` as TorchTitan's command line takes it (the TOML door accepts it too;
+    tuples only as TorchTitan writes them, space-separated)."""
+    if isinstance(value, bool):
+        return f"--{section}.{key}" if value else f"--{section}.no-{key}"
+    if isinstance(value, (tuple, list)):
+        return f"--{section}.{key} " + " ".join(str(v) for v in value)
+    return f"--{section}.{key} {value}"
+
+
+def toml_value(value) -> str:
+    """``value`` as a TOML file writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def validate_dmuon(
+    config, *, world_size: int | None = None, names: Naming = PYTHON_NAMES, this_machine: bool = False
+) -> list[str]:
+    """Every cross-key check of a DMuonTrainer.Config (any optimizer name); ConfigError on the first.
+
+    ``this_machine``: the job is about to run here (DMuonTrainer, the entry points, the pre-launch
+    check), so also check what this machine can run (a cluster config may be loaded anywhere).
+    Returns warnings (settings that are valid but probably not meant); DMuonTrainer logs them,
+    once, on the config it builds.
+    """
+    opt = config.optimizer
+    if not isinstance(opt, DMuonOptimizersContainer.Config):
+        raise ConfigError(f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)")
+    if opt.name in MUON_FAMILY_NAMES:
+        try:
+            DMuonOptions(**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS})
+        except OptionError as e:
+            raise ConfigError(f"{names.key('optimizer', e.key)} = {e.value!r}: expected {e.expected}") from None
+        for pattern in opt.muon_params:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"{names.key('optimizer', 'muon_params')}: bad regex {pattern!r} ({e})") from None
+        if opt.name == "dmuon":
+            try:
+                check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
+                check_model(config.model_spec)
+            except (NotImplementedError, ModelNotSupported) as e:
+                raise ConfigError(f"{names.source('optimizer', 'name')}{e}") from None
+    elif opt.name in ADAMW_NAMES:
+        _validate_adamw_switch(opt, names)
+    _validate_training(config.training, names)
+    _validate_parallelism(config.parallelism, world_size, names)
+    return _validate_against_model(config, world_size, names, this_machine=this_machine)
+
+
+def check_supported(*, parallelism, compile_config, training) -> None:
+    """DMuon's TorchTitan limits (NotImplementedError, which validate_dmuon words for the door)."""
+    unsupported = {
+        "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
+        "parallelism.pipeline_parallel_degree": parallelism.pipeline_parallel_degree,
+        "parallelism.context_parallel_degree": parallelism.context_parallel_degree,
+    }
+    for key, degree in unsupported.items():
+        if degree != 1:
+            raise NotImplementedError(
+                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and "
+                "expert parallelism only; set it to 1 or use optimizer.name = 'AdamW'"
+            )
+    if parallelism.spmd_backend == "full_dtensor":
+        raise NotImplementedError(
+            "parallelism.spmd_backend = 'full_dtensor' makes every parameter a DTensor before FSDP2, and DMuon's "
+            "dedicated weights are plain tensors on their owners; use 'spmd_types' (the default) or 'partial_dtensor'"
+        )
+    if training.enable_cpu_offload:
+        raise NotImplementedError(
+            "training.enable_cpu_offload = true is not supported with optimizer.name = 'dmuon' (owners keep their "
+            "weights on the device); set it to false or use optimizer.name = 'AdamW'"
+        )
+
+
+def _validate_adamw_switch(opt, names: Naming) -> None:
+    """TorchTitan's AdamW trains every parameter from the flat keys (lr, betas, eps, weight_decay).
+    A DMuon config switched to AdamW (``--optimizer.name AdamW``) still carries Muon's lr there
+    (e.g. 0.05) and AdamW's in ``adamw_*``; training would silently use Muon's."""
+    differ = [
+        (plain, adamw) for adamw, plain in ADAMW_KEYS.items()
+        if _comparable(getattr(opt, plain)) != _comparable(getattr(opt, adamw))
+    ]
+    if not differ:
+        return
+    values = ", ".join(f"{plain} = {getattr(opt, plain)!r} but {adamw} = {getattr(opt, adamw)!r}" for plain, adamw in differ)
+    fix = " ".join(command_line("optimizer", plain, getattr(opt, adamw)) for plain, adamw in differ)
+    raise ConfigError(
+        f"{names.key('optimizer', 'name')} = {opt.name!r} trains every parameter with TorchTitan's {opt.name} from "
+        f"optimizer.lr/betas/eps/weight_decay, and they disagree with this config's AdamW settings (adamw_*, "
+        f"which DMuon uses for the non-Muon parameters): {values}; to train with {opt.name} at those settings "
+        f"pass {fix}"
+    )
+
+
+def _comparable(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _validate_training(training, names: Naming) -> None:
+    for key in ("steps", "local_batch_size", "seq_len"):
+        if getattr(training, key) <= 0:
+            raise ConfigError(f"{names.key('training', key)} = {getattr(training, key)}: expected a positive integer")
+    if training.max_norm <= 0:
+        raise ConfigError(f"{names.key('training', 'max_norm')} = {training.max_norm}: expected a positive number")
+
+
+def _validate_parallelism(p, world_size: int | None, names: Naming) -> None:
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+    }
+    for key, degree in {**degrees, "expert_parallel_degree": p.expert_parallel_degree}.items():
+        if degree < 1:
+            raise ConfigError(f"{names.key('parallelism', key)} = {degree}: expected an integer >= 1")
+    shard = p.data_parallel_shard_degree
+    if shard != -1 and shard < 1:
+        raise ConfigError(
+            f"{names.key('parallelism', 'data_parallel_shard_degree')} = {shard}: "
+            "expected -1 (use the remaining ranks) or an integer >= 1"
+        )
+    others = 1
+    for degree in degrees.values():
+        others *= degree
+    product = " * ".join(f"{k}({v})" for k, v in degrees.items())
+    if world_size is not None and shard == -1 and world_size % others:
+        raise ConfigError(f"{names.section('parallelism')} {product} = {others} does not divide the world size {world_size}")
+    if world_size is not None and shard != -1 and shard * others != world_size:
+        raise ConfigError(
+            f"{names.section('parallelism', 'data_parallel_shard_degree', 'data_parallel_replicate_degree')} "
+            f"data_parallel_shard_degree({shard}) * {product} = {shard * others}, but the world size is {world_size}; "
+            "the degrees must multiply to the number of processes (data_parallel_shard_degree = -1 infers it)"
+        )
+    ep, shard_ranks = p.expert_parallel_degree, _expert_region_ranks(p, world_size)
+    if ep > 1 and shard_ranks is not None and shard_ranks % ep:
+        divisors = [d for d in range(1, shard_ranks + 1) if shard_ranks % d == 0]
+        raise ConfigError(
+            f"{names.key('parallelism', 'expert_parallel_degree')} = {ep}: expected a divisor of "
+            f"data_parallel_shard_degree * context_parallel_degree * tensor_parallel_degree = {shard_ranks} "
+            f"(TorchTitan forms the expert-parallel groups from those ranks): one of {', '.join(map(str, divisors))}"
+        )
+
+
+def _expert_region_ranks(p, world_size: int | None) -> int | None:
+    """dp_shard x cp x tp (the ranks TorchTitan splits into expert-FSDP x EP), once it is known."""
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size is None:
+            return None
+        shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
+                               * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    return shard * p.context_parallel_degree * p.tensor_parallel_degree
+
+
+# ---- checks against the model's parameters (built on the meta device) ----------------------
+def _validate_against_model(config, world_size: int | None, names: Naming, *, this_machine: bool) -> list[str]:
+    opt, p = config.optimizer, config.parallelism
+    muon = opt.name in MUON_FAMILY_NAMES
+    if not muon and p.expert_parallel_degree == 1:
+        return []  # nothing below needs the model: do not build it
+    model = meta_model(config, names)
+    warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
+    experts = routed_expert_counts(model)
+    if p.expert_parallel_degree > 1 and experts:
+        _validate_expert_parallelism(
+            p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names, this_machine=this_machine
+        )
+    return warnings
+
+
+def meta_model(config, names: Naming = PYTHON_NAMES) -> nn.Module:
+    """The job's model on the meta device, built as TorchTitan's trainer builds it (after its
+    ``update_from_config``, on a copy: the trainer updates the config's own model config later)."""
+    spec = config.model_spec
+    model_config = copy.deepcopy(spec.model)
+    try:
+        model_config.update_from_config(config=config)
+        with torch.device("meta"):
+            return model_config.build()
+    except (ValueError, TypeError, AssertionError, NotImplementedError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(
+            f"{names.source('model')}TorchTitan cannot build the {spec.name} {spec.flavor} model for this job: {message}"
+        ) from None
+
+
+def _validate_muon_params(model: nn.Module, patterns, spec, names: Naming) -> list[str]:
+    """Each regex of ``optimizer.muon_params`` must select only matrices DMuon can train, and each
+    entry of a list the user wrote must select something (DMuon's default list covers every
+    supported family, so its entries for other families match nothing here)."""
+    named = [(canonical_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    key, model_name = names.key("optimizer", "muon_params"), f"the {spec.name} {spec.flavor} model"
+    own_list = tuple(patterns) != DEFAULT_MUON_PARAMS
+    selected: dict[int, str] = {}
+    for pattern in patterns:
+        regex = re.compile(pattern)
+        hits = [(n, p) for n, p in named if regex.search(n)]
+        if not hits and own_list:
+            raise ConfigError(
+                f"{key} entry '{pattern}' matches no parameter of {model_name}{_close_names(pattern, model)}; "
+                f"its parameters are {', '.join(_overview(model))}"
+            )
+        for name, param in hits:
+            if id(param) in embeddings:
+                raise ConfigError(
+                    f"{key} entry '{pattern}' selects {name}, the token embedding (an nn.Embedding): an embedding is a "
+                    "lookup table whose rows are indexed by token ids, while Muon orthogonalises matrices that act on "
+                    "activations, so it stays on AdamW; narrow or remove the entry"
+                )
+            if param.ndim not in (2, 3):
+                raise ConfigError(
+                    f"{key} entry '{pattern}' selects {name} of shape {tuple(param.shape)}: Muon needs 2-D weight "
+                    "matrices or 3-D expert weights (experts, rows, cols), and norms and biases stay on AdamW; "
+                    "narrow the entry (e.g. end it with the projection's name and \\.weight$)"
+                )
+            selected[id(param)] = name
+    if not selected:
+        listed = ", ".join(repr(p) for p in patterns)
+        raise ConfigError(
+            f"{key} = [{listed}] matches no parameter of {model_name}; its parameters are {', '.join(_overview(model))}"
+        )
+    return _fused_qkv_left_out(model, selected, key)
+
+
+def _fused_qkv_left_out(model: nn.Module, selected: dict[int, str], key: str) -> list[str]:
+    """A list written for separate q/k/v weights (README style: ``.attention.w``) puts the output
+    projection on Muon but not TorchTitan's fused wqkv: valid, but probably not meant."""
+    fqns = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    left_out = set()
+    for weight in fused_qkv_blocks(model):
+        name = fqns[id(weight)]
+        attention = name.removesuffix(".wqkv.weight").rsplit(".", 1)[0] + "."
+        if id(weight) not in selected and any(n.startswith(attention) for n in selected.values()):
+            left_out.add(_collapsed(name))
+    return [
+        f"{key} puts attention weights on Muon but leaves {name} (TorchTitan's fused q/k/v weight) on AdamW; "
+        f"add the regex {_exact_regex(name)} to the list to train it with Muon (per q/k/v block)"
+        for name in sorted(left_out)
+    ]
+
+
+def _validate_expert_parallelism(
+    p, world_size: int | None, experts: int, *, dmuon: bool, names: Naming, this_machine: bool
+) -> None:
+    if this_machine and p.spmd_backend == "spmd_types" and not cpu.accelerator_present():
+        raise ConfigError(
+            f"{names.key('parallelism', 'expert_parallel_degree')} = {p.expert_parallel_degree} with "
+            "parallelism.spmd_backend = 'spmd_types' (the default) cannot run without an accelerator: TorchTitan's "
+            "expert all-to-all then runs on gloo, which needs equal splits, with any optimizer; "
+            f"set {names.how_to_set('parallelism', 'spmd_backend', 'partial_dtensor')}"
+        )
+    efsdp_ep = _expert_region_ranks(p, world_size)
+    if dmuon and efsdp_ep is not None and efsdp_ep > experts:
+        raise ConfigError(
+            f"{names.section('parallelism', 'expert_parallel_degree', 'data_parallel_shard_degree')} "
+            f"{expert_parallel_limit(efsdp_ep, experts)}"
+        )
+
+
+def _collapsed(name: str) -> str:
+    """``layers.3.attention.wo.weight`` as ``layers.*.attention.wo.weight``: one entry per kind of weight."""
+    return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+
+
+def _overview(model: nn.Module) -> list[str]:
+    return list(dict.fromkeys(_collapsed(canonical_fqn(n)) for n, _ in model.named_parameters()))
+
+
+def _exact_regex(collapsed: str) -> str:
+    return r"\." + re.escape(collapsed.split(".*.", 1)[-1]) + "$"
+
+
+def _close_names(pattern: str, model: nn.Module) -> str:
+    """" (close names: ...)" for an entry that matches nothing, from its literal text."""
+    literal = re.sub(r"\\(.)", r"\1", pattern).strip("^$")
+    close = difflib.get_close_matches(literal, _overview(model), n=3, cutoff=0.5)
+    hint = ""
+    if re.search(r"\bw[qkv]\b", literal) and fused_qkv_blocks(model):
+        hint = "; this model fuses wq/wk/wv into one qkv_linear.wqkv weight"
+    return (f" (close names: {', '.join(close)})" if close else "") + hint
+
+
+# ---- TOML: keys the job set that its optimizer would ignore or read differently ------------------
+def validate_optimizer_keys(opt, sources: Mapping[str, str], *, file_name: str | None, config_file: str) -> None:
+    """``sources``: each [optimizer] key the job set -> where (the file or "command line");
+    ``file_name``: the file's own ``name``. Only the TOML door knows which keys were set."""
+    muon_family = opt.name in MUON_FAMILY_NAMES
+    switched = file_name is not None and (file_name in MUON_FAMILY_NAMES) != muon_family
+    for key, source in sources.items():
+        if muon_family and key in ADAMW_ONLY_KEYS:
+            hint = f"; with name = \"dmuon\" use adamw_{key} for the non-Muon parameters"
+            raise ConfigError(f"{source}: [optimizer] {key} applies to name = \"AdamW\" only{hint}")
+        if not muon_family and key in MUON_FAMILY_KEYS:
+            raise ConfigError(
+                f"{source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}; "
+                f"{_how_to_switch(opt, sources, config_file, switched)}"
+            )
+        if opt.name == "naive_muon" and key == "reshard_after_forward":
+            raise ConfigError(
+                f"{source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; "
+                "naive_muon follows parallelism.fsdp_reshard_after_forward"
+            )
+    shared = _read_as_another_optimizers(sources) if switched else []
+    if shared:
+        key = shared[0]
+        raise ConfigError(
+            f"{sources[key]}: [optimizer] {key} = {getattr(opt, key)!r} is written for name = {toml_value(file_name)} "
+            f"(the file's optimizer), and the command line switches to name = {toml_value(opt.name)}, which would read "
+            f"it as {'Muon' if muon_family else opt.name}'s {key}; give that on the command line too: "
+            f"--optimizer.{key} <value>"
+        )
+
+
+def _read_as_another_optimizers(sources: Mapping[str, str]) -> list[str]:
+    """The shared keys (Muon's with dmuon, AdamW's otherwise) that only the file set."""
+    return [k for k in ("lr", "weight_decay") if sources.get(k, "command line") != "command line"]
+
+
+def _how_to_switch(opt, sources: Mapping[str, str], config_file: str, switched: bool) -> str:
+    muon_keys = [k for k in sources if k in MUON_FAMILY_KEYS]
+    in_file = [k for k in muon_keys if sources[k] != "command line"]
+    on_cli = [f"--optimizer.{k}" for k in muon_keys if sources[k] == "command line"]
+    steps = ([f"remove {', '.join(in_file)} from [optimizer] in {config_file}"] if in_file else []) + (
+        [f"leave out {' '.join(on_cli)}"] if on_cli else []
+    )
+    shared = _read_as_another_optimizers(sources) if switched else []
+    if shared:
+        values = " ".join(f"--optimizer.{k} <value>" for k in shared)
+        steps.append(f"give {opt.name}'s {' and '.join(shared)} (the file's are Muon's): {values}")
+    return (
+        f"to train this job with {opt.name}, {' and '.join(steps)}, "
+        f"or start from an {opt.name} file such as {ADAMW_EXAMPLE}"
+    )
