@@ -218,21 +218,21 @@ def test_ddp_with_activation_checkpointed_blocks(pool2):
 
 
 # ---- DMuon's Muon update, step for step, against torch.optim.Muon ----------------------------------
-def _single_process_steps(rank, world):
+def _single_process_steps(rank, world, muon=MUON, adamw=ADAMW):
     """One rank, exact mode: DMuon's owner-side update must be torch.optim.Muon's, bit for bit, every step."""
     data = batches(4)
     model = toy_model()
     reference = toy_model()
     targets = muon_targets(reference)
     ids = {id(p) for p in targets}
-    ref_muon = torch.optim.Muon(targets, **MUON)
+    ref_muon = torch.optim.Muon(targets, **muon)
     ref_adamw = torch.optim.AdamW(
-        [p for p in reference.parameters() if id(p) not in ids], lr=ADAMW["adamw_lr"], betas=ADAMW["adamw_betas"],
-        eps=ADAMW["adamw_eps"], weight_decay=ADAMW["adamw_weight_decay"],
+        [p for p in reference.parameters() if id(p) not in ids], lr=adamw["adamw_lr"], betas=adamw["adamw_betas"],
+        eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"],
     )
     mesh = make_mesh("z3", world)
     handle = dedicate_params(model, muon_targets(model), mesh)
-    opt = DMuon(model.parameters(), dedicated=handle, **MUON, **ADAMW, ns_mode="exact")
+    opt = DMuon(model.parameters(), dedicated=handle, **muon, **adamw, ns_mode="exact")
     mismatched = []
     for step, (x, y) in enumerate(data):
         loss_fn(model(x), y).backward()
@@ -253,6 +253,17 @@ def test_muon_update_is_torch_muon_step_for_step(pool1):
     """Weight decay, momentum, Nesterov and the shape-based LR scale: any difference from
     torch.optim.Muon shows as an unequal weight in the first step."""
     assert pool1.run(_single_process_steps) == [[]]
+
+
+def test_adamw_groups_get_their_own_weight_decay(pool1):
+    """Every other test gives Muon and AdamW the same weight decay (0.1), so AdamW groups decayed
+    with Muon's ``weight_decay`` instead of ``adamw_weight_decay`` (or the reverse) would pass them
+    all. With 0.1 vs 0.03 each AdamW-updated weight (embeddings, norms, head) differs from
+    torch.optim.AdamW's in the first step (checked: with ``DMuonOptions.adamw()`` patched to pass
+    Muon's decay, all 7 AdamW parameters differ at step 0, while the 0.1/0.1 test still passes)."""
+    muon = {**MUON, "weight_decay": 0.1}
+    adamw = {**ADAMW, "adamw_weight_decay": 0.03}
+    assert pool1.run(_single_process_steps, muon, adamw) == [[]]
 
 
 # ---- clipping: error_if_nonfinite ------------------------------------------------------------------------

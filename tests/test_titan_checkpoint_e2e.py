@@ -2,12 +2,14 @@
 three doors (TOML, a user's Python config, TorchTitan's own entry point), and the README's
 resume/resharding commands as written."""
 
+import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -74,24 +76,47 @@ def test_resume_in_new_processes_is_bit_exact(straight, tmp_path):
 
 def test_killed_rank_then_restart_loses_nothing(straight, tmp_path):
     """SIGKILL one rank after the step-5 checkpoint was written; the restart resumes from
-    step 5 and ends bit-identical to the uninterrupted run."""
+    step 5 and ends bit-identical to the uninterrupted run.
+
+    The kill waits for what the job itself signals, not for time: the step-5 folder's ``.metadata``
+    (DCP writes it last, by rename) and a logged step after 5, polled every 20 ms while a thread
+    drains the log; it lands before the step-10 save starts (checked before the kill, so the job
+    cannot have finished), on a verified worker of THIS job. (It once failed with the job exiting 0:
+    the victim was the first process anywhere on the machine with titan_dmuon.train in its command
+    line, on a shared machine possibly another job's worker, and the kill waited on a blocking
+    readline for "step:  7", with the job near its end.)"""
     folder, straight_losses = straight
     env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml", "NGPU": "2", "PYTHON": sys.executable}
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true",
            "--training.steps", "10", *CKPT]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = ""
-    deadline = time.monotonic() + 300
-    while "step:  7" not in seen and time.monotonic() < deadline:
-        line = job.stdout.readline()
-        if not line:
-            break
-        seen += line
-    victim = _a_training_worker(job.pid)
-    os.kill(victim, signal.SIGKILL)
-    job.communicate(timeout=120)
-    assert job.returncode != 0
+    step5, step10 = tmp_path / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-10"
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)  # (its own process group: cleaned up below whatever happens)
+    lines: list[str] = []
+
+    def drain():  # (the pipe never fills, and the log can be read without blocking)
+        for line in job.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not ((step5 / ".metadata").is_file() and max(_losses("".join(lines)), default=0) > 5):
+            assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.02)
+        victim = _a_training_worker(job.pid)
+        assert not step10.exists() and job.poll() is None, "".join(lines)[-3000:]  # training is still running
+        os.kill(victim, signal.SIGKILL)
+        job.wait(timeout=120)
+        reader.join(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode != 0, "".join(lines)[-3000:]
     assert os.path.isdir(tmp_path / "checkpoint" / "step-5")
+    assert not (step10 / ".metadata").exists()  # the killed job never completed its last save
 
     restart = run_train(tmp_path, "--training.steps", "10", *CKPT)
     assert restart.returncode == 0, restart.stdout[-3000:]
@@ -101,17 +126,34 @@ def test_killed_rank_then_restart_loses_nothing(straight, tmp_path):
     _assert_same(_checkpoint(folder, 10), _checkpoint(tmp_path, 10))
 
 
-def _a_training_worker(launcher_pid: int) -> int:
-    """A worker process of the torchrun started by run_train.sh (not the agent itself)."""
+def _cmdline(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # (the name in parentheses may hold spaces)
+
+
+def _a_training_worker(agent_pid: int) -> int:
+    """A worker process of THIS job: a child of its torchrun agent (run_train.sh execs torchrun, so
+    the agent is the job's own pid) running the entry point the agent launches (its last ``-m``
+    module, e.g. titan_dmuon.integration.train; read from the agent, so a renamed entry point is
+    still found), not another job's worker."""
+    agent = _cmdline(agent_pid)
+    modules = [agent[i + 1] for i, arg in enumerate(agent[:-1]) if arg == b"-m"]
+    assert modules[:1] == [b"torch.distributed.run"] and len(modules) == 2, agent
+    entry = modules[1]
     for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"titan_dmuon.train" in cmdline and b"torch.distributed.run" not in cmdline and pid != launcher_pid:
-            return pid
-    raise AssertionError("no training worker found")
+            if _parent(pid) == agent_pid:
+                worker = _cmdline(pid)
+                if (b"-m", entry) in itertools.pairwise(worker):
+                    return pid
+        except (OSError, IndexError, ValueError):
+            continue  # (a process that exited meanwhile)
+    raise AssertionError(f"no worker running {entry!r} among the children of the torchrun agent {agent_pid}")
 
 
 # TorchTitan's own command line (tyro): booleans are flags

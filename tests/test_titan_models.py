@@ -194,7 +194,7 @@ def _param_groups(rank, world):
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
 
-    from titan_dmuon.integration.setup import dmuon_trainer_config
+    from titan_dmuon.integration.trainer_config import dmuon_trainer_config
 
     titan_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
     converted = dmuon_trainer_config(qwen3_debugmodel_moe_param_groups()).optimizer
@@ -274,3 +274,114 @@ def test_same_seed_starts_from_torchtitans_initial_model(pool2, pool4, family, w
         assert count > 10 and differing == []
         assert loss == titan_loss
         assert norm == pytest.approx(titan_norm, rel=1e-6)
+
+
+# ---- the container hands the [optimizer] keys to DMuon and to the catch-all AdamW group ----------------------
+OPTIONS = dict(  # every one differs from its default, so a key that is not passed on keeps a wrong value
+    lr=0.015, weight_decay=0.07, momentum=0.8, nesterov=False, ns_steps=4, adjust_lr_fn="match_rms_adamw",
+    ns_mode="exact", adamw_lr=3e-3, adamw_betas=(0.8, 0.9), adamw_eps=1e-7, adamw_weight_decay=0.03,
+)
+MUON_GROUP = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "ns_mode")
+
+
+def _container_groups(rank, world):
+    model, container = th.build(th.tiny_llama3(), th.parallel_dims(world), **OPTIONS)
+    dmuon = container.dmuon_optimizers()
+    muon = [(g["use_muon"], {k: g[k] for k in MUON_GROUP}) for o in dmuon for g in o.param_groups]
+    rest = [
+        (type(o).__name__, len(g["params"]), {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        for o in container.optimizers if o not in dmuon for g in o.param_groups
+    ]
+    return muon, rest, sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_optimizer_keys_reach_dmuon_and_the_catch_all_group(pool2):
+    """Every job config uses the defaults of momentum, nesterov, ns_steps, adjust_lr_fn and ns_mode,
+    so a container that dropped one would train with DMuon's default unnoticed. Built with non-default
+    values, DMuon's Muon groups hold each of them, and the catch-all AdamW group (the only other group
+    here) holds the adamw_* keys, adamw_weight_decay distinct from Muon's weight_decay (checked: with
+    "momentum" taken out of the container's MUON_KEYS the group holds 0.95 and this fails)."""
+    for muon, rest, trainable in pool2.run(_container_groups):
+        assert muon and all(use_muon for use_muon, _ in muon)  # (no AdamW group inside DMuon)
+        expected = {k: OPTIONS[k] for k in MUON_GROUP}
+        assert all(settings == expected for _, settings in muon), muon
+        assert len(rest) == 1 and rest[0][0] == "AdamW", rest
+        assert rest[0][2] == dict(lr=3e-3, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.03)
+        assert 0 < rest[0][1] < trainable
+
+
+# ---- the expert-parallel limit --------------------------------------------------------------------------------
+def _meta_moe(experts):
+    from titan_dmuon.integration import cpu
+
+    config, _ = th.tiny_qwen3_moe(experts=experts)
+    cpu.use_sdpa_attention(config)
+    with torch.device("meta"):
+        return config.build()
+
+
+def _dims(*, shard, replicate=1, ep=1):
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep, world_size=shard * replicate,
+                        spmd_backend="partial_dtensor")
+
+
+def test_expert_parallel_limit():
+    """Under expert parallelism with more expert-FSDP x EP ranks than experts, TorchTitan splits each
+    expert (Shard(1)) and DMuon's in-place expert update would run Newton-Schulz on slices: the job
+    must stop with the numbers and the key to change, not train wrongly (checked: without the check
+    the first case returns "local"). That product is dp_shard x cp x tp whatever the EP degree
+    (TorchTitan's efsdp = dp_shard * cp * tp / ep), so raising expert_parallel_degree does not lift
+    the limit and the error must not advise it (it did: "... or raise expert_parallel_degree").
+    Within the limit experts stay local; under DDP every rank holds every expert, so each is
+    dedicated; plain FSDP leaves the choice to dedicate_params ("auto")."""
+    from titan_dmuon.integration.parallelize import expert_sharding
+
+    model = _meta_moe(experts=2)
+    for ep in (2, 4):
+        with pytest.raises(NotImplementedError) as raised:
+            expert_sharding(model, _dims(shard=4, ep=ep))
+        message = str(raised.value)
+        assert "4 expert-FSDP x EP ranks and 2 experts" in message
+        assert "lower data_parallel_shard_degree" in message
+        assert "raise expert_parallel_degree" not in message
+    assert expert_sharding(model, _dims(shard=2, ep=2)) == "local"
+    assert expert_sharding(model, _dims(shard=2, replicate=2, ep=2)) == "local"  # HSDP: the shard group counts
+    assert expert_sharding(model, _dims(shard=1, replicate=2)) == "dedicated"
+    assert expert_sharding(model, _dims(shard=2)) == "auto"
+    assert expert_sharding(model, _dims(shard=4)) == "auto"
+    assert expert_sharding(_meta_moe(experts=8), _dims(shard=4, ep=2)) == "local"
+
+
+# ---- experts are in exactly one optimizer group: DMuon's -----------------------------------------------------
+def _expert_groups(rank, world, experts):
+    from titan_dmuon.runtime import canonical_fqn
+
+    model, container = th.build(th.tiny_qwen3_moe(experts=experts), th.parallel_dims(world), lr=0.02)
+    (handle,) = container.dmuon_optimizers()[0].dedicated_handles()
+    places = {}
+    for name, p in model.named_parameters():
+        if "inner_experts" in name:
+            places[canonical_fqn(name)] = [
+                (type(o).__name__, g.get("use_muon")) for o in container.optimizers for g in o.param_groups
+                for q in g["params"] if q is p
+            ]
+    return places, sorted(e.fqn for e in handle.local_experts), sorted(e.fqn for e in handle.plan.entries)
+
+
+@pytest.mark.parametrize("experts, world", [(8, 2), (2, 4)])
+def test_each_expert_weight_is_in_one_dmuon_group_only(pool2, pool4, experts, world):
+    """Routed expert weights, kept local (8 experts on 2 ranks) or dedicated (2 experts on 4 ranks),
+    are each in exactly one param group of the whole container, a Muon group of DMuon: an expert also
+    left in TorchTitan's AdamW group (or in DMuon's AdamW group) would get both updates, and only the
+    extra checkpoint keys of another test would show it (checked: handing the container's AdamW groups
+    every parameter puts each expert in ("AdamW", None) too and this fails)."""
+    for places, local, dedicated in {2: pool2, 4: pool4}[world].run(_expert_groups, experts):
+        assert len(places) == 2 * 3  # 2 layers x w1, w2, w3
+        if experts == 8:
+            assert sorted(places) == local  # kept where FSDP2 holds them
+        else:
+            assert set(places) <= set(dedicated) and not local
+        for fqn, where in places.items():
+            assert where == [("DMuon", True)], (fqn, where)
