@@ -188,11 +188,65 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
     return result
 
 
-def _on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int) -> dict:
+def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) -> dict:
+    """The same phases for TorchTitan's qwen3 ``moe_debug`` model (64 experts of [768, 256] in 8
+    layers), built and trained as TorchTitan's trainer does (tests/titan_harness.py), with TorchTitan's
+    AdamW container or DMuon's, local batch 2 x ``seq``."""
+    import torchtitan.models.qwen3 as qwen3
+
+    from tests import titan_harness as th
+
+    spec = qwen3.model_registry("debugmodel_moe")
+    gc.disable()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, container = th.build((spec.model, spec), th.parallel_dims(world), optimizer=optimizer, lr=0.02)
+        data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+        for i, tokens in enumerate(data):
+            last = i == len(data) - 1
+            if last:
+                gc.collect()
+            container.zero_grad()
+            b = tokens.shape[0] // world
+            local = tokens[rank * b : (rank + 1) * b]
+            with record_function("bench::fwd_bwd" if last else "bench::warmup"):
+                logits = model(local[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+                (loss / tokens[:, 1:].numel()).backward()
+                del logits, loss
+            with record_function("bench::step" if last else "bench::warmup_step"):
+                container.step()
+        gc.collect()
+        with record_function("bench::end"):
+            pass
+        seen: set = set()
+        params = list(model.parameters())
+        handles = [h for o in container.dmuon_optimizers() for h in o.dedicated_handles()] if optimizer == "dmuon" else []
+        breakdown = {
+            "params": _storages(params, seen),
+            "grads": _storages([p.grad for p in params], seen),
+            "opt_state": _storages([v for o in container.optimizers for st in o.state.values() for v in st.values()], seen),
+            "dmuon_buffers": sum(h.buffer_bytes for h in handles),
+        }
+    gc.enable()
+    memory, ranges = _timeline(prof)
+    _, persistent, _ = _live_and_peak(memory, 0, ranges["end"][0])
+    fb_start, _, fb_peak = _live_and_peak(memory, *ranges["fwd_bwd"])
+    st_start, _, st_peak = _live_and_peak(memory, *ranges["step"])
+    result = {"persistent": persistent, "fwd_bwd": fb_peak - fb_start, "step": st_peak - st_start, **breakdown,
+              "p_m": 0, "high_water": max(fb_peak, st_peak)}
+    result["other"] = persistent - sum(breakdown.values())
+    del model, container
+    gc.collect()
+    return result
+
+
+def _on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int, measure=None) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
+        if measure is not None:
+            return measure(rank, world, build, steps, seq)
         return _measure(rank, world, build, dims, steps, seq)
     finally:
         dist.destroy_process_group()
@@ -214,7 +268,13 @@ def main() -> None:
         help="run on real gloo ranks instead (frees on gloo's threads are invisible to the profiler: noisy)",
     )
     parser.add_argument("--only", choices=["z2", "z3", "hsdp"], nargs="+", help="only these modes (with their baselines)")
+    parser.add_argument(
+        "--moe", action="store_true",
+        help="TorchTitan's qwen3 moe_debug model instead (2 ranks, FSDP2 + AdamW vs DMuon-Z3; --seq applies)",
+    )
     args = parser.parse_args()
+    if args.moe:
+        return _moe_table(args)
     dims = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, hidden_dim=3 * args.dim, vocab_size=1024)
     rows = [r for r in ROWS if not (args.no_hsdp and r[1] == 4) and (not args.only or r[2][1] in args.only)]
     results: dict[str, list[dict]] = {}
@@ -267,6 +327,27 @@ def main() -> None:
             f"| {fmt('step')} | {ratio('step')} | **{fmt('high_water')}** | {ratio('high_water')} |"
         )
     print("\n".join(lines))
+
+
+def _moe_table(args) -> None:
+    results = {}
+    for label, optimizer in (("FSDP2 + AdamW (TorchTitan's container)", "AdamW"), ("DMuon-Z3", "dmuon")):
+        print(f"measuring {label} on qwen3 moe_debug: 2 ranks simulated one by one on the fake process group ...", flush=True)
+        results[label] = [_on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)]
+    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water"]
+    base = {k: max(r[k] for r in results["FSDP2 + AdamW (TorchTitan's container)"]) for k in PHASES}
+    print(f"TorchTitan qwen3 moe_debug (316M parameters; 64 experts of [768, 256] in 8 layers), 2 ranks, local batch "
+          f"2 x seq {args.seq}, bf16 compute / fp32 reduce; MB = 1e6 bytes per rank, max over ranks\n")
+    print("| configuration | params | grads | optimizer state | DMuon buffers | other | **persistent** | vs AdamW "
+          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW |")
+    print("|---" * 14 + "|")
+    for label, per_rank in results.items():
+        cell = {k: max(r[k] for r in per_rank) for k in keys}
+        ratio = {k: f"{cell[k] / base[k]:.2f}" for k in PHASES}
+        print(f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
+              f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
+              f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "
+              f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} |")
 
 
 if __name__ == "__main__":

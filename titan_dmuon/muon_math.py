@@ -29,7 +29,7 @@ NS_MODES = ("batched", "exact")
 # Newton–Schulz batches stack at most this many bf16 bytes (the iteration needs ~3 such stacks of
 # workspace): big matrices go a few at a time, small ones all at once. The batch size changes the
 # result only through GEMM rounding (a kernel may pick another algorithm for another batch size).
-MAX_STACK_BYTES = 256 * 2**20
+MAX_STACK_BYTES = 32 * 2**20
 
 
 def newton_schulz(

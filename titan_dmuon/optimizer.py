@@ -16,7 +16,6 @@ carrying their learning rate under ``"lr"``, so LR schedulers scale both.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from titan_dmuon.muon_math import muon_step
 from titan_dmuon.options import OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime.handle import handles_for
+from titan_dmuon.runtime.streams import DeviceTimer
 
 
 class DMuon(torch.optim.Optimizer):
@@ -73,6 +73,7 @@ class DMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._ns_timer: DeviceTimer | None = None
         self._ns_matrices = 0
+        self._host_seconds = 0.0
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         for handle in self._handles:
@@ -89,9 +90,10 @@ class DMuon(torch.optim.Optimizer):
 
     @property
     def last_step_stats(self) -> dict[str, float]:
-        """This rank's Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time in the last step."""
+        """This rank's last step: Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time
+        (device), and the step's host time (Python, launches; on the CPU the work too)."""
         seconds = self._ns_timer.seconds() if self._ns_timer is not None else 0.0
-        return {"ns_matrices": self._ns_matrices, "ns_seconds": seconds}
+        return {"ns_matrices": self._ns_matrices, "ns_seconds": seconds, "host_seconds": self._host_seconds}
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.
@@ -110,11 +112,13 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        start = time.perf_counter()
         self._ns_matrices = 0
         self._muon_step([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group_step(group)
+        self._host_seconds = time.perf_counter() - start
         return loss
 
     def _muon_step(self, groups: list[dict]) -> None:
@@ -135,11 +139,17 @@ class DMuon(torch.optim.Optimizer):
                         continue
                     if member.runs_ns and p.grad is not None:
                         by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member.entry.blocks))
-            for unit in handle.step_units():
-                handle.before_update(unit)
-                for group, work in by_unit.get(unit.index, {}).values():
-                    self._update(group, [p for p, _ in work], [b for _, b in work])
-                handle.updated(unit)
+            for chunk in _pipeline_chunks(handle.step_units()):
+                for unit in chunk:
+                    handle.before_update(unit)
+                work: dict[int, tuple[dict, list]] = {}
+                for unit in chunk:
+                    for key, (group, items) in by_unit.get(unit.index, {}).items():
+                        work.setdefault(key, (group, []))[1].extend(items)
+                for group, items in work.values():
+                    self._update(group, [p for p, _ in items], [b for _, b in items])
+                for unit in chunk:
+                    handle.updated(unit)
         for group in groups:
             weights, blocks = [], []
             for p in group["params"]:
@@ -206,6 +216,18 @@ class DMuon(torch.optim.Optimizer):
         )
 
 
+def _pipeline_chunks(units: list) -> list[list]:
+    """Units in forward order, in chunks of 1, 1, 2, 4, 8, ...: the first layers are sent on after
+    their own Newton–Schulz (the next forward starts with them), the later ones share batched
+    calls, so a deep model costs ~log2(layers) rounds of the step's Python, not one per layer."""
+    chunks, start, size = [], 0, 1
+    while start < len(units):
+        chunks.append(units[start : start + size])
+        start += size
+        size = size if len(chunks) == 1 else 2 * size
+    return chunks
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -228,38 +250,3 @@ def _check_known(options: dict, where: str) -> None:
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown {where} option(s) {sorted(unknown)}; valid: {sorted(OPTION_NAMES)}")
-
-
-class DeviceTimer:
-    """Times work queued on a device without syncing the host: events are recorded now
-    and read at log time (on the CPU, where work is synchronous, a host clock)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._module = None if device.type == "cpu" else torch.get_device_module(device)
-        self._spans: list = []
-
-    @contextlib.contextmanager
-    def timing(self, *, accumulate: bool = False):
-        if not accumulate:
-            self._spans = []
-        if self._module is None:
-            start = time.perf_counter()
-            yield
-            self._spans.append(time.perf_counter() - start)
-            return
-        begin, end = self._module.Event(enable_timing=True), self._module.Event(enable_timing=True)
-        begin.record()
-        yield
-        end.record()
-        self._spans.append((begin, end))
-
-    def seconds(self) -> float:
-        """The timed spans since the last non-accumulating ``timing()``; waits for them on a device."""
-        total = 0.0
-        for span in self._spans:
-            if isinstance(span, float):
-                total += span
-            else:
-                span[1].synchronize()
-                total += span[0].elapsed_time(span[1]) / 1e3
-        return total

@@ -158,7 +158,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"averaged over ranks, {self.microbatches_per_step} micro-batch(es); {figures['dmuon/launches_per_step']:.0f} launches)  "
                 f"NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
-                f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB"
+                f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB  "
+                f"host {figures['dmuon/host_ms']:.1f} ms  first layer waited {figures['dmuon/first_layer_wait_ms']:.2f} ms"
             )
         logger.info("titan_dmuon: " + "  ".join(parts))
 
@@ -187,8 +188,9 @@ class DMuonMetricsProcessor(MetricsProcessor):
             self.ledger.records.clear()
         handles = dmuon_handles(self.optimizers)
         if handles:
-            elements, nbytes, theory, peak, launches = Fraction(0), Fraction(0), Fraction(0), 0, 0
+            elements, nbytes, theory, peak, launches, host = Fraction(0), Fraction(0), Fraction(0), 0, 0, 0.0
             for handle in handles:
+                host += handle.pop_host_seconds()
                 popped = handle.pop_comm_stats()
                 elements += sum(e for e, _, _ in popped.values())
                 nbytes += sum(b for _, b, _ in popped.values())
@@ -206,5 +208,10 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),
                 "dmuon/owner_imbalance": max(h.plan.imbalance for h in handles),
                 "dmuon/peak_buffer_MB": peak / 1e6,
+                # host time per step in DMuon's hooks and its optimizer step (Python, launches; on the
+                # CPU also the work and gloo's waits), and how long the first layer's weights kept the
+                # next forward waiting (its broadcast starts as soon as the step updated that layer)
+                "dmuon/host_ms": 1e3 * (host / steps + sum(s.get("host_seconds", 0.0) for s in stats)),
+                "dmuon/first_layer_wait_ms": 1e3 * max(h.first_layer_wait_seconds for h in handles),
             })
         return figures

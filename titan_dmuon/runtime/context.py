@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.mode import DedicationMode
-from titan_dmuon.runtime.streams import Streams
+from titan_dmuon.runtime.streams import DeviceTimer, Streams
 
 
 class UnitOrderError(RuntimeError):
@@ -33,7 +33,12 @@ class RuntimeContext:
     gradient_sync: bool = True  # False: gradients accumulate on every rank until reduced
     buffer_bytes: int = 0  # packed-buffer memory allocated now on this rank
     peak_buffer_bytes: int = 0  # its high-water mark since the last reset
+    host_seconds: float = 0.0  # host time in DMuon's hooks since the last read (Python and launches)
+    first_wait: DeviceTimer | None = None  # how long the first layer waited for its weights at a forward
     _position: int = -1  # index in forward_order of the last unit whose forward ran this pass
+
+    def __post_init__(self) -> None:
+        self.first_wait = DeviceTimer(self.mode.mesh.device)
 
     # ---- order ------------------------------------------------------------------------------
     def begin_forward(self) -> None:

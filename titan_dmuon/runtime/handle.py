@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from fractions import Fraction
 
@@ -46,13 +47,18 @@ from titan_dmuon.runtime.unit import BufferState, Phase, Unit
 
 
 def _hook(label: str):
-    """Keep a hook out of torch.compile's graphs (as FSDP2 does) and name it in profiler traces."""
+    """Keep a hook out of torch.compile's graphs (as FSDP2 does), name it in profiler traces, and
+    count its host time (the handle's ``host_seconds``)."""
 
     def decorate(fn):
         @functools.wraps(fn)
-        def labelled(*args, **kwargs):
-            with torch.profiler.record_function(f"DMuon::{label}"):
-                return fn(*args, **kwargs)
+        def labelled(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                with torch.profiler.record_function(f"DMuon::{label}"):
+                    return fn(self, *args, **kwargs)
+            finally:
+                self._ctx.host_seconds += time.perf_counter() - start
 
         return torch._dynamo.disable(labelled, recursive=True, reason="DMuon hooks run eagerly")
 
@@ -246,6 +252,18 @@ class DedicatedParams:
 
     def reset_peak_buffer_bytes(self) -> None:
         self._ctx.peak_buffer_bytes = self._ctx.buffer_bytes
+
+    def pop_host_seconds(self) -> float:
+        """Host time spent in DMuon's hooks (forward and backward) since the last call."""
+        seconds, self._ctx.host_seconds = self._ctx.host_seconds, 0.0
+        return seconds
+
+    @property
+    def first_layer_wait_seconds(self) -> float:
+        """How long the last forward's first layer waited for its weights, broadcast since the step
+        updated them (a device-event span on an accelerator: the compute stream's stall; the host's
+        wait on the CPU). Reading it syncs with the device once."""
+        return self._ctx.first_wait.seconds()
 
     @property
     def kept_unit_numel(self) -> int:

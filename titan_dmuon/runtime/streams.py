@@ -16,6 +16,7 @@ streams: every method is a no-op and events are None, so the runtime reads the s
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -50,3 +51,38 @@ class Streams:
         """``waiter`` waits for all work queued so far on ``waited`` (None: the current stream)."""
         if self._module is not None:
             waiter.wait_stream(waited or self._module.current_stream(self.device))
+
+
+class DeviceTimer:
+    """Times work queued on a device without syncing the host: events are recorded now
+    and read at log time (on the CPU, where work is synchronous, a host clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._module = None if device.type == "cpu" else torch.get_device_module(device)
+        self._spans: list = []
+
+    @contextlib.contextmanager
+    def timing(self, *, accumulate: bool = False):
+        if not accumulate:
+            self._spans = []
+        if self._module is None:
+            start = time.perf_counter()
+            yield
+            self._spans.append(time.perf_counter() - start)
+            return
+        begin, end = self._module.Event(enable_timing=True), self._module.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self._spans.append((begin, end))
+
+    def seconds(self) -> float:
+        """The timed spans since the last non-accumulating ``timing()``; waits for them on a device."""
+        total = 0.0
+        for span in self._spans:
+            if isinstance(span, float):
+                total += span
+            else:
+                span[1].synchronize()
+                total += span[0].elapsed_time(span[1]) / 1e3
+        return total

@@ -139,7 +139,11 @@ class Unit:
         ctx = self.ctx
         ctx.enter_forward(self)
         self.gather("dmuon.forward_broadcast")  # no-op when prefetched
-        self.wait()
+        if not ctx.recording and self is ctx.forward_order[0]:
+            with ctx.first_wait.timing():  # the first layer's broadcast was issued in the step: exposed?
+                self.wait()
+        else:
+            self.wait()
         following = ctx.neighbour(self, +1)
         if following is not None:
             following.gather("dmuon.forward_broadcast")
