@@ -1,19 +1,23 @@
 """Side by side on this machine: DMuon-Z2/Z3 vs FSDP2+AdamW vs naive FSDP2+Muon.
 
     python benchmarks/bench_debug_model.py [--steps 10] [--rounds 2] [--ngpu 2] [--out bench_out]
-                                           [--no-seed-checkpoint] [--from-raw bench_out/debug_model_raw.json]
+                                           [--seed-checkpoint] [--from-raw bench_out/debug_model_raw.json]
 
 Trains TorchTitan's llama3 debug model with each configuration through
 run_train.sh (rounds interleave the configurations, so machine noise hits all
-of them alike; all start from one TorchTitan seed checkpoint, so from the same
-weights), then prints one table of ratios against FSDP2+AdamW (same
+of them alike; all start from the same weights: the same ``[debug] seed`` gives
+DMuon TorchTitan's own initial model, or ``--seed-checkpoint`` loads one TorchTitan
+seed checkpoint in every run), then prints one table of ratios against FSDP2+AdamW (same
 reshard mode) and writes bench_out/debug_model.png. Times are medians over
 the steps after the first two; communication is counted by the CommLedger
 (every collective of a step, FSDP2's included), and so are launches per rank
 per step, as NCCL runs them (``CommLedger.launch_groups()``: each of DMuon's
 groups, one unit in one direction, is one coalesced launch; gloo here runs a
 group's broadcasts/reduces one by one). Memory: the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
-packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3.
+packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3. DMuon's host time per
+step (its hooks and optimizer step; on a CPU this includes the work itself and gloo's waits) and how
+long the next forward's first layer waited for its weights (its broadcast starts in the step, as
+soon as that layer is updated) come from DMuon's log line.
 
 Needs matplotlib for the plot (pip install -e '.[bench]').
 """
@@ -74,15 +78,14 @@ LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
     r"\s+all comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; ([\d.]+) launches\)"
     r"(?:\s+dmuon: comm .*?; ([\d.]+) launches\))?(?:.*?peak buffers ([\d.]+) MB)?"
+    r"(?:\s+host ([\d.]+) ms\s+first layer waited ([\d.]+) ms)?"
 )
 
 
 def seed_checkpoint(config_path: str, workdir: str, extra: tuple = ()) -> str:
     """One set of initial weights for every configuration: TorchTitan's seed checkpoint (1 rank).
-
-    Without it the optimizers do not start from the same weights: with the same ``[debug] seed``,
-    DMuon's runs initialise other weights than TorchTitan's own (AdamW, naive_muon), e.g. step-1
-    loss 8.126 vs 8.010 on the llama3 debug model."""
+    (The same ``[debug] seed`` gives every configuration the same weights too; this also holds
+    when a configuration's own layout would not.)"""
     folder = os.path.join(workdir, "seed")
     env = {**os.environ, "CONFIG_FILE": config_path, "NGPU": "1", "PYTHON": sys.executable}
     out = subprocess.run(
@@ -126,6 +129,7 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None)
             # launches per rank per step as NCCL runs them (a DMuon group once; gloo runs it one by one)
             "launches": float(m[8]), "launch_dmuon": float(m[9]) if m[9] else None,
             "buffers_mb": float(m[10]) if m[10] else 0.0,
+            "host_ms": float(m[11]) if m[11] else None, "first_wait_ms": float(m[12]) if m[12] else None,
         })
     return rows
 
@@ -137,8 +141,8 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
-        "--no-seed-checkpoint", action="store_true",
-        help="let each configuration initialise its own weights (DMuon's then differ from TorchTitan's)",
+        "--seed-checkpoint", action="store_true",
+        help="start every run from one TorchTitan seed checkpoint (the same [debug] seed gives the same weights too)",
     )
     parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's debug_model_raw.json")
     args = parser.parse_args()
@@ -168,7 +172,7 @@ def measure(args) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as workdir:
         seed = None
-        if not args.no_seed_checkpoint:
+        if args.seed_checkpoint:
             print("seed checkpoint ...", flush=True)
             path = os.path.join(workdir, "seed.toml")
             with open(path, "w") as f:
@@ -198,7 +202,7 @@ def summarize(data: list[dict], steps: int) -> dict:
     out["step_p10"] = ordered[int(0.1 * (len(ordered) - 1))]  # the less disturbed steps on a shared machine
     per_round = [statistics.median(d["step_s"] for d in data if d["round"] == r) for r in sorted({d["round"] for d in data})]
     out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
-    for key in ("launches", "launch_dmuon"):
+    for key in ("launches", "launch_dmuon", "host_ms", "first_wait_ms"):
         out[key] = _median(data, key)
     return out
 
@@ -234,9 +238,9 @@ def text_table(summary: dict, title: str) -> str:
 def markdown_table(summary: dict, steps: int) -> str:
     lines = [
         "| configuration | step time (median) | vs AdamW | step time (p10) | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
-        "| launches / rank / step (DMuon's) | vs AdamW | DMuon buffers peak "
-        f"| loss at step {steps} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| launches / rank / step (DMuon's) | vs AdamW | DMuon buffers peak | DMuon host time / step "
+        f"| first layer waited | loss at step {steps} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         base = _base(summary, name)
@@ -250,7 +254,8 @@ def markdown_table(summary: dict, steps: int) -> str:
             f"| {s['step_p10'] / base['step_p10']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB | {s['comm_mb'] / base['comm_mb']:.3f} "
             f"| {s['launches']:.0f} ({_fmt(s['launch_dmuon'], '.0f')}) "
-            f"| {ratio:.2f} | {buffers} | {s['loss']:.2f} |"
+            f"| {ratio:.2f} | {buffers} | {_fmt(s['host_ms'], '.1f')} ms | {_fmt(s['first_wait_ms'], '.2f')} ms "
+            f"| {s['loss']:.2f} |"
         )
     return "\n".join(lines)
 

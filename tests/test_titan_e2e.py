@@ -14,11 +14,15 @@ DMUON = re.compile(r"dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; des
 
 
 def run_train(tmp_path, *overrides, config="debug_model.toml", ngpu=2, env=None, timeout=420):
+    """./run_train.sh with these overrides. Without run_train.sh's own check before torchrun (the
+    workers check the config too; tests/test_config_errors.py and the README commands test cover
+    the check): it costs a TorchTitan import, ~8 s, per run."""
     environment = {
         **os.environ,
         "CONFIG_FILE": config if os.path.isabs(config) else f"train_configs/{config}",
         "NGPU": str(ngpu),
         "PYTHON": sys.executable,
+        "TITAN_DMUON_PRECHECK": "0",
         **(env or {}),
     }
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true", *overrides]
