@@ -25,6 +25,8 @@ def _llama3_1b():
     config.training.disable_cuda_graphs = True  # the same for both: DMuon turns capture off
     config.checkpoint.enable = False
     config.metrics.log_freq = 1
+    config.metrics.enable_tensorboard = False  # (the 8B job's; nothing here reads it)
+    config.profiler.enable_profiling = False  # (the 8B job's trace every 100 steps)
     config.parallelism.data_parallel_shard_degree = -1
     config.parallelism.data_parallel_replicate_degree = 1
     config.parallelism.tensor_parallel_degree = 1

@@ -166,18 +166,30 @@ def baseline(
     return Setup(module=module, model=model, handle=None, opt=opt, mesh=mesh)
 
 
-def train(setup: Setup, data, rank: int, world: int, *, steps: int | None = None, max_norm=None, accumulate: int = 1):
-    """Returns per-step (local loss, clip norm or None, NS matrices on this rank)."""
+def train(
+    setup: Setup, data, rank: int, world: int, *, steps: int | None = None, max_norm=None, accumulate: int = 1,
+    sync: str = "each",
+):
+    """Returns per-step (local loss, clip norm or None, NS matrices on this rank).
+
+    ``sync`` (DMuon's gradient sync over the ``accumulate`` micro-batches): "each" micro-batch;
+    "last" (off before the last one, as FSDP2's gradient accumulation); "deferred" (off for all,
+    then ``reduce_gradients()``, as pipelining does)."""
     from titan_dmuon import clip_grad_norm_
 
     out = []
     for batch in data[: steps or len(data)]:
         x, y = local_slice(batch, rank, world)
         loss_total = 0.0
-        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+        for i, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            if sync != "each":
+                setup.handle.set_requires_gradient_sync(sync == "last" and i == accumulate - 1)
             loss = loss_fn(setup.module(xs), ys) / accumulate
             loss.backward()
             loss_total += loss.item()
+        if sync == "deferred":
+            setup.handle.set_requires_gradient_sync(True)
+            setup.handle.reduce_gradients()
         norm = clip_grad_norm_(setup.model.parameters(), max_norm, dedicated=setup.handle) if max_norm else None
         setup.opt.step()
         ns = getattr(setup.opt, "last_step_stats", {}).get("ns_matrices")

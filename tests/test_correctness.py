@@ -100,6 +100,47 @@ def test_gradient_accumulation_equals_big_batch(pool2):
     _check(pool2.run(_vs_reference, "z3", None, 2))
 
 
+def _deferred_sync(rank, world, mode, sync):
+    from titan_dmuon.cost_model import design_elements_per_rank
+
+    data = batches(STEPS)
+    model = toy_model()
+    ref, ref_losses, _ = reference_train(model, data)
+    setup = distribute(model, mode, world)
+    log = train(setup, data[:1], rank, world, accumulate=4, sync=sync)
+    setup.handle.pop_comm_stats()
+    log += train(setup, data[1:], rank, world, accumulate=4, sync=sync)
+    per_step = sum(e for e, _, _ in setup.handle.pop_comm_stats().values()) / (STEPS - 1)
+    design = {"each": 4 * design_elements_per_rank(setup.handle), "last": design_elements_per_rank(setup.handle, deferred=True)}
+    design["deferred"] = design["last"]
+    return {
+        "diff": max_diff(full_state(setup), ref),
+        "losses": global_loss([loss for loss, _, _ in log]),
+        "ref_losses": ref_losses,
+        "per_step": per_step,
+        "design": design[sync],
+        "held": setup.handle.holds_unreduced_gradients,
+    }
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+@pytest.mark.parametrize("sync", ["each", "last", "deferred"])
+def test_gradient_sync_off_over_micro_batches(pool2, mode, sync):
+    """Four micro-batches per step with DMuon's gradient sync on for each, off until the last
+    (FSDP2's accumulation pattern), or off for all and one reduce_gradients() (pipelining's): the
+    same training as the big batch (TOLERANCE: gradients summed in another order), and with sync
+    off each weight moves once per step: one broadcast and one reduce (2(N-1)/N * P_M, Z2 or Z3),
+    a quarter of Z2's traffic with sync on for each micro-batch.
+
+    Regression ("last"): the last backward reduced the accumulated gradients but left each unit
+    marked as holding unreduced ones, so the step refused to run."""
+    for r in pool2.run(_deferred_sync, mode, sync):
+        assert r["diff"] < TOLERANCE
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-4)
+        assert r["per_step"] == r["design"] > 0
+        assert not r["held"]
+
+
 # ---- modes against each other ------------------------------------------------------
 def _run_mode(rank, world, mode, mesh=None, **kwargs):
     data = batches(STEPS)

@@ -65,6 +65,28 @@ def _launch_counts_job(rank, world):
     return _on_fake_pg(4, _launch_counts)
 
 
+def test_a_launch_on_an_accelerator_records_its_event_also_for_a_group_of_one(monkeypatch):
+    """Regression (found reading the runtime as CUDA runs it): at world size 1 a unit's gather is
+    only a copy into the buffer on the gather stream; the launch issued no collective and recorded
+    no event, so the compute stream read the buffer without waiting for the copy. Every launch on
+    an accelerator now records one (a launch is counted only when something was issued)."""
+    from titan_dmuon.runtime.comm import CommStats, Launch
+
+    recorded = []
+
+    class Stream:
+        def record_event(self):
+            recorded.append(object())
+            return recorded[-1]
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: Stream())
+    stats = CommStats()
+    with Launch(None, 1, torch.device("cuda", 0), "dmuon.forward_broadcast", stats, coalesce=True) as alone:
+        alone.broadcast(torch.ones(3), src=0)
+    assert alone.in_flight.event is recorded[0]
+    assert stats.pop() == {}  # nothing moved, no launch
+
+
 def test_in_flight_waits_once():
     from titan_dmuon.runtime.comm import InFlight
 

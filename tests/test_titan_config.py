@@ -29,7 +29,7 @@ lr = 0.02
 
 
 SHIPPED = {  # config -> (world size, model spec name, expert parallel degree)
-    "debug_model": (2, "llama3", 1), "debug_model_z2": (2, "llama3", 1), "debug_model_hsdp": (4, "llama3", 1),
+    "debug_model": (2, "llama3", 1), "debug_model_z2": (2, "llama3", 1), "debug_model_hsdp": (4, "llama3", 1), "debug_model_pp": (4, "llama3", 1),
     "debug_model_adamw": (2, "llama3", 1), "debug_model_moe": (2, "qwen3", 1), "llama3_8b": (32, "llama3", 1),
     "llama3_70b": (64, "llama3", 1), "qwen3_30b_a3b": (64, "qwen3", 1), "deepseek_v3_16b": (64, "deepseek_v3", 8),
     "moonlight_16b_a3b": (64, "kimi_k2_5", 8),
@@ -92,7 +92,7 @@ ERRORS = [
     (MINIMAL + "muon_params = [\"(\"]\n", [], 2, ["muon_params: bad regex '('"]),
     (MINIMAL + "[parallelism]\ndata_parallel_shard_degree = 3\n", [], 2, ["data_parallel_shard_degree(3)", "world size is 2"]),
     (MINIMAL + "[parallelism]\ndata_parallel_replicate_degree = 3\n", [], 4, ["does not divide the world size 4"]),
-    (MINIMAL + "[parallelism]\ntensor_parallel_degree = 2\n", [], 2, ["tensor_parallel_degree = 2", "expert parallelism only"]),
+    (MINIMAL + "[parallelism]\ntensor_parallel_degree = 2\n", [], 2, ["tensor_parallel_degree = 2", "pipeline and expert parallelism"]),
     (MINIMAL + "[parallelism]\nspmd_backend = \"full_dtensor\"\n", [], 2, ["spmd_backend = 'full_dtensor'", "'spmd_types'"]),
     (MINIMAL + "[training]\nenable_cpu_offload = true\n", [], 2, ["enable_cpu_offload = true is not supported"]),
     ("[model]\nname = \"gpt2\"\n", [], 2, ["[model] name = 'gpt2'", "llama3, qwen3, deepseek_v3, kimi_k2_7"]),

@@ -90,6 +90,25 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
 # The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_readme_checkpoint_commands_run_as_written.
 
 
+def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):
+    """debug_model_pp.toml: pipeline parallelism 2 (Interleaved1F1B, 2 stages per pipeline rank,
+    2 micro-batches) x FSDP 2 through run_train.sh. Step 1 sees AdamW's loss and global gradient
+    norm with the same parallelism (the clip adds up the stages); DMuon moves the deferred
+    design every step (each stage's weights broadcast once and reduced once, whatever the
+    micro-batches), and trains."""
+    pp = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.disable_cuda_graphs", "true")
+    last_stage = {"LOG_RANK": "2"}  # (the loss lives on the last stage: pipeline rank 1 holds stages 1 and 3)
+    adamw, _ = parse(run_train(tmp_path / "a", "--training.steps", "1", *pp, config="debug_model_adamw.toml", ngpu=4,
+                               env=last_stage))
+    steps, comm = parse(run_train(tmp_path / "b", "--training.steps", "3", config="debug_model_pp.toml", ngpu=4,
+                                  env=last_stage))
+    assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
+    assert steps[1][0] == adamw[1][0]
+    assert steps[1][1] == pytest.approx(adamw[1][1], rel=1e-4)
+    assert len(comm) == 3 and all(elements == design > 0 for elements, _, design in comm[1:])
+
+
 def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
     """reshard_after_forward left unset: under DDP the default is Z2 (a Z3 fallback would
     move 50% more: 3(N-1)/N instead of 2(N-1)/N)."""

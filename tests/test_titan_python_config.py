@@ -69,6 +69,7 @@ def _strip_addresses(value):
         ("debug_model", "llama3_debugmodel_dmuon", 2, "parallelize_llama"),
         ("debug_model_z2", "llama3_debugmodel_dmuon_z2", 2, "parallelize_llama"),
         ("debug_model_hsdp", "llama3_debugmodel_dmuon_hsdp", 4, "parallelize_llama"),
+        ("debug_model_pp", "llama3_debugmodel_dmuon_pp", 4, "parallelize_llama"),
         ("llama3_8b", "llama3_8b_dmuon", 32, "parallelize_llama"),
         ("llama3_70b", "llama3_70b_dmuon", 64, "parallelize_llama"),
         ("debug_model_moe", "qwen3_moe_debug_dmuon", 2, "parallelize_qwen3"),
@@ -188,7 +189,7 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.tensor_parallel_degree", "2"], None, "parallelism.tensor_parallel_degree = 2: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and expert parallelism only"),
+        (["--parallelism.tensor_parallel_degree", "2"], None, "parallelism.tensor_parallel_degree = 2: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP), pipeline and expert parallelism"),
         (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
     ],
 )

@@ -91,9 +91,10 @@ def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1):
 
 def build(
     model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
-    **optimizer_kwargs,
+    param_dtype: str = "bfloat16", **optimizer_kwargs,
 ):
-    """(model, optimizer container) as TorchTitan's Trainer would build them."""
+    """(model, optimizer container) as TorchTitan's Trainer would build them (``param_dtype``:
+    training.mixed_precision_param, FSDP2's compute dtype)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
@@ -109,7 +110,7 @@ def build(
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
-        parallel_dims=dims, training=TrainingConfig(), ac_config=None, parallelism=parallelism,
+        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=None, parallelism=parallelism,
         compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
     )
     if optimizer == "dmuon":
@@ -198,3 +199,104 @@ def initial_state(model_and_spec, seed: int = 0) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- pipeline parallelism, as the trainer runs it ---------------------------------------------------
+def pp_dims(world: int, *, pp: int = 2, replicate: int = 1):
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(
+        dp_replicate=replicate, dp_shard=world // (pp * replicate), cp=1, tp=1, pp=pp, ep=1, world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+
+
+def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatch: int = 1, optimizer: str = "dmuon",
+             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", **optimizer_kwargs):
+    """(pipeline schedule, model parts, has first stage, has last stage, optimizer container), built as
+    TorchTitan's trainer builds them with pipeline parallelism (its pipeline_llm splits the model
+    and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize)."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
+    from titan_dmuon.integration.parallelize import DMuonParallelize
+
+    model_config, spec = model_and_spec
+    dist_utils.set_spmd_backend(dims.spmd_backend)
+    parallelism = ParallelismConfig(
+        spmd_backend=dims.spmd_backend, pipeline_parallel_degree=dims.pp, pipeline_parallel_schedule=schedule,
+        pipeline_parallel_microbatch_size=microbatch,
+    )
+    model_config.update_from_config(config=_Parallelism(parallelism))
+    cpu.use_sdpa_attention(model_config)
+    with torch.device("meta"):
+        model = model_config.build()
+    container_kwargs = {k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs}
+    opt_config = DMuonOptimizersContainer.Config(name=optimizer, implementation="for-loop", **container_kwargs, **optimizer_kwargs)
+    parallelize = DMuonParallelize(base_fn=spec.parallelize_fn).bind(opt_config)
+    tokens = local_batch * SEQ
+
+    def loss_fn(pred, labels):
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (tokens * dims.dp_shard * dims.dp_replicate), None
+
+    schedule_obj, parts, has_first, has_last = pipeline_llm(
+        model, parallel_dims=dims, training=TrainingConfig(local_batch_size=local_batch, mixed_precision_param=param_dtype), parallelism=parallelism,
+        compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp", device=torch.device("cpu"),
+        model_config=model_config, parallelize_fn=parallelize, loss_fn=loss_fn,
+    )
+    torch.manual_seed(seed)
+    for part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+    if state is not None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for part in parts:
+            current = part.state_dict()
+            part.load_state_dict({
+                k: distribute_tensor(state[k], current[k].device_mesh, current[k].placements, src_data_rank=None)
+                if isinstance(current[k], DTensor) else state[k] for k in current
+            })
+    container = opt_config.build(model_parts=parts)
+    return schedule_obj, parts, has_first, has_last, container
+
+
+def train_pp(dims, built, data, *, norms: list | None = None) -> list[float | None]:
+    """One schedule step per batch of ``data`` (the global batch; this rank's data-parallel slice),
+    gradient sync deferred to one reduce per step as DMuonTrainer does; global mean loss per step on
+    the last stage's ranks, None elsewhere (the loss lives there)."""
+    from titan_dmuon import clip_grad_norm_
+    from titan_dmuon.integration.trainer import dmuon_handles
+
+    schedule, parts, has_first, has_last, container = built
+    dp = dims.dp_shard * dims.dp_replicate
+    rank = dims.get_mesh("batch").get_local_rank() if dp > 1 else 0
+    handles = dmuon_handles(container)
+    out = []
+    for tokens in data:
+        b = tokens.shape[0] // dp
+        local = tokens[rank * b : (rank + 1) * b]
+        losses = [] if has_last else None
+        for handle in handles:
+            handle.set_requires_gradient_sync(False)
+        schedule.step(local[:, :-1] if has_first else None, target=local[:, 1:] if has_last else None, losses=losses)
+        for handle in handles:
+            handle.set_requires_gradient_sync(True)
+            handle.reduce_gradients()
+        norm = clip_grad_norm_([p for m in parts for p in m.parameters()], 1.0, dedicated=handles, pp_mesh=dims.get_mesh("pp"))
+        if norms is not None:
+            norms.append(float(norm))
+        container.step()
+        container.zero_grad()
+        if has_last:
+            total = torch.stack(losses).sum().detach().clone()
+            if dp > 1:
+                dist.all_reduce(total, group=dims.get_mesh("batch").get_group())
+            out.append(total.item())
+        else:
+            out.append(None)
+    return out

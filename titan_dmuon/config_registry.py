@@ -57,6 +57,13 @@ def llama3_debugmodel_dmuon_hsdp():
     return _with_dmuon(job, **_DEBUG_DMUON, reshard_after_forward=True)
 
 
+def llama3_debugmodel_dmuon_pp():
+    """debug_model_pp.toml: DMuon with pipeline parallelism 2 (Interleaved1F1B) x FSDP 2 (4 ranks)."""
+    job = _debug_job(data_parallel_shard_degree=2, pipeline_parallel_degree=2,
+                     pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1)
+    return _with_dmuon(job, **_DEBUG_DMUON)
+
+
 def llama3_8b_dmuon():
     """llama3_8b.toml: Llama 3 8B, DMuon on HSDP 4 x 8 (32 GPUs); see the file for Z2 vs Z3."""
     config = _llama3_8b()

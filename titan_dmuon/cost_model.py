@@ -12,29 +12,32 @@ from fractions import Fraction
 BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
 
 
-def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0) -> Fraction:
+def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, deferred: bool = False) -> Fraction:
     """DMuon's own elements per rank per step (per micro-batch with gradient sync on) for the
     Muon targets, under ``mode`` (a ``DedicationMode``), on a shard group of N ranks.
 
     Z2 broadcasts once and reduces once: 2(N-1)/N * numel; Z3 re-broadcasts for backward:
     3(N-1)/N * numel, less the unit kept from forward to backward (the last one forward runs,
-    ``DedicatedParams.kept_unit_numel``). HSDP (R replicas) adds a replicate-group reduce and a
-    post-step broadcast; each involves only the R owners of a matrix, so averaged over all
-    R*N ranks each costs (R-1)/R * numel / N per rank."""
+    ``DedicatedParams.kept_unit_numel``). ``deferred``: gradient sync off over the micro-batches
+    and one reduce at the end (pipelining): the weights stay gathered, so one broadcast and one
+    reduce per step whatever the micro-batches, Z2 or Z3. HSDP (R replicas) adds a
+    replicate-group reduce and a post-step broadcast; each involves only the R owners of a
+    matrix, so averaged over all R*N ranks each costs (R-1)/R * numel / N per rank."""
     n, r = mode.mesh.shard_size, mode.mesh.replicate_size
-    if kept_unit_numel and not mode.reshard_after_forward:
-        raise ValueError("kept_unit_numel applies to Z3 (reshard_after_forward=True) only")
-    passes = 3 if mode.reshard_after_forward else 2
+    if kept_unit_numel and (deferred or not mode.reshard_after_forward):
+        raise ValueError("kept_unit_numel applies to Z3 (reshard_after_forward=True) with gradient sync on only")
+    passes = 3 if mode.reshard_after_forward and not deferred else 2
     total = passes * Fraction(n - 1, n) * numel - Fraction(n - 1, n) * kept_unit_numel
     if r > 1:
         total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
     return total
 
 
-def design_elements_per_rank(handle) -> Fraction:
+def design_elements_per_rank(handle, *, deferred: bool = False) -> Fraction:
     """``dmuon_elements_per_rank`` for a ``DedicatedParams`` handle (Z3 counts the kept last layer
     once the first step has shown which layer runs last)."""
-    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=handle.kept_unit_numel)
+    kept = 0 if deferred else handle.kept_unit_numel
+    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=kept, deferred=deferred)
 
 
 def baseline_elements_per_rank(configuration: str, *, shard_size: int, numel: int) -> Fraction:

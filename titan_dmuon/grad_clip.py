@@ -30,10 +30,13 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     *,
     dedicated=None,
+    pp_mesh=None,
 ) -> torch.Tensor:
     """Clip in place to ``max_norm``; returns the exact global norm (a collective).
 
-    ``dedicated``: the handle(s) of ``dedicate_params`` for these parameters. No host
+    ``dedicated``: the handle(s) of ``dedicate_params`` for these parameters. ``pp_mesh``: with
+    pipeline parallelism, the mesh of the stages; ``parameters`` are this rank's stages', and the
+    norm adds up (or, for inf, takes the max) over the stages, as TorchTitan's clip does. No host
     sync unless ``error_if_nonfinite`` (which must read the norm, as torch's does)."""
     norm_type = float(norm_type)
     if norm_type <= 0:
@@ -70,10 +73,11 @@ def clip_grad_norm_(
         for dim in range(mesh.ndim):
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
     local = _power_sum(replicated, norm_type, device)
-    if is_inf:
-        total = torch.maximum(reduced, local)
-    else:
-        total = (reduced + local) ** (1.0 / norm_type)
+    total = torch.maximum(reduced, local) if is_inf else reduced + local  # this rank's stages
+    if pp_mesh is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    if not is_inf:
+        total = total ** (1.0 / norm_type)
 
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

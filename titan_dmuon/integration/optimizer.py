@@ -117,6 +117,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
             else:
                 logger.info(f"Optimizer param group {group.pattern!r}: all its parameters are on Muon (optimizer.muon_params)")
         groups, patterns = OptimizersContainer._build_param_groups(_Named(rest), kept, impl_kwargs)
+        if not muon:  # (a pipeline stage without Muon targets, e.g. the token embedding alone)
+            return groups, patterns
         muon_group = {"params": [p for _, p in muon], "param_names": [canonical_fqn(n) for n, _ in muon], **self._muon_kwargs}
         return {"DMuon": [muon_group], **groups}, {"DMuon": ["optimizer.muon_params"], **patterns}
 

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.runtime import canonical_fqn, dedicate_params
+from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 DEFAULT_MUON_PARAMS = (
     # attention: q/k/v/o, fused wqkv, MLA (wq or wq_a/wq_b, wkv_a, wkv_b)
@@ -67,6 +67,9 @@ class DMuonParallelize:
     """The model's own parallelize_fn (DMuon runs it, stepping in at its first fully_shard)."""
     dedication: DedicationSettings | None = None
     bound: bool = False
+    parts: list = dataclasses.field(default_factory=list, compare=False)
+    """The handles of the model parts (pipeline stages) this rank dedicated so far: each part's plan
+    balances Newton–Schulz over the ranks with the earlier parts' load counted in."""
 
     def bind(self, optimizer_config) -> DMuonParallelize:
         dedication = None
@@ -75,7 +78,7 @@ class DMuonParallelize:
                 muon_params=tuple(optimizer_config.muon_params),
                 reshard_after_forward=optimizer_config.reshard_after_forward,
             )
-        return dataclasses.replace(self, dedication=dedication, bound=True)
+        return dataclasses.replace(self, dedication=dedication, bound=True, parts=[])
 
     def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
         if not self.bound:
@@ -85,7 +88,9 @@ class DMuonParallelize:
             )
         if self.dedication is None:
             return parallelize_without_dmuon(model, base_fn=self.base_fn, **kwargs)
-        return parallelize_with_dmuon(model, base_fn=self.base_fn, settings=self.dedication, **kwargs)
+        model = parallelize_with_dmuon(model, base_fn=self.base_fn, settings=self.dedication, earlier_parts=self.parts, **kwargs)
+        self.parts.extend(DedicatedParams.of(model))
+        return model
 
 
 def parallelize_with_dmuon(
@@ -99,21 +104,25 @@ def parallelize_with_dmuon(
     dump_folder: str,
     base_fn,
     settings: DedicationSettings,
+    earlier_parts: list = (),
 ) -> nn.Module:
     """TorchTitan ``parallelize_fn``: the family's own ``base_fn`` with DMuon's dedication (the config
-    was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds)."""
-    dedication = _Dedication(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, settings=settings)
+    was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds).
+    ``earlier_parts``: handles of the other model parts (pipeline stages) this rank holds."""
+    dedication = _Dedication(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                             settings=settings, earlier_parts=list(earlier_parts))
     with _ignoring_dedicated_weights(dedication):
         model = base_fn(
             model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
             compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
         )
-    if dedication.handle is None:
+    if not dedication.started:
         raise RuntimeError(
             f"{type(model).__name__}'s parallelize function applied no fully_shard: DMuon dedicates its weights "
             "at the first one (TorchTitan's apply_fsdp_to_decoder); use optimizer.name = 'AdamW' for this model"
         )
-    _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1)
+    if dedication.handle is not None:
+        _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
     return model
@@ -122,25 +131,40 @@ def parallelize_with_dmuon(
 class _Dedication:
     """Dedicates the Muon targets once, when TorchTitan is about to shard the model."""
 
-    def __init__(self, model: nn.Module, *, parallel_dims, training, parallelism, settings: DedicationSettings) -> None:
+    def __init__(
+        self, model: nn.Module, *, parallel_dims, training, parallelism, settings: DedicationSettings, earlier_parts: list
+    ) -> None:
         self.model, self.parallel_dims, self.training, self.parallelism = model, parallel_dims, training, parallelism
         self.settings = settings
+        self.earlier_parts = earlier_parts
         self.handle = None
+        self.started = False  # the first fully_shard was called
 
-    def ensure(self):
-        if self.handle is not None:
-            return self.handle
+    def ignored_params(self) -> set:
+        """The weights every fully_shard of this model ignores (dedicating them at the first call)."""
+        if not self.started:
+            self.started = True
+            self.handle = self._dedicate()
+        return self.handle.ignored_params if self.handle is not None else set()
+
+    def _dedicate(self):
+        """The handle for this model (part), or None for a pipeline stage with no Muon target (e.g.
+        only the token embedding): it trains with AdamW alone."""
         from torchtitan.config import TORCH_DTYPE_MAP
         from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 
         dims, model = self.parallel_dims, self.model
-        fsdp_reshard = get_fsdp_reshard_after_forward_policy(self.parallelism.fsdp_reshard_after_forward, pp_enabled=False)
+        fsdp_reshard = get_fsdp_reshard_after_forward_policy(
+            self.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled
+        )
         ddp_like = dims.dp_shard == 1 and dims.dp_replicate > 1
         reshard = self.settings.reshard_after_forward
         if reshard is None:
             reshard = False if ddp_like else fsdp_reshard
         targets = muon_parameters(model, self.settings.muon_params)
-        self.handle = dedicate_params(
+        if not targets:
+            return None
+        return dedicate_params(
             model,
             targets,
             dedication_mesh(dims, self.parallelism.spmd_backend != "partial_dtensor"),
@@ -153,8 +177,8 @@ class _Dedication:
             split_rows={p: blocks for p, blocks in fused_qkv_blocks(model).items() if any(p is t for t in targets)},
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
             expert_sharding=expert_sharding(model, dims),
+            initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
         )
-        return self.handle
 
 
 @contextlib.contextmanager
@@ -164,7 +188,7 @@ def _ignoring_dedicated_weights(dedication: _Dedication):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     def fully_shard(module, *args, ignored_params=None, **kwargs):
-        ignored = set(ignored_params or ()) | dedication.ensure().ignored_params
+        ignored = set(ignored_params or ()) | dedication.ignored_params()
         return torch_fully_shard(module, *args, ignored_params=ignored, **kwargs)
 
     callers = [m for name, m in list(sys.modules.items()) if name.startswith("torchtitan.") and getattr(m, "fully_shard", None) is torch_fully_shard]
@@ -240,8 +264,8 @@ def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Modu
 
 def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
     """The trainable parameters ``optimizer.muon_params`` selects (frozen ones stay with FSDP2).
-    The list was checked against the model at config time (``validation``); the errors here only
-    guard direct callers."""
+    The list was checked against the whole model at config time (``validation``); a pipeline stage
+    may hold none of them."""
     compiled = [re.compile(p) for p in patterns]
     chosen = []
     for name, param in model.named_parameters():
@@ -255,8 +279,6 @@ def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
                     "or 3-D expert weights (experts, rows, cols)"
                 )
             chosen.append(param)
-    if not chosen:
-        raise ValueError(f"optimizer.muon_params {list(patterns)} matched no parameter of the model")
     return chosen
 
 

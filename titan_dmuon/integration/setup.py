@@ -41,7 +41,7 @@ def with_dmuon(config, **options):
     if unknown:
         raise ConfigError(f"with_dmuon got unknown keyword(s) {unknown}; expected some of {', '.join(keys)}")
     cpu.enable()  # a user's registry module may be the first DMuon code TorchTitan imports
-    config = dmuon_trainer_config(config)
+    config = dmuon_trainer_config(config, without_cuda_graphs=True)
     optimizer = config.optimizer
     optimizer.name = "dmuon"
     hints = typing.get_type_hints(type(optimizer))

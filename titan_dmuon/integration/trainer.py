@@ -53,9 +53,9 @@ def _clip_for_titan(handles):
     """TorchTitan's clip entry point while a DMuon step runs: DMuon's clip, over these handles."""
 
     def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False):
-        if pp_mesh is not None:
-            raise NotImplementedError("DMuon's gradient clipping does not support pipeline parallelism yet")
-        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, dedicated=handles)
+        return clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, dedicated=handles, pp_mesh=pp_mesh
+        )
 
     return clip
 
@@ -74,6 +74,7 @@ class DMuonTrainer(Trainer):
         super().__init__(config)
         # DMuon moves its volume once per forward/backward, i.e. per micro-batch
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
+        self.metrics_processor.deferred_reduce = self.parallel_dims.pp_enabled
 
     def train_step(self, data_iterator):
         self.metrics_processor.begin_step()
@@ -93,6 +94,20 @@ class DMuonTrainer(Trainer):
         if self._sync_debug():
             return _no_host_sync(super().forward_backward_step)(**kwargs)
         return super().forward_backward_step(**kwargs)
+
+    def pp_forward_backward_step(self, **kwargs):
+        """Gradient sync once per schedule step, as torch.distributed.pipelining drives FSDP2: the
+        micro-batches' backward passes (full, or split into input and weight passes) accumulate
+        every dedicated gradient on every rank, then each stage's handle reduces them to the owners
+        once (its layers' gradients, every member, at the same point on every rank of its group)."""
+        handles = dmuon_handles(self.optimizers)
+        for handle in handles:
+            handle.set_requires_gradient_sync(False)
+        loss = super().pp_forward_backward_step(**kwargs)
+        for handle in handles:
+            handle.set_requires_gradient_sync(True)
+            handle.reduce_gradients()
+        return loss
 
     def _sync_debug(self) -> bool:
         first = os.environ.get("TITAN_DMUON_SYNC_DEBUG_FROM_STEP")
@@ -139,6 +154,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
         super().__init__(config, **kwargs)
         self.ledger = CommLedger() if config.count_all_comm else None
         self.microbatches_per_step = 1
+        self.deferred_reduce = False  # pipelining: one reduce per schedule step, whatever its micro-batches
         self._steps_since_figures = 0
         self._time_of_last_figures: float | None = None
 
@@ -152,10 +168,12 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"({figures['comm/MB_per_rank']:.3f} MB; {figures['comm/launches_per_rank']:.0f} launches)"
             )
         if "dmuon/comm_elements_per_rank" in figures:
+            sync = (f"{self.microbatches_per_step} micro-batch(es)" if not self.deferred_reduce
+                    else "gradient sync once per pipeline step")
             parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
                 f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
-                f"averaged over ranks, {self.microbatches_per_step} micro-batch(es); {figures['dmuon/launches_per_step']:.0f} launches)  "
+                f"averaged over ranks, {sync}; {figures['dmuon/launches_per_step']:.0f} launches)  "
                 f"NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
                 f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB  "
@@ -195,7 +213,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 elements += sum(e for e, _, _ in popped.values())
                 nbytes += sum(b for _, b, _ in popped.values())
                 launches += sum(n for _, _, n in popped.values())
-                theory += design_elements_per_rank(handle) * self.microbatches_per_step
+                theory += design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]

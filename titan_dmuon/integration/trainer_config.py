@@ -20,8 +20,9 @@ from titan_dmuon.integration.validation import ConfigError
 from titan_dmuon.options import ADAMW_KEYS
 
 
-def dmuon_trainer_config(config):
-    """``config`` as a DMuonTrainer.Config with DMuon-aware optimizer, metrics and checkpoint configs."""
+def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False):
+    """``config`` as a DMuonTrainer.Config with DMuon-aware optimizer, metrics and checkpoint configs
+    (``without_cuda_graphs``: and ``training.disable_cuda_graphs`` on, as finalize() sets it for DMuon)."""
     if isinstance(config, DMuonTrainer.Config):
         cls = type(config)
     elif type(config) is Trainer.Config or _same_fields(config, Trainer.Config):
@@ -36,6 +37,8 @@ def dmuon_trainer_config(config):
     if config.model_spec is None:
         raise ConfigError("the config has no model_spec; start from a TorchTitan config registry function")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if without_cuda_graphs:  # TorchTitan's checks of the new object refuse pipeline parallelism with them on
+        values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
     values["optimizer"] = _dmuon_optimizer_config(config.optimizer)
     values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
     values["checkpoint"] = _as_subclass(DMuonCheckpointManager.Config, config.checkpoint, "checkpoint")

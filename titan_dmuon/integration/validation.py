@@ -132,14 +132,13 @@ def check_supported(*, parallelism, compile_config, training) -> None:
     """DMuon's TorchTitan limits (NotImplementedError, which validate_dmuon words for the door)."""
     unsupported = {
         "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
-        "parallelism.pipeline_parallel_degree": parallelism.pipeline_parallel_degree,
         "parallelism.context_parallel_degree": parallelism.context_parallel_degree,
     }
     for key, degree in unsupported.items():
         if degree != 1:
             raise NotImplementedError(
-                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP) and "
-                "expert parallelism only; set it to 1 or use optimizer.name = 'AdamW'"
+                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP), "
+                "pipeline and expert parallelism; set it to 1 or use optimizer.name = 'AdamW'"
             )
     if parallelism.spmd_backend == "full_dtensor":
         raise NotImplementedError(

@@ -152,9 +152,12 @@ class Launch:
             source, launch = self._tokens
             _launch.reset(launch)
             _source.reset(source)
-        if self._ops and exc_type is None:
-            self.stats.add_launch(self.source)
+        if exc_type is None:
+            if self._ops:
+                self.stats.add_launch(self.source)
             if not self._async:
+                # also when nothing was issued (a group of one): the stream's own work inside the
+                # launch (the copy of the owners' weights into the buffer) is what consumers wait for
                 self.in_flight.event = torch.accelerator.current_stream(self.device).record_event()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

@@ -35,6 +35,7 @@ def dedicate_params(
     split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
     gradient_divide_factor: float | None = None,
     expert_sharding: str = "auto",
+    initial_load: Sequence[int] | None = None,
 ) -> DedicatedParams:
     """Give each of ``params`` one owner rank on ``mesh``; call before ``fully_shard``/DDP.
 
@@ -66,6 +67,9 @@ def dedicate_params(
             experts than ranks). ``"auto"``: local when the data-parallel world
             (R x N ranks) has no more ranks than the weight has experts, else
             dedicated (``DedicationMode.experts_stay_local``).
+        initial_load: Newton–Schulz FLOPs per rank (``r * N + s`` order) that the ranks of this
+            mesh already have from other handles, e.g. the other pipeline stages a rank holds
+            (``handle.plan.ns_flops_per_rank``): the plan balances the total.
     """
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding)
     mesh_info = mode.mesh
@@ -138,8 +142,13 @@ def dedicate_params(
         idx = unit_index.setdefault(id(unit_module), len(unit_index))
         specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p)))
     replicate_size, shard_size = mesh_info.replicate_size, mesh_info.shard_size
-    local_load = _local_expert_load(local, replicate_size, shard_size) if local else None
-    plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, initial_load=local_load)
+    load = _local_expert_load(local, replicate_size, shard_size) if local else [0] * mesh_info.world_size
+    if initial_load is not None:
+        if len(initial_load) != mesh_info.world_size:
+            raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh_info.world_size} ranks")
+        load = [a + int(b) for a, b in zip(load, initial_load)]
+    plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size,
+                      initial_load=load if (local or initial_load is not None) else None)
     validate_across_ranks(plan, mesh_info.groups, mesh_info.device)
 
     members = []

@@ -157,7 +157,10 @@ class Unit:
         if torch.is_grad_enabled() and tensors:
             self.phase = Phase.AWAITING_BACKWARD
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: on_backward(), mode="any")
-            if self.ctx.mode.reshard_after_forward and self.ctx.gradient_sync and not self.ctx.is_last_in_forward(self):
+            # Z3 frees, unless sync is off or was (the weights stayed from the earlier micro-batches:
+            # holding them to the reduce costs no memory beyond theirs, and saves a broadcast)
+            if (self.ctx.mode.reshard_after_forward and self.ctx.gradient_sync and not self.holds_unreduced_grads
+                    and not self.ctx.is_last_in_forward(self)):
                 self.free()
         else:  # no backward will come (evaluation, no_grad)
             self.phase = Phase.IDLE
@@ -186,11 +189,14 @@ class Unit:
         if self.phase is not Phase.BACKWARD:
             return  # (already done: the end-of-backward callback after the input-gradient hook)
         self.phase = Phase.IDLE
-        self.swap_out()
-        if self.ctx.gradient_sync:
+        if self.ctx.gradient_sync:  # (with what earlier backward passes held, sync off)
+            self.holds_unreduced_grads = False
+            self.swap_out()
             self.free()
             self.ctx.reducer.reduce(self)
         else:
+            # the compute params stay in: pipelining's split backward computes the weight gradients
+            # later, for the module's parameters as they are then
             self.holds_unreduced_grads = True
 
     def reduce_held_gradients(self) -> None:
