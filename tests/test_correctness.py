@@ -100,45 +100,54 @@ def test_gradient_accumulation_equals_big_batch(pool2):
     _check(pool2.run(_vs_reference, "z3", None, 2))
 
 
-def _deferred_sync(rank, world, mode, sync):
+def _deferred_sync(rank, world, mode):
     from titan_dmuon.cost_model import design_elements_per_rank
 
     data = batches(STEPS)
     model = toy_model()
     ref, ref_losses, _ = reference_train(model, data)
-    setup = distribute(model, mode, world)
-    log = train(setup, data[:1], rank, world, accumulate=4, sync=sync)
-    setup.handle.pop_comm_stats()
-    log += train(setup, data[1:], rank, world, accumulate=4, sync=sync)
-    per_step = sum(e for e, _, _ in setup.handle.pop_comm_stats().values()) / (STEPS - 1)
-    design = {"each": 4 * design_elements_per_rank(setup.handle), "last": design_elements_per_rank(setup.handle, deferred=True)}
-    design["deferred"] = design["last"]
-    return {
-        "diff": max_diff(full_state(setup), ref),
-        "losses": global_loss([loss for loss, _, _ in log]),
-        "ref_losses": ref_losses,
-        "per_step": per_step,
-        "design": design[sync],
-        "held": setup.handle.holds_unreduced_gradients,
-    }
+    out = {"ref_losses": ref_losses}
+    for sync in ("each", "last", "deferred"):
+        setup = distribute(copy.deepcopy(model), mode, world, opt_kwargs={"ns_mode": "exact"})
+        log = train(setup, data[:1], rank, world, accumulate=4, sync=sync)
+        setup.handle.pop_comm_stats()
+        log += train(setup, data[1:], rank, world, accumulate=4, sync=sync)
+        moved = sum(e for e, _, _ in setup.handle.pop_comm_stats().values()) / (STEPS - 1)
+        deferred = sync != "each"
+        out[sync] = {
+            "state": full_state(setup),
+            "losses": global_loss([loss for loss, _, _ in log]),
+            "moved": moved,
+            "design": design_elements_per_rank(setup.handle, deferred=deferred) * (1 if deferred else 4),
+            "held": setup.handle.holds_unreduced_gradients,
+        }
+        out[sync]["diff"] = max_diff(out[sync]["state"], ref)
+    return out
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
-@pytest.mark.parametrize("sync", ["each", "last", "deferred"])
-def test_gradient_sync_off_over_micro_batches(pool2, mode, sync):
-    """Four micro-batches per step with DMuon's gradient sync on for each, off until the last
-    (FSDP2's accumulation pattern), or off for all and one reduce_gradients() (pipelining's): the
-    same training as the big batch (TOLERANCE: gradients summed in another order), and with sync
-    off each weight moves once per step: one broadcast and one reduce (2(N-1)/N * P_M, Z2 or Z3),
-    a quarter of Z2's traffic with sync on for each micro-batch.
+def test_gradient_sync_off_over_micro_batches(pool2, mode):
+    """Four micro-batches per step with DMuon's gradient sync on for each ("each"), off until the
+    last (FSDP2's accumulation pattern: "last"), or off for all and one reduce_gradients()
+    (pipelining's: "deferred"). All train as the big batch (TOLERANCE: gradients summed in
+    another order than the reference's). "last" and "deferred" are bitwise equal (exact
+    Newton-Schulz): both add the micro-batches' gradients on each rank in the same order, then
+    reduce the same sums. With sync off each weight moves once per step, one broadcast and one
+    reduce (2(N-1)/N * P_M, Z2 or Z3): in Z2 a quarter of the traffic with sync on for each.
 
     Regression ("last"): the last backward reduced the accumulated gradients but left each unit
-    marked as holding unreduced ones, so the step refused to run."""
-    for r in pool2.run(_deferred_sync, mode, sync):
-        assert r["diff"] < TOLERANCE
-        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-4)
-        assert r["per_step"] == r["design"] > 0
-        assert not r["held"]
+    marked as holding unreduced ones, so the step refused to run; and Z3 freed the weights it had
+    kept gathered and broadcast them again for the last backward."""
+    for r in pool2.run(_deferred_sync, mode):
+        for sync in ("each", "last", "deferred"):
+            run = r[sync]
+            assert run["diff"] < TOLERANCE, sync
+            assert run["losses"] == pytest.approx(r["ref_losses"], abs=1e-4), sync
+            assert run["moved"] == run["design"] > 0, (sync, run["moved"], run["design"])
+            assert not run["held"]
+        assert bitwise_equal(r["last"]["state"], r["deferred"]["state"])
+        if mode == "z2":
+            assert r["deferred"]["moved"] * 4 == r["each"]["moved"]
 
 
 # ---- modes against each other ------------------------------------------------------

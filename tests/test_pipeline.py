@@ -143,7 +143,7 @@ def test_traffic_per_step_does_not_grow_with_micro_batches(pool4, microbatch):
 class _Job:
     """Pipelined (or not) tiny llama3 with its container, LR schedule and TorchTitan checkpoint manager."""
 
-    def __init__(self, world, folder, *, pipeline: bool, state):
+    def __init__(self, world, folder, *, pipeline: bool, state, hf: bool = False):
         if pipeline:
             self.dims = th.pp_dims(world)
             self.built = th.build_pp(_model(), self.dims, schedule="Interleaved1F1B", local_batch=LOCAL_BATCH,
@@ -156,9 +156,13 @@ class _Job:
         self.pipeline = pipeline
         self.schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.container, training_steps=4)
         self.counter = Counter()
-        self.manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=1).build(
+        config, spec = _model()
+        self.adapter = spec.state_dict_adapter(config, None) if hf else None
+        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=hf,
+                                                last_save_in_hf=hf)
+        self.manager = manager.build(
             dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
-            states={"train_state": self.counter}, sd_adapter=None, base_folder=folder,
+            states={"train_state": self.counter}, sd_adapter=self.adapter, base_folder=folder,
         )
         self.data = th.batches(4, 1, batch=2 * LOCAL_BATCH)
 
@@ -172,8 +176,23 @@ class _Job:
                 losses += th.train(self.parts[0], self.container, self.dims, batch)
             self.schedule.step()
             self.counter.step += 1
-            self.manager.save(self.counter.step)
+            self.manager.save(self.counter.step, last_step=self.adapter is not None and self.counter.step == 4)
         return losses
+
+    def hf_expected(self):
+        """What TorchTitan's last-step HF export should hold of this rank's stages: their full
+        weights, fused wqkv split as TorchTitan's state-dict hook does, through llama3's adapter."""
+        from torchtitan.models.common.attention import FusedQKVLinear
+
+        full = _pp_weights(self.parts)
+        for part in self.parts:
+            for module_name, module in part.named_modules():
+                if isinstance(module, FusedQKVLinear):
+                    prefix = canonical_fqn(module_name) + "."
+                    split = {f"{prefix}wqkv.weight": full.pop(f"{prefix}wqkv.weight")}
+                    FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+                    full.update(split)
+        return self.adapter.to_hf(full)
 
     def state(self):
         """Weights, Muon momentum, AdamW moments and steps of this rank's stages, full, by name."""
@@ -191,10 +210,10 @@ class _Job:
         return out, owned
 
 
-def _train_and_keep(rank, world, folder, state, pipeline, until):
-    job = _Job(world, folder, pipeline=pipeline, state=state)
+def _train_and_keep(rank, world, folder, state, pipeline, until, hf=False):
+    job = _Job(world, folder, pipeline=pipeline, state=state, hf=hf)
     losses = job.train(until)
-    return losses, *job.state()
+    return losses, *job.state(), job.hf_expected() if hf else None
 
 
 def _resume(rank, world, folder, pipeline, until, step=-1):
@@ -224,10 +243,13 @@ def test_pipelined_resume_is_bit_exact_and_loads_without_pipelining(pool4, tmp_p
     """4 pipelined steps straight == 2 steps + save + new processes + load + 2 steps, bit for bit
     (weights, Muon momentum, AdamW moments, losses): every stage's dedicated weights and momentum
     are in the checkpoint once, under TorchTitan's names. The same checkpoint loads into the job
-    without pipelining (FSDP2 on 4 ranks, other owners) with every weight and optimizer state equal."""
+    without pipelining (FSDP2 on 4 ranks, other owners) with every weight and optimizer state equal,
+    and a checkpoint of that job loads into the pipelined one. The last save, in HF safetensors
+    through llama3's adapter, holds every stage's weights."""
     state = th.initial_state(_model())
-    straight = pool4.run(_train_and_keep, str(tmp_path / "a"), state, True, 4)
+    straight = pool4.run(_train_and_keep, str(tmp_path / "a"), state, True, 4, True)
     first = pool4.run(_train_and_keep, str(tmp_path / "b"), state, True, 2)
+    plain = pool4.run(_train_and_keep, str(tmp_path / "c"), state, False, 2)
     pool4.restart()
     second = pool4.run(_resume, str(tmp_path / "b"), True, 4)
     for rank in range(4):
@@ -237,8 +259,29 @@ def test_pipelined_resume_is_bit_exact_and_loads_without_pipelining(pool4, tmp_p
     _assert_equal(a, b)
     assert any(k.startswith("momentum_buffer/") for k in a) and any(k.startswith("exp_avg/") for k in a)
 
-    # the 2-step pipelined checkpoint, into the job without pipelining (training goes on from step 2)
-    pool4.restart()
+    # the 2-step pipelined checkpoint, into the job without pipelining (no training: until step 2)
     unpipelined = pool4.run(_resume, str(tmp_path / "b"), False, 2, 2)
     _assert_equal(_all_weights(r[1] for r in unpipelined), _all_weights(r[1] for r in first))
     _assert_equal(_merge_owned(r[2] for r in unpipelined), _merge_owned(r[2] for r in first))
+
+    # and back: the checkpoint of the job without pipelining, into the pipelined one
+    pipelined = pool4.run(_resume, str(tmp_path / "c"), True, 2)
+    _assert_equal(_all_weights(r[1] for r in pipelined), _all_weights(r[1] for r in plain))
+    _assert_equal(_merge_owned(r[2] for r in pipelined), _merge_owned(r[2] for r in plain))
+
+    # the straight job's last save: model only, in HF safetensors, every stage's weights
+    _check_hf_export(str(tmp_path / "a" / "ckpt" / "step-4"), _merge_owned(r[3] for r in straight))
+
+
+def _check_hf_export(folder, expected):
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    exported = {}
+    for name in sorted(set(weight_map.values())):
+        exported.update(load_file(os.path.join(folder, name)))
+    _assert_equal(exported, expected)

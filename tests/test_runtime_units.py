@@ -247,6 +247,51 @@ def _copy_in_job(rank, world):
     return _on_fake_pg(4, _copy_in)
 
 
+def _accumulated_grads():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tests.helpers import batches, distribute
+    from titan_dmuon.testing.toy_model import loss_fn
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x, y = batches(1)[0]
+    grads = {}
+    for sync in ("each", "deferred"):
+        setup = distribute(toy_model(), "z2", 1, mp_policy=policy)
+        setup.handle.set_requires_gradient_sync(sync == "each")
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):
+            loss_fn(setup.module(xs), ys).backward()
+        setup.handle.set_requires_gradient_sync(True)
+        setup.handle.reduce_gradients()
+        grads[sync] = {m.fqn: m.param.grad.clone() for m in setup.handle.members}
+    bf16 = {}  # what adding the micro-batches' gradients up in bf16 would give
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        setup = distribute(toy_model(), "z2", 1, mp_policy=policy)
+        loss_fn(setup.module(xs), ys).backward()  # (sync on: the owner's fp32 copy of this bf16 gradient)
+        for m in setup.handle.members:
+            g = m.param.grad.to(torch.bfloat16)
+            bf16[m.fqn] = g if m.fqn not in bf16 else bf16[m.fqn] + g
+    return grads, bf16
+
+
+def test_gradients_accumulate_in_the_reduce_dtype_with_sync_off(solo):
+    """Regression: with gradient sync off the micro-batches' bf16 gradients added up in bf16 on
+    the compute params (autograd's accumulation); FSDP2's no-sync accumulates in the reduce
+    dtype. Now each post-backward moves them into fp32 accumulators: four micro-batches with one
+    deferred reduce give bitwise the gradient of four reduces each added on the owner in fp32 (at
+    world size 1: the same fp32 additions of the same bf16 values in the same order), which a bf16
+    sum does not."""
+    grads, bf16 = solo.run(_accumulated_grads_job)[0]
+    assert grads["each"].keys() == grads["deferred"].keys() == bf16.keys()
+    for fqn, g in grads["each"].items():
+        assert g.dtype == torch.float32 and torch.equal(g, grads["deferred"][fqn]), fqn
+    assert any(not torch.equal(g, bf16[fqn].float()) for fqn, g in grads["each"].items())
+
+
+def _accumulated_grads_job(rank, world):
+    return _on_fake_pg(1, _accumulated_grads)
+
+
 # ---- handle: to_empty() is followed in one place -----------------------------------------------------------
 def _follow_to_empty():
     from tests.helpers import distribute

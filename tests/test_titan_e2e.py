@@ -101,12 +101,15 @@ def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):
     last_stage = {"LOG_RANK": "2"}  # (the loss lives on the last stage: pipeline rank 1 holds stages 1 and 3)
     adamw, _ = parse(run_train(tmp_path / "a", "--training.steps", "1", *pp, config="debug_model_adamw.toml", ngpu=4,
                                env=last_stage))
-    steps, comm = parse(run_train(tmp_path / "b", "--training.steps", "3", config="debug_model_pp.toml", ngpu=4,
-                                  env=last_stage))
+    result = run_train(tmp_path / "b", "--training.steps", "3", config="debug_model_pp.toml", ngpu=4, env=last_stage)
+    steps, comm = parse(result)
     assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
     assert steps[1][0] == adamw[1][0]
     assert steps[1][1] == pytest.approx(adamw[1][1], rel=1e-4)
     assert len(comm) == 3 and all(elements == design > 0 for elements, _, design in comm[1:])
+    # and per model part (this rank holds stages 1 and 3)
+    parts = re.findall(r"part (\d+) ([\d.]+)M, design ([\d.]+)M", result.stdout + result.stderr)
+    assert [p for p, _, _ in parts] == ["0", "1"] * 3 and all(float(e) == float(d) > 0 for _, e, d in parts[2:])
 
 
 def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):

@@ -170,6 +170,11 @@ class DMuonMetricsProcessor(MetricsProcessor):
         if "dmuon/comm_elements_per_rank" in figures:
             sync = (f"{self.microbatches_per_step} micro-batch(es)" if not self.deferred_reduce
                     else "gradient sync once per pipeline step")
+            i = 0
+            while f"dmuon/part{i}/comm_elements_per_rank" in figures:  # per pipeline stage on this rank
+                sync += (f"; part {i} {figures[f'dmuon/part{i}/comm_elements_per_rank'] / 1e6:.4f}M, "
+                         f"design {figures[f'dmuon/part{i}/theory_elements_per_rank'] / 1e6:.4f}M")
+                i += 1
             parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
                 f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
@@ -207,13 +212,18 @@ class DMuonMetricsProcessor(MetricsProcessor):
         handles = dmuon_handles(self.optimizers)
         if handles:
             elements, nbytes, theory, peak, launches, host = Fraction(0), Fraction(0), Fraction(0), 0, 0, 0.0
-            for handle in handles:
+            for part, handle in enumerate(handles):  # (one per pipeline stage this rank holds)
                 host += handle.pop_host_seconds()
                 popped = handle.pop_comm_stats()
-                elements += sum(e for e, _, _ in popped.values())
+                part_elements = sum(e for e, _, _ in popped.values())
+                part_theory = design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
+                if len(handles) > 1:
+                    figures[f"dmuon/part{part}/comm_elements_per_rank"] = float(part_elements / steps)
+                    figures[f"dmuon/part{part}/theory_elements_per_rank"] = float(part_theory)
+                elements += part_elements
+                theory += part_theory
                 nbytes += sum(b for _, b, _ in popped.values())
                 launches += sum(n for _, _, n in popped.values())
-                theory += design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]

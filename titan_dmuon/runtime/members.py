@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from titan_dmuon.muon_math import Block, block_rows, ns_flops
@@ -23,6 +24,7 @@ class Member:
     unit: int = 0  # index of the unit (layer) whose buffer holds it
     offset: int = 0  # into the unit's packed buffer
     compute: nn.Parameter | None = None  # view of the packed buffer that forward and backward use
+    accumulated_grad: torch.Tensor | None = None  # earlier micro-batches' gradients, sync off (reduce dtype)
 
     @property
     def fqn(self) -> str:

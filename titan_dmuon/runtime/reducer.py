@@ -83,9 +83,28 @@ class GradientReducer:
                     launch.reduce(flat, dst=bucket.shard_owner)
         self._in_flight.append(_Flight(Stage.SHARD, launch.in_flight, items))
 
+    @torch.no_grad()
+    def accumulate(self, unit) -> None:
+        """Post-backward with gradient sync off: move the compute grads (the compute dtype, e.g.
+        bf16) into accumulators in the reduce dtype (e.g. fp32), as FSDP2's no-sync does, so that
+        many micro-batches do not add up in bf16. A weight gradient computed later (a split
+        backward's weight pass) lands on the compute param again and joins at the next call or
+        at the reduce."""
+        dtype = self.reduce_dtype
+        for m in unit.members:
+            grad = m.compute.grad
+            if grad is None or dtype is None or grad.dtype == dtype:
+                continue
+            if m.accumulated_grad is None:
+                m.accumulated_grad = grad.to(dtype)
+            else:
+                m.accumulated_grad.add_(grad)
+            m.compute.grad = None
+
     def _copy_in(self, unit) -> list[tuple[Bucket, torch.Tensor]]:
         """One flat buffer per bucket, filled by one foreach copy (and cast) from the compute
-        grads, which are freed; zeros for a member without a gradient on this rank."""
+        grads (plus what sync off accumulated), which are freed; zeros for a member without a
+        gradient on this rank."""
         items, targets, grads, missing = [], [], [], []
         device = self.mode.mesh.device
         for bucket in unit.buckets:
@@ -94,14 +113,18 @@ class GradientReducer:
             offset = 0
             for m in bucket.members:
                 view = flat[offset : offset + m.numel].view(m.shape)
-                if m.compute.grad is None:
+                grad, m.compute.grad = m.compute.grad, None
+                if m.accumulated_grad is not None:
+                    if grad is not None:
+                        m.accumulated_grad.add_(grad)
+                    grad, m.accumulated_grad = m.accumulated_grad, None
+                if grad is None:
                     missing.append(view)
                     if m.runs_ns:
                         self._missing_on_owner.append(m)
                 else:
                     targets.append(view)
-                    grads.append(m.compute.grad)
-                    m.compute.grad = None
+                    grads.append(grad)
                 offset += m.numel
             items.append((bucket, flat))
         if targets:

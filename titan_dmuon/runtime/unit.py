@@ -198,6 +198,7 @@ class Unit:
             # the compute params stay in: pipelining's split backward computes the weight gradients
             # later, for the module's parameters as they are then
             self.holds_unreduced_grads = True
+            self.ctx.reducer.accumulate(self)
 
     def reduce_held_gradients(self) -> None:
         """Gradient sync was off: reduce what accumulated (every member: zeros where none), free."""
