@@ -124,7 +124,7 @@ SAME_ERRORS = [
     (dict(adamw_betas=[0.9]), None, "[optimizer]\nname = \"dmuon\"\nadamw_betas = [0.9]\n"),
     (dict(adjust_lr_fn="rms"), None, "[optimizer]\nname = \"dmuon\"\nadjust_lr_fn = \"rms\"\n"),
     (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
-    ({}, ("parallelism", "tensor_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ntensor_parallel_degree = 2\n"),
+    ({}, ("parallelism", "context_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_degree = 2\n"),
     ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),
     ({}, ("training", "steps", 0), "[optimizer]\nname = \"dmuon\"\n[training]\nsteps = 0\n"),
 ]
@@ -189,7 +189,7 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.tensor_parallel_degree", "2"], None, "parallelism.tensor_parallel_degree = 2: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP), pipeline and expert parallelism"),
+        (["--parallelism.context_parallel_degree", "2"], None, "parallelism.context_parallel_degree = 2: optimizer.name = 'dmuon' supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism"),
         (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
     ],
 )

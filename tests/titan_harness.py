@@ -80,12 +80,28 @@ def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
     return config, ds.model_registry("debugmodel")
 
 
-def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1):
+_SPMD_DIMS: dict = {}  # per worker process: the spmd_types backend keeps the first ParallelDims' meshes
+
+
+def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1):
+    """TorchTitan's ParallelDims. With tensor parallelism (spmd_types backend) one object per layout
+    and worker process, as in a trainer process: the backend's SPMD annotations name the meshes
+    of the first one built, and FSDP2 refuses parameters annotated with another mesh object."""
+    if tp > 1:
+        key = (world, replicate, ep, tp)
+        if key not in _SPMD_DIMS:
+            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+        return _SPMD_DIMS[key]
+    return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+
+
+def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
     from torchtitan.distributed import ParallelDims
 
     return ParallelDims(
-        dp_replicate=replicate, dp_shard=world // replicate, cp=1, tp=1, pp=1, ep=ep, world_size=world,
-        spmd_backend="partial_dtensor",  # expert parallelism runs on gloo only with this backend
+        dp_replicate=replicate, dp_shard=world // (replicate * tp), cp=1, tp=tp, pp=1, ep=ep, world_size=world,
+        # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards
+        spmd_backend="spmd_types" if tp > 1 else "partial_dtensor",
     )
 
 
@@ -104,7 +120,8 @@ def build(
 
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)  # as Trainer.__init__ does
-    parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep)
+    parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep,
+                                    tensor_parallel_degree=dims.tp)
     model_config.update_from_config(config=_Parallelism(parallelism))  # sharding plans (expert parallelism)
     cpu.use_sdpa_attention(model_config)
     with torch.device("meta"):
@@ -158,7 +175,7 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
 
     from torchtitan.distributed import utils as dist_utils
 
-    world = dist.get_world_size()
+    world = dist.get_world_size() // dims.tp  # data-parallel ranks (tp ranks see the same batch)
     rank = dims.get_mesh("batch").get_local_rank() if world > 1 else 0
     context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     losses = []
@@ -167,9 +184,13 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
         local = tokens[rank * b : (rank + 1) * b]
         with context():
             logits = model(local[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum") / (
-                tokens.shape[0] * SEQ
-            )
+            if dims.tp > 1:  # loss parallel (TorchTitan's): each tp rank holds its vocabulary shard of the logits
+                from torchtitan.components.loss import _LossParallelCrossEntropy
+
+                summed = _LossParallelCrossEntropy.apply(logits, local[:, 1:], dims.get_mesh("tp").get_group(), VOCAB, "sum")
+            else:
+                summed = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+            loss = summed / (tokens.shape[0] * SEQ)
             loss.backward()
         if clip is None:
             from titan_dmuon.integration.trainer import dmuon_handles
@@ -181,7 +202,7 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         container.step()
         container.zero_grad()
-        total = loss.detach().clone()
+        total = loss.detach().clone() / dims.tp
         dist.all_reduce(total)
         losses.append(total.item())
     return losses

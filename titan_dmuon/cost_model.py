@@ -22,7 +22,9 @@ def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, defer
     and one reduce at the end (pipelining): the weights stay gathered, so one broadcast and one
     reduce per step whatever the micro-batches, Z2 or Z3. HSDP (R replicas) adds a
     replicate-group reduce and a post-step broadcast; each involves only the R owners of a
-    matrix, so averaged over all R*N ranks each costs (R-1)/R * numel / N per rank."""
+    matrix, so averaged over all R*N ranks each costs (R-1)/R * numel / N per rank. Tensor
+    parallelism (``mode.tp``; ``numel`` TP-local) adds the step's all-to-alls on the TP group
+    (``tensor_parallel_elements_per_rank``); TorchTitan's own TP collectives are not DMuon's."""
     n, r = mode.mesh.shard_size, mode.mesh.replicate_size
     if kept_unit_numel and (deferred or not mode.reshard_after_forward):
         raise ValueError("kept_unit_numel applies to Z3 (reshard_after_forward=True) with gradient sync on only")
@@ -30,7 +32,20 @@ def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, defer
     total = passes * Fraction(n - 1, n) * numel - Fraction(n - 1, n) * kept_unit_numel
     if r > 1:
         total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
+    tp = getattr(mode, "tp", None)
+    if tp is not None:
+        total += tensor_parallel_elements_per_rank(tp.size, numel=numel, data_parallel_ranks=n * r)
     return total
+
+
+def tensor_parallel_elements_per_rank(tp_size: int, *, numel: int, data_parallel_ranks: int) -> Fraction:
+    """The Muon step's TP-group all-to-alls (tensor parallelism over T ranks), per rank averaged over
+    all ranks. ``numel``: the TP-local elements of all Muon targets (the plan's total). Each matrix
+    (full size T * n) goes once in the job from its T shards to its NS home and back: (T-1) * n
+    elements each way, so 2(T-1)/T^2 x the full elements each rank owns, on average over the
+    R*N*T ranks: 2(T-1)/T * numel / (R*N)."""
+    t = tp_size
+    return 2 * Fraction(t - 1, t) * Fraction(numel, data_parallel_ranks)
 
 
 def design_elements_per_rank(handle, *, deferred: bool = False) -> Fraction:

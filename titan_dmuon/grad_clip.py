@@ -112,14 +112,19 @@ def _common_mesh(meshes: list):
     if not meshes:
         return None
     distinct = list({id(m): m for m in meshes}.values())
+    if len(distinct) == 1:
+        return distinct[0]
     # (DeviceMesh.mesh is a CPU tensor: reading it never syncs with a device)
-    ranks = {tuple(m.mesh.flatten().tolist()) for m in distinct} if len(distinct) > 1 else {()}
-    if len(ranks) > 1:
+    ranks = {id(m): set(m.mesh.flatten().tolist()) for m in distinct}
+    # the mesh over all of them: with tensor parallelism FSDP2's (dp x tp) mesh holds the dedication
+    # mesh (dp); a sum over all its ranks counts every owner's (TP-shard) gradient once
+    widest = [m for m in distinct if all(ranks[id(o)] <= ranks[id(m)] for o in distinct)]
+    if not widest:
         raise NotImplementedError(
-            "clip_grad_norm_ found gradients on device meshes over different ranks; it supports one "
-            "data-parallel world (dedicated weights and FSDP2/DDP on the same ranks)"
+            "clip_grad_norm_ found gradients on device meshes over different ranks, none of which holds the "
+            "others; it supports one data-parallel (x tensor-parallel) world"
         )
-    return max(meshes, key=lambda m: m.ndim)
+    return max(widest, key=lambda m: (len(ranks[id(m)]), m.ndim))
 
 
 def _device_of(params: list[torch.Tensor]) -> torch.device:

@@ -266,3 +266,59 @@ def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
     small, large = min(rows, cols), max(rows, cols)
     # per step: X X^T (s*s*l), poly = b A + c A A (s^3), poly X (s*s*l); x2 for multiply-add
     return 2 * steps * (2 * small * small * large + small**3)
+
+
+def orthogonalise(
+    matrices: Sequence[torch.Tensor],
+    *,
+    ns_mode: str = "batched",
+    steps: int = NS_STEPS,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+) -> list[torch.Tensor]:
+    """Newton–Schulz of whole bf16 2-D matrices (e.g. assembled from tensor-parallel shards), in bf16.
+
+    ``"exact"``: each through ``torch.optim.Muon``'s own Newton–Schulz, which casts its input to bf16
+    first, so a matrix given as the bf16 of Muon's input gets bitwise Muon's result. ``"batched"``:
+    equally shaped matrices (up to transposition) share batched calls. The inputs may be overwritten."""
+    if ns_mode == "exact":
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]
+    if ns_mode != "batched":
+        raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
+    for (short, long), group in groups.items():
+        per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))
+        for first in range(0, len(group), per_batch):
+            chosen = group[first : first + per_batch]
+            stack = torch.stack([matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i]
+                                 for i in chosen]).bfloat16()
+            result = _newton_schulz_wide_(stack, steps, coefficients, eps)
+            for k, i in enumerate(chosen):
+                out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
+    return out
+
+
+def local_block_rows(block: Block, *, tp_dim: int, tp_rank: int, local_rows: int) -> list[tuple[int, int, int]]:
+    """A full-matrix row block as seen by one tensor-parallel shard: ``(local_start, local_stop,
+    offset)`` ranges of the shard's rows, ``offset`` being where they sit in the block's rows. A
+    column-wise shard (``tp_dim`` 0) holds rows ``[tp_rank * local_rows, (tp_rank + 1) * local_rows)``
+    of the full matrix; a row-wise one (``tp_dim`` 1) holds every row."""
+    if tp_dim == 1:
+        out, offset = [], 0
+        for start, stop in block:
+            out.append((start, stop, offset))
+            offset += stop - start
+        return out
+    first, last = tp_rank * local_rows, (tp_rank + 1) * local_rows
+    out, offset = [], 0
+    for start, stop in block:
+        lo, hi = max(start, first), min(stop, last)
+        if lo < hi:
+            out.append((lo - first, hi - first, offset + lo - start))
+        offset += stop - start
+    return out

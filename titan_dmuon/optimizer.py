@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from titan_dmuon.muon_math import muon_step
+from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise
 from titan_dmuon.options import OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
@@ -104,7 +104,34 @@ class DMuon(torch.optim.Optimizer):
         the load."""
         for handle in self._handles:
             handle.wait_for_replicate_broadcasts(host=True)
-        return super().state_dict()
+        packed = super().state_dict()
+        for index, p, member, handle in self._tensor_parallel_params():
+            state = packed["state"].get(index)
+            if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
+                packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+        return packed
+
+    def load_state_dict(self, state_dict) -> None:
+        """Momentum of tensor-parallel shards arrives as DTensors of the full matrix (``state_dict``):
+        each rank keeps its shard."""
+        states = state_dict.get("state", {})
+        for index, _, member, handle in self._tensor_parallel_params():
+            state = states.get(index)
+            if state is not None and isinstance(state.get("momentum_buffer"), DTensor):
+                states[index] = {**state, "momentum_buffer": state["momentum_buffer"].to_local()}
+        super().load_state_dict(state_dict)
+
+    def _tensor_parallel_params(self):
+        """(state-dict index, param, member, handle) of each TP-sharded dedicated weight, in the
+        numbering ``Optimizer.state_dict`` gives parameters."""
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                for handle in self._handles:
+                    member = handle.member_of(p)
+                    if member is not None and member.entry.tp_dim is not None:
+                        yield index, p, member, handle
+                index += 1
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -138,7 +165,7 @@ class DMuon(torch.optim.Optimizer):
                             )
                         continue
                     if member.runs_ns and p.grad is not None:
-                        by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member.entry.blocks))
+                        by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member))
             for chunk in _pipeline_chunks(handle.step_units()):
                 for unit in chunk:
                     handle.before_update(unit)
@@ -147,7 +174,12 @@ class DMuon(torch.optim.Optimizer):
                     for key, (group, items) in by_unit.get(unit.index, {}).items():
                         work.setdefault(key, (group, []))[1].extend(items)
                 for group, items in work.values():
-                    self._update(group, [p for p, _ in items], [b for _, b in items])
+                    plain = [(p, m) for p, m in items if m.entry.tp_dim is None]
+                    if plain:
+                        self._update(group, [p for p, _ in plain], [m.entry.blocks for _, m in plain])
+                    sharded = [(p, m) for p, m in items if m.entry.tp_dim is not None]
+                    if sharded:  # (the same list on every rank of the TP group: one owner coordinate)
+                        self._update_tensor_parallel(group, handle, sharded)
                 for unit in chunk:
                     handle.updated(unit)
         for group in groups:
@@ -190,6 +222,39 @@ class DMuon(torch.optim.Optimizer):
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
             )
+
+    def _update_tensor_parallel(self, group: dict, handle, items: list) -> None:
+        """Muon on TP-local shards (a collective on the TP group): torch.optim.Muon's elementwise
+        steps on the shards, Newton–Schulz of the assembled matrices on their NS homes
+        (``TensorParallelNewtonSchulz``), each row block's update scaled for the full block."""
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        inputs = []
+        for p, _ in items:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buffer = state["momentum_buffer"]
+            buffer.lerp_(p.grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
+            inputs.append((p.grad.lerp(buffer, momentum) if nesterov else buffer).bfloat16())
+        if self._ns_timer is None:
+            self._ns_timer = DeviceTimer(items[0][0].device)
+
+        def orthogonalise_fn(matrices):
+            return orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
+                                 coefficients=group["ns_coefficients"], eps=group["eps"])
+
+        with self._ns_timer.timing(accumulate=self._ns_matrices > 0):
+            updates, count = handle.tensor_parallel_ns.orthogonalise([m.entry for _, m in items], inputs, orthogonalise_fn)
+        self._ns_matrices += count
+        tp_rank = handle.mode.tp.rank
+        for (p, member), update in zip(items, updates):
+            entry = member.entry
+            p.mul_(1 - lr * group["weight_decay"])
+            for block in entry.blocks:
+                rows = block_rows(block)
+                scale = adjusted_lr(lr, group["adjust_lr_fn"], (rows, entry.full_shape[-1]))
+                for start, stop, _ in local_block_rows(block, tp_dim=entry.tp_dim, tp_rank=tp_rank, local_rows=entry.shape[0]):
+                    p[start:stop].add_(update[start:stop], alpha=-scale)
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

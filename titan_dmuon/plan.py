@@ -36,10 +36,22 @@ class MatrixSpec:
     shape: tuple[int, ...]
     unit: int
     blocks: tuple[Block, ...]
+    tp_dim: int | None = None
+    """Tensor parallelism: the dim of the full matrix that the tp ranks split (``shape`` is then
+    this rank's TP-local shard, what DMuon broadcasts and reduces; ``blocks`` are rows of the full
+    matrix, which Newton–Schulz orthogonalises)."""
+    tp_size: int = 1
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The whole matrix (or stack): ``shape`` with the tensor-parallel dim times ``tp_size``."""
+        if self.tp_dim is None:
+            return self.shape
+        return tuple(n * self.tp_size if d == self.tp_dim else n for d, n in enumerate(self.shape))
 
     @property
     def matrices(self) -> int:
@@ -47,15 +59,20 @@ class MatrixSpec:
         return self.shape[0] if len(self.shape) == 3 else 1
 
     def ns_flops(self, ns_steps: int = NS_STEPS) -> int:
-        return self.matrices * sum(ns_flops(block_rows(b), self.shape[-1], ns_steps) for b in self.blocks)
+        return self.matrices * sum(ns_flops(block_rows(b), self.full_shape[-1], ns_steps) for b in self.blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanEntry(MatrixSpec):
-    """A matrix with its owner (global rank r * N + s) and its NS cost."""
+    """A matrix with its owner (global rank r * N + s) and its NS cost.
+
+    Under tensor parallelism the owner is a data-parallel coordinate: the T ranks (owner, tp =
+    0..T-1) hold the T shards, and ``tp_home`` is the tp rank that assembles the matrix and runs
+    its Newton–Schulz."""
 
     owner: int
     ns_flops: int
+    tp_home: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +124,7 @@ class OwnershipPlan:
     def digest(self) -> str:
         payload = json.dumps(
             [self.replicate_size, self.shard_size, list(self.local_load)]
-            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner] for e in self.entries]
+            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner, e.tp_dim, e.tp_size, e.tp_home] for e in self.entries]
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -148,14 +165,31 @@ def build_plan(
         rank = min(range(len(load)), key=lambda r: (load[r], r))
         owners[i] = rank
         load[rank] += costs[i]
+    homes = _tp_homes(specs, owners, costs)
     entries = tuple(
-        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, owner=o, ns_flops=c)
-        for s, o, c in zip(specs, owners, costs)
+        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
+                  owner=o, ns_flops=c, tp_home=h)
+        for s, o, c, h in zip(specs, owners, costs, homes)
     )
     return OwnershipPlan(
         replicate_size=replicate_size, shard_size=shard_size, entries=entries,
         local_load=tuple(initial_load) if initial_load is not None else (),
     )
+
+
+def _tp_homes(specs: Sequence[MatrixSpec], owners: list[int], costs: list[int]) -> list[int]:
+    """Per tensor-parallel matrix, the tp rank that runs its Newton–Schulz: within each data-parallel
+    owner's matrices, layer by layer, longest first to the least-loaded tp rank (the load carried over
+    the layers), so each step chunk's and the whole step's NS are balanced over the TP group."""
+    homes = [0] * len(specs)
+    load: dict[int, list[int]] = {}
+    for i in sorted(range(len(specs)), key=lambda i: (specs[i].unit, -costs[i], i)):
+        if specs[i].tp_dim is None:
+            continue
+        ranks = load.setdefault(owners[i], [0] * specs[i].tp_size)
+        homes[i] = min(range(len(ranks)), key=lambda t: (ranks[t], t))
+        ranks[homes[i]] += costs[i]
+    return homes
 
 
 def validate_across_ranks(

@@ -122,7 +122,7 @@ def parallelize_with_dmuon(
             "at the first one (TorchTitan's apply_fsdp_to_decoder); use optimizer.name = 'AdamW' for this model"
         )
     if dedication.handle is not None:
-        _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1)
+        _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1, parallel_dims=parallel_dims)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
     return model
@@ -164,6 +164,13 @@ class _Dedication:
         targets = muon_parameters(model, self.settings.muon_params)
         if not targets:
             return None
+        tp_mesh, tp_dims = None, None
+        if dims.tp_enabled:
+            if routed_expert_counts(model):
+                raise NotImplementedError(tensor_parallel_moe_limit())
+            tp_mesh = dims.get_mesh("tp")
+            names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+            tp_dims = {p: tensor_parallel_dim(names[id(p)], p) for p in targets}
         return dedicate_params(
             model,
             targets,
@@ -174,11 +181,37 @@ class _Dedication:
                 reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
                 cast_forward_inputs=False,
             ),
-            split_rows={p: blocks for p, blocks in fused_qkv_blocks(model).items() if any(p is t for t in targets)},
+            split_rows={p: blocks for p, blocks in fused_qkv_blocks(model, dims.tp).items() if any(p is t for t in targets)},
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
             expert_sharding=expert_sharding(model, dims),
             initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
+            tp_mesh=tp_mesh,
+            tp_shard_dims=tp_dims,
         )
+
+
+def tensor_parallel_dim(fqn: str, param) -> int:
+    """The dim of a TP-local Muon target that TorchTitan's tensor parallelism splits, read from its
+    SPMD annotation (spmd_types backend): 0 for column-wise (wq/wk/wv/wqkv, w1, w3), 1 for row-wise."""
+    from spmd_types.runtime import get_partition_spec
+
+    spec = get_partition_spec(param) if hasattr(param, "_partition_spec") else None
+    sharded = [d for d, entry in enumerate(spec or ()) if entry is not None]
+    if len(sharded) != 1 or isinstance(spec[sharded[0]], tuple):
+        raise NotImplementedError(
+            f"{fqn!r} has tensor-parallel layout {spec}: DMuon's tensor parallelism takes weights split along "
+            "one dim by the tp mesh (TorchTitan's column- and row-wise parallel linears); leave this weight "
+            "off optimizer.muon_params"
+        )
+    return sharded[0]
+
+
+def tensor_parallel_moe_limit() -> str:
+    return (
+        "parallelism.tensor_parallel_degree > 1 with a MoE model: DMuon does not support tensor-parallel experts "
+        "and router yet (expert weights are 3-D, updated where expert parallelism puts them); use "
+        "tensor_parallel_degree = 1 with expert parallelism, or optimizer.name = 'AdamW'"
+    )
 
 
 @contextlib.contextmanager
@@ -237,21 +270,50 @@ def routed_expert_counts(model: nn.Module) -> list[int]:
     return [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
 
 
-def _initialise_as_titan_would(handle, *, sharded: bool) -> None:
+def _initialise_as_titan_would(handle, *, sharded: bool, parallel_dims) -> None:
     """TorchTitan initialises weights after parallelizing, on every rank, on FSDP2's DTensor
     shards (or DDP's full replicas). While a module initialises, its dedicated weights take
     that form (``DedicatedParams.initialising``), so TorchTitan's initialisers run unchanged,
     every rank draws exactly the random numbers it draws without DMuon, and for the same
     ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
     Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
+    layout = _fsdp_tp_layout(parallel_dims) if handle.mode.tp is not None else None
     for module in handle.owning_modules:
         init_states = module.init_states
 
         def init_like_titan(*args, _init=init_states, _module=module, **kwargs):
-            with handle.initialising(_module, sharded=sharded, shard_dim=lambda m: 1 if len(m.entry.shape) == 3 else 0):
+            with handle.initialising(_module, sharded=sharded, shard_dim=lambda m: 1 if len(m.entry.shape) == 3 else 0,
+                                     layout=layout):
                 return _init(*args, **kwargs)
 
         module.init_states = init_like_titan
+
+
+def _fsdp_tp_layout(parallel_dims):
+    """``layout`` for ``DedicatedParams.initialising`` under tensor parallelism: the DTensor FSDP2 makes
+    of a TP-local weight (TorchTitan's dense storage mesh: replicate x shard x tp), so initialisers
+    draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard: a strided
+    shard of the full matrix when tensor parallelism split dim 0 too."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
+
+    mesh, _ = resolve_fsdp_mesh(parallel_dims)
+    tp = parallel_dims.tp
+
+    def layout(member):
+        dim = member.entry.tp_dim
+        placements = []
+        for name in mesh.mesh_dim_names:
+            if name == "tp":
+                placements.append(Shard(dim))
+            elif name == "dp_shard":
+                placements.append(_StridedShard(0, split_factor=tp) if dim == 0 else Shard(0))
+            else:
+                placements.append(Replicate())
+        return mesh, tuple(placements)
+
+    return layout
 
 
 def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Module:
@@ -282,11 +344,14 @@ def muon_parameters(model: nn.Module, patterns) -> list[nn.Parameter]:
     return chosen
 
 
-def fused_qkv_blocks(model: nn.Module) -> dict[nn.Parameter, list[list[tuple[int, int]]]]:
-    """Row blocks (q, k, v) of every fused wqkv weight, in TorchTitan's grouped layout.
+def fused_qkv_blocks(model: nn.Module, tp: int = 1) -> dict[nn.Parameter, list[list[tuple[int, int]]]]:
+    """Row blocks (q, k, v) of every fused wqkv weight, in TorchTitan's grouped layout, as rows of
+    the full matrix.
 
     FusedQKVLinear stores rows as [kv group][hpk q heads, 1 k head, 1 v head][head_dim];
-    the q rows of all groups, in order, are exactly the unfused wq (likewise k, v).
+    the q rows of all groups, in order, are exactly the unfused wq (likewise k, v). Column-wise
+    tensor parallelism over ``tp`` ranks gives each rank whole kv groups (the weight it holds is
+    its ``1/tp`` of the rows), so the full matrix has ``tp`` times the groups of the local one.
     """
     from torchtitan.models.common.attention import FusedQKVLinear
 
@@ -295,7 +360,7 @@ def fused_qkv_blocks(model: nn.Module) -> dict[nn.Parameter, list[list[tuple[int
         if isinstance(module, FusedQKVLinear):
             hd, hpk, r = module.head_dim, module.heads_per_kv, module.r_dim
             weight = module.wqkv.weight
-            groups = weight.shape[0] // (r * hd)
+            groups = weight.shape[0] * tp // (r * hd)
             starts = [g * r * hd for g in range(groups)]
             blocks[weight] = [
                 [(s, s + hpk * hd) for s in starts],
@@ -314,4 +379,6 @@ def dedication_mesh(parallel_dims, spmd: bool):
         return parallel_dims.get_mesh(shard_name)
     if replicate > 1:
         return parallel_dims.get_mesh("dp_replicate")
+    if parallel_dims.tp_enabled:  # one data-parallel rank: a mesh of one (the world mesh is the tp ranks)
+        return parallel_dims.get_mesh(shard_name)
     return parallel_dims.world_mesh

@@ -128,17 +128,33 @@ def validate_dmuon(
     return _validate_against_model(config, world_size, names, this_machine=this_machine)
 
 
+CONTEXT_PARALLEL_REASON = (
+    "TorchTitan's context parallelism does not run without an accelerator, with any optimizer: the spmd_types "
+    "backend needs FlexAttention, which has no CPU backward, and partial_dtensor's ring attention has no CPU SDPA "
+    "kernel; DMuon's dedication over dp_shard x cp is not offered until it can be tested"
+)
+
+
 def check_supported(*, parallelism, compile_config, training) -> None:
     """DMuon's TorchTitan limits (NotImplementedError, which validate_dmuon words for the door)."""
-    unsupported = {
-        "parallelism.tensor_parallel_degree": parallelism.tensor_parallel_degree,
-        "parallelism.context_parallel_degree": parallelism.context_parallel_degree,
-    }
-    for key, degree in unsupported.items():
-        if degree != 1:
+    if parallelism.context_parallel_degree != 1:
+        raise NotImplementedError(
+            f"parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: optimizer.name = 'dmuon' "
+            "supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism "
+            f"({CONTEXT_PARALLEL_REASON}); set it to 1 or use optimizer.name = 'AdamW'"
+        )
+    if parallelism.tensor_parallel_degree > 1:
+        if parallelism.spmd_backend == "partial_dtensor":
             raise NotImplementedError(
-                f"{key} = {degree}: optimizer.name = 'dmuon' supports data parallelism (FSDP, HSDP, DDP), "
-                "pipeline and expert parallelism; set it to 1 or use optimizer.name = 'AdamW'"
+                "parallelism.tensor_parallel_degree > 1 with parallelism.spmd_backend = 'partial_dtensor': that backend "
+                "makes tensor-parallel weights DTensors before FSDP2, and DMuon dedicates TP-local shards as the "
+                "'spmd_types' backend (the default) keeps them; use spmd_backend = 'spmd_types'"
+            )
+        if compile_config.enable_async_tensor_parallel:
+            raise NotImplementedError(
+                "compile.enable_async_tensor_parallel = true with optimizer.name = 'dmuon': async TP fuses the "
+                "tensor-parallel collectives with the matmuls inside compiled graphs, which DMuon's swapped-in "
+                "weight views are not tested under; set it to false (TP stays synchronous)"
             )
     if parallelism.spmd_backend == "full_dtensor":
         raise NotImplementedError(

@@ -36,6 +36,8 @@ def dedicate_params(
     gradient_divide_factor: float | None = None,
     expert_sharding: str = "auto",
     initial_load: Sequence[int] | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
 ) -> DedicatedParams:
     """Give each of ``params`` one owner rank on ``mesh``; call before ``fully_shard``/DDP.
 
@@ -70,8 +72,15 @@ def dedicate_params(
         initial_load: Newton–Schulz FLOPs per rank (``r * N + s`` order) that the ranks of this
             mesh already have from other handles, e.g. the other pipeline stages a rank holds
             (``handle.plan.ns_flops_per_rank``): the plan balances the total.
+        tp_mesh, tp_shard_dims: tensor parallelism. ``params`` are then this rank's TP-local shards
+            of the full weights, ``tp_shard_dims[p]`` the dim of the full matrix the ``tp_mesh``
+            ranks split (0: column-wise parallel, 1: row-wise), given for every one of ``params``;
+            ``split_rows`` then names rows of the full matrix. Each matrix has one data-parallel
+            owner coordinate, whose T tp ranks hold its T shards; the Muon step assembles it on one
+            of them (its NS home) with an all-to-all on the TP group and sends the result back.
     """
-    mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding)
+    mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
+                                tp_mesh=tp_mesh)
     mesh_info = mode.mesh
     _check_not_wrapped(module)
     params = list(params)
@@ -120,9 +129,15 @@ def dedicate_params(
                 "give split_rows only for parameters you pass to dedicate_params"
             )
 
+    tp_dims = _checked_tp_dims(mode, resolved, tp_shard_dims, sites)
+
+    def full_shape(p) -> tuple[int, ...]:
+        dim = tp_dims.get(id(p))
+        return tuple(p.shape) if dim is None else tuple(n * mode.tp.size if d == dim else n for d, n in enumerate(p.shape))
+
     def blocks_of(fqn, p):
         try:
-            return tuple(row_blocks(p.shape[-2:], split_rows.get(p)))
+            return tuple(row_blocks(full_shape(p)[-2:], split_rows.get(p)))
         except ValueError as e:
             raise ValueError(f"parameter {fqn!r}: {e}") from None
 
@@ -140,7 +155,8 @@ def dedicate_params(
     unit_index: dict[int, int] = {}
     for (fqn, p, _, _), unit_module in zip(resolved, unit_modules):
         idx = unit_index.setdefault(id(unit_module), len(unit_index))
-        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p)))
+        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p), tp_dim=tp_dims.get(id(p)),
+                                tp_size=mode.tp.size if id(p) in tp_dims else 1))
     replicate_size, shard_size = mesh_info.replicate_size, mesh_info.shard_size
     load = _local_expert_load(local, replicate_size, shard_size) if local else [0] * mesh_info.world_size
     if initial_load is not None:
@@ -149,7 +165,7 @@ def dedicate_params(
         load = [a + int(b) for a, b in zip(load, initial_load)]
     plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size,
                       initial_load=load if (local or initial_load is not None) else None)
-    validate_across_ranks(plan, mesh_info.groups, mesh_info.device)
+    validate_across_ranks(plan, mesh_info.groups + ([mode.tp.group] if mode.tp else []), mesh_info.device)
 
     members = []
     for (_, p, owner_module, name), entry in zip(resolved, plan.entries):
@@ -176,6 +192,32 @@ def dedicate_params(
         for idx in range(len(unit_index))
     ]
     return DedicatedParams(module=module, plan=plan, ctx=ctx, members=members, mp_policy=mp_policy, local_experts=local)
+
+
+def _checked_tp_dims(mode: DedicationMode, resolved, tp_shard_dims, sites) -> dict[int, int]:
+    """{id(param): tensor-parallel dim}, checked: with a tp mesh every dedicated weight is a 2-D TP shard."""
+    tp_shard_dims = dict(tp_shard_dims or {})
+    if tp_shard_dims and mode.tp is None:
+        raise ValueError("tp_shard_dims was given without a tp_mesh of more than one rank; pass tp_mesh=")
+    dims = {id(p): d for p, d in tp_shard_dims.items()}
+    names = {id(p): fqn for fqn, p, _, _ in resolved}
+    for p, d in tp_shard_dims.items():
+        if id(p) not in names:
+            where = sites.get(id(p))
+            raise ValueError(f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not being "
+                             "dedicated (or is a 3-D expert weight left to FSDP2)")
+        if d not in (0, 1):
+            raise ValueError(f"tp_shard_dims[{names[id(p)]!r}] = {d!r}: expected 0 (column-wise) or 1 (row-wise)")
+    if mode.tp is not None:
+        for fqn, p, _, _ in resolved:
+            if p.ndim != 2:
+                raise NotImplementedError(
+                    f"{fqn!r} of shape {tuple(p.shape)}: DMuon's tensor parallelism takes 2-D weights only "
+                    "(expert weights under tensor parallelism are not supported)")
+            if id(p) not in dims:
+                raise ValueError(f"{fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
+                                 "TP-local shard and needs its dim (0 or 1)")
+    return dims
 
 
 def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:

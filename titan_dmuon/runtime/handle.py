@@ -43,6 +43,7 @@ from titan_dmuon.runtime.context import RuntimeContext, UnitOrderError
 from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
+from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
 from titan_dmuon.runtime.unit import BufferState, Phase, Unit
 
 
@@ -144,6 +145,9 @@ class DedicatedParams:
             module.register_forward_pre_hook(self._root_pre_forward),
             module.register_forward_hook(self._root_post_forward),
         ]
+        self.tensor_parallel_ns = (
+            TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, self.mode.mesh.device) if self.mode.tp else None
+        )
         self._initialized = False
         self._callback_queued = False
         for owner in self.owning_modules:
@@ -287,11 +291,40 @@ class DedicatedParams:
             if mesh.shard_size > 1:
                 with comm_source("dmuon.export"):
                     dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
-            out[m.fqn] = full
+            out[m.fqn] = self.tp_full(m, full)
         return out
 
+    def tp_full(self, member: Member, shard: torch.Tensor) -> torch.Tensor:
+        """The full matrix from this rank's TP-local ``shard`` of ``member`` (an all-gather on the TP
+        group); ``shard`` itself without tensor parallelism."""
+        tp = self.mode.tp
+        if member.entry.tp_dim is None:
+            return shard
+        parts = [torch.empty_like(shard) for _ in range(tp.size)]
+        with comm_source("dmuon.export"):
+            dist.all_gather(parts, shard.contiguous(), group=tp.group)
+        return torch.cat(parts, dim=member.entry.tp_dim)
+
+    def tp_local(self, member: Member, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local shard of a full value of ``member`` (a view)."""
+        if member.entry.tp_dim is None:
+            return full
+        return full.chunk(self.mode.tp.size, dim=member.entry.tp_dim)[self.mode.tp.rank]
+
+    def as_sharded(self, member: Member, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's TP shard of ``member``, e.g. its weight or momentum) as a DTensor of
+        the full matrix on the TP mesh, for DCP, which then saves and reshards whole matrices; a
+        plain tensor without tensor parallelism."""
+        if member.entry.tp_dim is None:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        full = torch.Size(member.entry.full_shape)
+        return DTensor.from_local(local, self.mode.tp.mesh, [Shard(member.entry.tp_dim)], run_check=False,
+                                  shape=full, stride=torch.empty(full, device="meta").stride())
+
     @contextlib.contextmanager
-    def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None):
+    def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None, layout=None):
         """While ``module`` initialises its dedicated weights, give each the form it would have in
         the same model without DMuon, so that the initialiser draws the same random numbers:
 
@@ -303,6 +336,10 @@ class DedicatedParams:
         On exit the owners keep the assembled full weight (one all-gather per sharded weight:
         a collective, at the same point on every rank) and the other ranks their 0-element
         placeholders. Transient memory: one full weight per rank at a time.
+
+        ``layout(member) -> (mesh, placements)`` overrides the DTensor layout of the full matrix
+        (tensor parallelism: FSDP2's layout over the data-parallel and tp dims); each holder then
+        keeps its TP-local shard.
         """
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -311,15 +348,19 @@ class DedicatedParams:
         members = self.members_of(module)
         stand_ins = []
         for m in members:
-            if sharded:
-                dim = shard_dim(m) if shard_dim is not None else 0
-                placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
-                local_shape, _ = compute_local_shape_and_global_offset(torch.Size(m.shape), mesh, placements)
+            full = torch.Size(m.entry.full_shape)
+            if layout is not None or sharded:
+                if layout is not None:
+                    stand_in_mesh, placements = layout(m)
+                else:
+                    dim = shard_dim(m) if shard_dim is not None else 0
+                    stand_in_mesh, placements = mesh, ((Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim)))
+                local_shape, _ = compute_local_shape_and_global_offset(full, stand_in_mesh, placements)
                 local = torch.empty(local_shape, dtype=m.param.dtype, device=m.param.device)
-                data = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(m.shape),
-                                          stride=torch.empty(m.shape, device="meta").stride())
+                data = DTensor.from_local(local, stand_in_mesh, placements, run_check=False, shape=full,
+                                          stride=torch.empty(full, device="meta").stride())
             else:
-                data = torch.empty(m.shape, dtype=m.param.dtype, device=m.param.device)
+                data = torch.empty(full, dtype=m.param.dtype, device=m.param.device)
             stand_ins.append(nn.Parameter(data, requires_grad=m.param.requires_grad))
             m.module._parameters[m.name] = stand_ins[-1]
         completed = False
@@ -331,9 +372,10 @@ class DedicatedParams:
                 m.module._parameters[m.name] = m.param
                 if completed:
                     with torch.no_grad():
-                        full = stand_in.data.full_tensor() if sharded else stand_in.data
+                        value = stand_in.data
+                        full = value.full_tensor() if isinstance(value, DTensor) else value
                         if m.holds_full:
-                            m.param.copy_(full)
+                            m.param.copy_(self.tp_local(m, full))
         if completed:
             self.weights_changed()
 

@@ -76,15 +76,36 @@ class MeshInfo:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
+class TensorParallelInfo:
+    """The tensor-parallel group of this rank's TP-local shards (ranks with the same data-parallel
+    coordinate): the Muon step's all-to-alls assemble each matrix on its NS home there."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> TensorParallelInfo:
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            raise ValueError(f"tp_mesh must be a 1-D DeviceMesh (the tensor-parallel dim), got {mesh!r}")
+        return cls(mesh=mesh, group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class DedicationMode:
     """Z2/Z3 on a mesh, and where 3-D expert weights are updated."""
 
     mesh: MeshInfo
     reshard_after_forward: bool  # True: Z3 (free each layer's buffer after forward); False: Z2
     expert_sharding: str = "auto"
+    tp: TensorParallelInfo | None = None  # tensor parallelism: dedicated weights are TP-local shards
 
     @classmethod
-    def build(cls, mesh: DeviceMesh, *, reshard_after_forward: bool, expert_sharding: str = "auto") -> DedicationMode:
+    def build(
+        cls, mesh: DeviceMesh, *, reshard_after_forward: bool, expert_sharding: str = "auto",
+        tp_mesh: DeviceMesh | None = None,
+    ) -> DedicationMode:
         if expert_sharding not in EXPERT_SHARDINGS:
             raise ValueError(f"expert_sharding must be one of {EXPERT_SHARDINGS}, got {expert_sharding!r}")
         if not isinstance(reshard_after_forward, bool):
@@ -92,7 +113,9 @@ class DedicationMode:
                 f"reshard_after_forward must be a bool (True = Z3, False = Z2), got {reshard_after_forward!r} "
                 f"of type {type(reshard_after_forward).__name__}"
             )
-        return cls(mesh=MeshInfo.from_mesh(mesh), reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding)
+        tp = TensorParallelInfo.from_mesh(tp_mesh) if tp_mesh is not None and tp_mesh.size() > 1 else None
+        return cls(mesh=MeshInfo.from_mesh(mesh), reshard_after_forward=reshard_after_forward,
+                   expert_sharding=expert_sharding, tp=tp)
 
     @property
     def name(self) -> str:

@@ -15,7 +15,9 @@ nothing per step.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 
@@ -28,7 +30,10 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
         for m in handle.members_of(module):
             key = prefix + m.name
             if m.holds_full:  # the master weight, also while compute views are swapped in
-                state_dict[key] = m.param if isinstance(state_dict.get(key), nn.Parameter) else m.param.detach()
+                if m.entry.tp_dim is not None:  # a TP shard: the full matrix as a DTensor on the tp mesh
+                    state_dict[key] = handle.as_sharded(m, m.param.detach())
+                else:
+                    state_dict[key] = m.param if isinstance(state_dict.get(key), nn.Parameter) else m.param.detach()
             else:
                 state_dict.pop(key, None)
 
@@ -39,6 +44,13 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
             if not m.holds_full:
                 state_dict.pop(prefix + m.name, None)  # its holders load it
                 not_held_keys.add(prefix + m.name)
+            elif m.entry.tp_dim is not None:  # tensor parallelism: this rank's shard of the full matrix
+                value = state_dict.get(prefix + m.name)
+                if isinstance(value, DTensor):  # ours (Shard on the tp dim), or e.g. a fused wqkv's merged halves
+                    ours = len(value.placements) == 1 and value.placements[0] == Shard(m.entry.tp_dim)
+                    state_dict[prefix + m.name] = value.to_local() if ours else handle.tp_local(m, value.full_tensor())
+                elif isinstance(value, torch.Tensor) and tuple(value.shape) == m.entry.full_shape:
+                    state_dict[prefix + m.name] = handle.tp_local(m, value)
 
     def after_load(module, incompatible_keys) -> None:
         """Weights this rank does not hold are not "missing" from what it was given; the next

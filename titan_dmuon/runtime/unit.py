@@ -78,6 +78,8 @@ class Unit:
             # version counter autograd checks on the compute param.
             view.set_(storage.untyped_storage(), m.offset, m.shape)
             m.compute = nn.Parameter(view, requires_grad=m.param.requires_grad)
+            # the registered param's annotations (TorchTitan's SPMD types of a TP shard) go with it
+            m.compute.__dict__.update({k: v for k, v in m.param.__dict__.items() if k != "_dmuon_handle"})
         free_storage(storage)
 
     @torch.no_grad()

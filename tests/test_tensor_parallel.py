@@ -1,0 +1,222 @@
+"""Tensor parallelism: TorchTitan's TP (spmd_types backend: each rank holds TP-local shards of
+the column- and row-wise parallel linears) x FSDP, with DMuon dedicating the TP-local shards on the
+data-parallel mesh, on 4 gloo ranks (TP 2 x FSDP 2).
+
+The reference is the same model, weights and global batches on FSDP 4 without tensor parallelism
+(itself checked against torch.optim.Muon + AdamW in test_titan_models.py / test_correctness.py).
+Newton-Schulz runs once per matrix in the whole job: each matrix is assembled from its two shards on
+its NS home, so ns_mode='exact' gives torch.optim.Muon's update of the full matrix.
+"""
+
+import pytest
+import torch
+
+from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
+
+from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
+
+from tests.helpers import Counter, full_parameters, merge_rank_states  # noqa: E402
+from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
+
+LAYERS = 2
+STEPS = 3
+MATRICES_PER_LAYER = 7  # wq, wk, wv (blocks of the fused wqkv), wo, w1, w2, w3
+MUON_WEIGHTS = ("wqkv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
+
+
+def _model(fuse_qkv=True):
+    return th.tiny_llama3(n_layers=LAYERS, fuse_qkv=fuse_qkv)
+
+
+def _data():
+    return th.batches(STEPS, 1, batch=8)
+
+
+def _handle(container):
+    (handle,) = container.dmuon_optimizers()[0].dedicated_handles()
+    return handle
+
+
+def _train(rank, world, state, tp, fuse_qkv=True):
+    from titan_dmuon.cost_model import design_elements_per_rank
+
+    dims = th.parallel_dims(world, tp=tp)
+    model, container = th.build(_model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact")
+    handle = _handle(container)
+    norms = []
+    losses = th.train(model, container, dims, _data()[:1], norms=norms)
+    handle.pop_comm_stats()
+    losses += th.train(model, container, dims, _data()[1:], norms=norms)
+    stats = handle.pop_comm_stats()
+    ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
+    return {
+        "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns,
+        "moved": sum(e for e, _, _ in stats.values()) / (STEPS - 1),
+        "tp_moved": sum(e for label, (e, _, _) in stats.items() if label.startswith("dmuon.tp_")) / (STEPS - 1),
+        "design": design_elements_per_rank(handle), "plan_numel": handle.plan.total_numel, "blocks": [m.entry.blocks for m in handle.members],
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp4(pool4):
+    state = th.initial_state(_model())
+    return state, pool4.run(_train, state, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2(pool4, fsdp4):
+    state, _ = fsdp4
+    return pool4.run(_train, state, 2)
+
+
+def test_tp_trains_as_fsdp_without_tp(fsdp4, tp2):
+    """TP 2 x FSDP 2 trains as FSDP 4 from the same weights and batches: the same step-1 loss and
+    gradient norm (TP changes matmul reduction orders: 1e-5), losses within 1e-4 and weights within
+    2e-3 after 3 steps (bf16 Newton-Schulz amplifies the gradients' last-bit differences, as between
+    2 and 4 FSDP ranks, test_pipeline.py). Newton-Schulz ran once per matrix in the whole job."""
+    _, reference = fsdp4
+    ref_weights = merge_rank_states(r["weights"] for r in reference)
+    weights = merge_rank_states(r["weights"] for r in tp2)
+    assert weights.keys() == ref_weights.keys()
+    for r in tp2:
+        assert r["losses"][0] == pytest.approx(reference[0]["losses"][0], rel=1e-6)
+        assert r["norms"][0] == pytest.approx(reference[0]["norms"][0], rel=1e-5)
+        assert r["losses"] == pytest.approx(reference[0]["losses"], rel=1e-4)
+    diff = {k: (weights[k] - ref_weights[k]).abs().max().item() for k in weights}
+    assert max(diff.values()) < 2e-3, diff
+    moved = max((weights[k] - th_initial).abs().max().item() for k, th_initial in fsdp4[0].items() if k in weights)
+    assert moved > 1e-2  # (the weights did train)
+    assert sum(r["ns"] for r in tp2) == sum(r["ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS
+
+
+def test_tp_traffic_is_the_design(tp2):
+    """DMuon's collectives, averaged over the 4 ranks, are the design: Z3 on the FSDP group for the
+    TP-local elements plus the step's TP all-to-alls, 2(T-1)/T^2 x the full elements each rank owns
+    (each rank's own count depends on which matrices it is the NS home of)."""
+    from fractions import Fraction
+
+    mean = sum(Fraction(r["moved"]) for r in tp2) / len(tp2)
+    assert mean == tp2[0]["design"] > 0
+    tp_mean = sum(Fraction(r["tp_moved"]) for r in tp2) / len(tp2)
+    full_numel = sum(v.numel() for k, v in tp2[0]["weights"].items() if k.endswith(MUON_WEIGHTS))
+    assert tp2[0]["plan_numel"] * 2 == full_numel  # (the plan counts TP-local elements)
+    t, n = 2, 2  # each rank owns 1/n of the full matrices on average: 2(T-1)/T^2 of that
+    assert tp_mean == 2 * Fraction(t - 1, t * t) * Fraction(full_numel, n) > 0
+
+
+def test_fused_qkv_blocks_are_full_matrix_rows(tp2):
+    """Under TP each rank's fused wqkv holds whole kv groups; the q/k/v blocks are rows of the full
+    matrix (one kv group of [2 q heads, 1 k, 1 v] x head_dim 16 per rank; 2 groups, 128 rows, in all:
+    the local weight's own layout would give 64 rows and one range per block)."""
+    fused = [b for b in tp2[0]["blocks"] if len(b) == 3]
+    assert len(fused) == LAYERS, tp2[0]["blocks"]
+    q, k, v = fused[0]
+    assert q == ((0, 32), (64, 96))
+    assert k == ((32, 48), (96, 112))
+    assert v == ((48, 64), (112, 128))
+
+
+def test_unfused_qkv_under_tp_matches_fused(pool4, fsdp4, tp2):
+    """TP with separate wq/wk/wv trains as TP with the fused wqkv, whose blocks NS orthogonalises
+    separately: the same losses, and weights (wqkv split by TorchTitan's state-dict names) equal
+    within bf16 Newton-Schulz rounding."""
+    state, _ = fsdp4
+    unfused = pool4.run(_train, state, 2, False)
+    for a, b in zip(unfused, tp2):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    assert sum(r["ns"] for r in unfused) == MATRICES_PER_LAYER * LAYERS
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+class _Job:
+    def __init__(self, world, folder, *, tp, state):
+        self.dims = th.parallel_dims(world, tp=tp)
+        model, self.container = th.build(_model(), self.dims, state=state, lr=0.02)
+        self.parts = [model]
+        self.schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.container, training_steps=4)
+        self.counter = Counter()
+        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=False)
+        self.manager = manager.build(
+            dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
+            states={"train_state": self.counter}, sd_adapter=None, base_folder=folder,
+        )
+        self.data = th.batches(4, 1, batch=8)
+
+    def train(self, until):
+        losses = []
+        while self.counter.step < until:
+            losses += th.train(self.parts[0], self.container, self.dims, [self.data[self.counter.step]])
+            self.schedule.step()
+            self.counter.step += 1
+            self.manager.save(self.counter.step)
+        return losses
+
+    def state(self):
+        """Full weights and full Muon momentum (assembled from the TP shards) by name."""
+        from torch.distributed.tensor import DTensor
+
+        handle = _handle(self.container)
+        out = {f"weight/{k}": v for k, v in full_parameters(self.parts[0], handle).items()}
+        names = {id(p): canonical_fqn(n) for n, p in self.parts[0].named_parameters()}
+        momentum = {}
+        for opt in self.container.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    value = opt.state.get(p, {}).get("momentum_buffer")
+                    if value is None:
+                        continue
+                    member = handle.member_of(p)
+                    if member is not None:
+                        value = handle.tp_full(member, value)
+                    elif isinstance(value, DTensor):
+                        value = value.full_tensor()
+                    momentum[names[id(p)]] = value.detach().clone()
+        return out, momentum
+
+
+def _train_and_keep(rank, world, folder, state, tp, until):
+    job = _Job(world, folder, tp=tp, state=state)
+    return job.train(until), *job.state()
+
+
+def _resume(rank, world, folder, tp, until, step=2):
+    job = _Job(world, folder, tp=tp, state=None)
+    assert job.manager.load(step=step)
+    return job.train(until), *job.state()
+
+
+def _merge(per_rank):
+    merged = {}
+    for owned in per_rank:
+        for k, v in owned.items():
+            assert k not in merged or torch.equal(merged[k], v), k
+            merged[k] = v
+    return merged
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert [(k, (a[k] - b[k]).abs().max().item()) for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
+    """A TP 2 x FSDP 2 job saves at step 2 (DCP: each dedicated weight and its momentum as a DTensor
+    of the full matrix on the tp mesh, written once); a new job resumes it bit-exactly to step 4;
+    the same checkpoint loads into FSDP 4 (every weight and momentum equal the TP job's at step 2),
+    and an FSDP 4 checkpoint loads into TP 2 x FSDP 2."""
+    state = th.initial_state(_model())
+    straight = pool4.run(_train_and_keep, str(tmp_path / "tp"), state, 2, 4)
+    resumed = pool4.run(_resume, str(tmp_path / "tp"), 2, 4)
+    assert [r[0] for r in resumed] == [r[0][2:] for r in straight]
+    _assert_equal(merge_rank_states(r[1] for r in resumed), merge_rank_states(r[1] for r in straight))
+    _assert_equal(_merge(r[2] for r in resumed), _merge(r[2] for r in straight))
+    # reshard both ways: the step-2 state, through each layout
+    at_two = pool4.run(_train_and_keep, str(tmp_path / "tp2"), state, 2, 2)
+    into_fsdp = pool4.run(_resume, str(tmp_path / "tp2"), 1, 2)
+    _assert_equal(merge_rank_states(r[1] for r in into_fsdp), merge_rank_states(r[1] for r in at_two))
+    _assert_equal(_merge(r[2] for r in into_fsdp), _merge(r[2] for r in at_two))
+    fsdp_at_two = pool4.run(_train_and_keep, str(tmp_path / "fsdp"), state, 1, 2)
+    into_tp = pool4.run(_resume, str(tmp_path / "fsdp"), 2, 2)
+    _assert_equal(merge_rank_states(r[1] for r in into_tp), merge_rank_states(r[1] for r in fsdp_at_two))
+    _assert_equal(_merge(r[2] for r in into_tp), _merge(r[2] for r in fsdp_at_two))
