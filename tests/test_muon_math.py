@@ -211,3 +211,35 @@ def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
     assert whole_batches == [5] and capped_batches == [2, 2, 1]
     # other batch sizes: the same update up to GEMM rounding
     assert all((a - b).abs().max() < BATCHED_WEIGHT_TOLERANCE for a, b in zip(whole, capped))
+
+
+def test_orthogonalise_exact_is_torch_muon_newton_schulz_on_the_bf16_input():
+    """The TP step sends the bf16 of Muon's input to the NS home; torch.optim.Muon casts its fp32 input
+    to bf16 first, so the exact mode on the bf16 matrix is bitwise Muon's NS of the fp32 one; the
+    batched mode is within its stated bound (here: same shapes share one call)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from titan_dmuon.muon_math import orthogonalise
+
+    g = torch.Generator().manual_seed(3)
+    matrices = [torch.randn(shape, generator=g) for shape in [(24, 40), (40, 24), (24, 40), (16, 16)]]
+    exact = orthogonalise([m.bfloat16() for m in matrices], ns_mode="exact")
+    for m, o in zip(matrices, exact):
+        assert torch.equal(o, _zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+    batched = orthogonalise([m.bfloat16() for m in matrices], ns_mode="batched")
+    for o, b in zip(exact, batched):
+        assert b.shape == o.shape and (b.float() - o.float()).abs().max() <= 2 * 2**-8 * o.float().abs().max()
+
+
+def test_local_block_rows_of_tensor_parallel_shards():
+    """A fused q/k/v block's rows of the full matrix, as each column-wise TP shard holds them (with
+    where they sit in the block); a row-wise shard holds every row of every block."""
+    from titan_dmuon.muon_math import local_block_rows
+
+    q = ((0, 32), (64, 96))  # 2 kv groups of 64 rows; each of 2 tp ranks holds one group
+    assert local_block_rows(q, tp_dim=0, tp_rank=0, local_rows=64) == [(0, 32, 0)]
+    assert local_block_rows(q, tp_dim=0, tp_rank=1, local_rows=64) == [(0, 32, 32)]
+    k = ((32, 48), (96, 112))
+    assert local_block_rows(k, tp_dim=0, tp_rank=1, local_rows=64) == [(32, 48, 16)]
+    assert local_block_rows(((0, 10), (20, 30)), tp_dim=1, tp_rank=1, local_rows=30) == [(0, 10, 0), (20, 30, 10)]
+    assert local_block_rows(((0, 128),), tp_dim=0, tp_rank=1, local_rows=64) == [(0, 64, 64)]

@@ -1,5 +1,7 @@
 """The ownership plan: deterministic, complete, balanced, and rank-independent."""
 
+import dataclasses
+
 import pytest
 
 from titan_dmuon.muon_math import ns_flops
@@ -111,3 +113,22 @@ def test_experts_kept_on_their_rank_count_toward_balance():
     plan = build_plan(_specs([(64, 64)] * 4), replicate_size=1, shard_size=3, initial_load=[2 * c, 0, 0])
     assert sorted(e.owner for e in plan.entries) == [1, 1, 2, 2]  # rank 0 is busy with its experts
     assert plan.ns_flops_per_rank == [2 * c] * 3 and plan.imbalance == 1.0
+
+
+def test_tensor_parallel_homes_balance_each_layer_over_the_tp_ranks():
+    """Each TP matrix's NS home: per layer the largest first to the least-loaded tp rank (load carried
+    over layers), deterministic, in the digest; the cost is the full matrix's."""
+    specs = [MatrixSpec(fqn=f"l{u}.w{i}", shape=(8 * (i + 1), 16), unit=u, blocks=(((0, 16 * (i + 1)),),), tp_dim=0,
+                        tp_size=2) for u in range(2) for i in range(4)]
+    plan = build_plan(specs, replicate_size=1, shard_size=1)
+    assert plan == build_plan(specs, replicate_size=1, shard_size=1)
+    assert specs[0].full_shape == (16, 16) and plan.entries[0].ns_flops == ns_flops(16, 16)
+    for unit in range(2):
+        homes = [e.tp_home for e in plan.entries if e.unit == unit]
+        assert sorted(set(homes)) == [0, 1]
+    load = [0, 0]
+    for e in plan.entries:
+        load[e.tp_home] += e.ns_flops
+    assert max(load) / (sum(load) / 2) < 1.2
+    moved = build_plan([dataclasses.replace(s, tp_size=4) for s in specs], replicate_size=1, shard_size=1)
+    assert moved.digest() != plan.digest()

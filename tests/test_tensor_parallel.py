@@ -220,3 +220,55 @@ def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
     into_tp = pool4.run(_resume, str(tmp_path / "fsdp"), 2, 2)
     _assert_equal(merge_rank_states(r[1] for r in into_tp), merge_rank_states(r[1] for r in fsdp_at_two))
     _assert_equal(_merge(r[2] for r in into_tp), _merge(r[2] for r in fsdp_at_two))
+
+
+# ---- the step's TP exchange at larger T, on the fake process group ---------------------------------------
+def _tp_exchange_traffic(_rank, _world, tp_size):
+    """Every rank of a TP group of ``tp_size`` in turn (fake process group): DMuon's elements per rank
+    for one step of 8 matrices of uneven sizes, their homes as the plan gives them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_dmuon.plan import MatrixSpec, build_plan
+    from titan_dmuon.runtime.comm import CommStats
+    from titan_dmuon.runtime.mode import TensorParallelInfo
+    from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
+
+    # local shapes and tp dims; as many matrices as the largest T here, so that every rank is a home (the
+    # fake process group refuses an empty all-to-all input, which gloo and NCCL take)
+    shapes = [((64, 32), 0), ((32, 64), 1), ((16, 48), 0), ((48, 16), 1), ((8, 8), 0), ((24, 8), 1), ((8, 40), 0),
+              ((16, 16), 1)]
+    specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),),
+                        tp_dim=d, tp_size=tp_size) for i, (s, d) in enumerate(shapes)]
+    plan = build_plan(specs, replicate_size=1, shard_size=1)
+    moved, launches, homes = [], [], [e.tp_home for e in plan.entries]
+    for rank in range(tp_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp_size)
+        try:
+            tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",)))
+            stats = CommStats()
+            exchange = TensorParallelNewtonSchulz(tp, stats, torch.device("cpu"))
+            shards = [torch.zeros(e.shape, dtype=torch.bfloat16) for e in plan.entries]
+            _, count = exchange.orthogonalise(list(plan.entries), shards, lambda ms: ms)
+            popped = stats.pop()
+            moved.append(sum(e for e, _, _ in popped.values()))
+            launches.append((sum(n for _, _, n in popped.values()), count))
+        finally:
+            dist.destroy_process_group()
+    full = sum(torch.Size(e.full_shape).numel() for e in plan.entries)
+    return moved, launches, homes, full
+
+
+@pytest.mark.parametrize("tp_size", [4, 8])
+def test_tp_exchange_moves_the_design_at_larger_tp(solo, tp_size):
+    """At T = 4 and 8: two all-to-alls per step chunk, each moving (T-1)/T of the shards; averaged over
+    the TP group exactly 2(T-1)/T^2 x the full elements (uneven homes change each rank's own count,
+    not the average); every matrix orthogonalised on exactly one rank; homes spread over the group."""
+    from fractions import Fraction
+
+    moved, launches, homes, full = solo.run(_tp_exchange_traffic, tp_size)[0]
+    assert sum(moved) / tp_size == 2 * Fraction(tp_size - 1, tp_size**2) * full
+    assert all(n == 2 for n, _ in launches)
+    assert sum(count for _, count in launches) == 8
+    assert sorted(set(homes)) == list(range(tp_size))

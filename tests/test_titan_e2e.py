@@ -112,6 +112,24 @@ def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):
     assert [p for p, _, _ in parts] == ["0", "1"] * 3 and all(float(e) == float(d) > 0 for _, e, d in parts[2:])
 
 
+def test_tensor_parallel_job_starts_where_adamw_starts(tmp_path):
+    """TP 2 x FSDP 2 (TorchTitan's default spmd_types backend, sequence parallel and loss parallel
+    on) through run_train.sh: step 1 sees AdamW's loss and global gradient norm with the same
+    parallelism (DMuon initialises the TP-local shards as TorchTitan does, the clip sums the owners'
+    TP-shard gradients over dp x tp), and it trains. Rank 0's traffic is the design's average
+    (FSDP's Z3 on TP-local elements plus the step's TP all-to-alls) up to which matrices it is the
+    NS home of (tests/test_tensor_parallel.py checks the average exactly)."""
+    tp = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2")
+    adamw, _ = parse(run_train(tmp_path / "a", "--training.steps", "1", *tp, config="debug_model_adamw.toml", ngpu=4))
+    steps, comm = parse(run_train(tmp_path / "b", "--training.steps", "3", *tp, ngpu=4))
+    assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
+    assert steps[1][0] == adamw[1][0]
+    assert steps[1][1] == pytest.approx(adamw[1][1], rel=1e-4)
+    assert len(comm) == 3
+    for elements, _, design in comm[1:]:
+        assert elements == pytest.approx(design, rel=0.15) and design > 0
+
+
 def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
     """reshard_after_forward left unset: under DDP the default is Z2 (a Z3 fallback would
     move 50% more: 3(N-1)/N instead of 2(N-1)/N)."""

@@ -167,7 +167,7 @@ class _Dedication:
         tp_mesh, tp_dims = None, None
         if dims.tp_enabled:
             if routed_expert_counts(model):
-                raise NotImplementedError(tensor_parallel_moe_limit())
+                raise NotImplementedError(f"parallelism.tensor_parallel_degree = {dims.tp}: {tensor_parallel_moe_limit()}")
             tp_mesh = dims.get_mesh("tp")
             names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
             tp_dims = {p: tensor_parallel_dim(names[id(p)], p) for p in targets}
@@ -208,7 +208,7 @@ def tensor_parallel_dim(fqn: str, param) -> int:
 
 def tensor_parallel_moe_limit() -> str:
     return (
-        "parallelism.tensor_parallel_degree > 1 with a MoE model: DMuon does not support tensor-parallel experts "
+        "with a MoE model DMuon does not support tensor-parallel experts "
         "and router yet (expert weights are 3-D, updated where expert parallelism puts them); use "
         "tensor_parallel_degree = 1 with expert parallelism, or optimizer.name = 'AdamW'"
     )

@@ -39,6 +39,7 @@ from titan_dmuon.integration.optimizer import (
 from titan_dmuon.integration.parallelize import (
     DEFAULT_MUON_PARAMS,
     expert_parallel_limit,
+    tensor_parallel_moe_limit,
     fused_qkv_blocks,
     routed_expert_counts,
 )
@@ -258,6 +259,9 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
     experts = routed_expert_counts(model)
+    if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
+        raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
+                          f"{tensor_parallel_moe_limit()}")
     if p.expert_parallel_degree > 1 and experts:
         _validate_expert_parallelism(
             p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names, this_machine=this_machine
