@@ -233,6 +233,7 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
     from titan_dmuon.plan import MatrixSpec, build_plan
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
+    from titan_dmuon.runtime.streams import Streams
     from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
 
     # local shapes and tp dims; as many matrices as the largest T here, so that every rank is a home (the
@@ -248,7 +249,7 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
         try:
             tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",)))
             stats = CommStats()
-            exchange = TensorParallelNewtonSchulz(tp, stats, torch.device("cpu"))
+            exchange = TensorParallelNewtonSchulz(tp, stats, Streams(torch.device("cpu")))
             shards = [torch.zeros(e.shape, dtype=torch.bfloat16) for e in plan.entries]
             _, count = exchange.orthogonalise(list(plan.entries), shards, lambda ms: ms)
             popped = stats.pop()
@@ -272,3 +273,28 @@ def test_tp_exchange_moves_the_design_at_larger_tp(solo, tp_size):
     assert all(n == 2 for n, _ in launches)
     assert sum(count for _, count in launches) == 8
     assert sorted(set(homes)) == list(range(tp_size))
+
+
+def _step_issue_order(rank, world):
+    from titan_dmuon import CommLedger
+
+    dims = th.parallel_dims(world, tp=2)
+    model, container = th.build(_model(), dims, lr=0.02)
+    th.train(model, container, dims, _data()[:1])  # (the first step learns the layer order)
+    with CommLedger() as ledger:
+        th.train(model, container, dims, _data()[1:2])
+    sources = [r.source for r in ledger.records]
+    last_reduce = max(i for i, s in enumerate(sources) if s == "dmuon.shard_reduce")
+    step = [s for s in sources[last_reduce + 1 :] if s.startswith("dmuon.")]
+    return [s for i, s in enumerate(step) if i == 0 or s != step[i - 1]]
+
+
+def test_tp_step_pipelines_the_exchange(pool4):
+    """The step's issue order (2 layers, chunks [layer 0], [layer 1]), identical on every rank: layer 1's
+    shards go to their homes before layer 0's results are applied, so that transfer overlaps layer 0's
+    update; layer 0 is broadcast for the next forward before layer 1's results come back. (Without the
+    pipeline layer 0's broadcast would come before layer 1's shards go out.)"""
+    orders = pool4.run(_step_issue_order)
+    assert orders[0] == ["dmuon.tp_to_home", "dmuon.tp_from_home", "dmuon.tp_to_home", "dmuon.forward_broadcast",
+                         "dmuon.tp_from_home"], orders[0]
+    assert all(order == orders[0] for order in orders)

@@ -150,7 +150,11 @@ class DMuon(torch.optim.Optimizer):
 
     def _muon_step(self, groups: list[dict]) -> None:
         """Dedicated weights unit by unit in forward order, each handle told after each unit;
-        then the experts each rank updates in place (no communication follows them)."""
+        then the experts each rank updates in place (no communication follows them).
+
+        Tensor-parallel shards go through three stages per chunk (momentum and send, NS on the
+        homes, update), pipelined: chunk k+1's shards go out before chunk k's results are applied,
+        so its transfer overlaps that work and chunk k's weights are sent on before chunk k+1's NS."""
         for handle in self._handles:
             by_unit: dict[int, list] = {}
             for group in groups:
@@ -166,6 +170,7 @@ class DMuon(torch.optim.Optimizer):
                         continue
                     if member.runs_ns and p.grad is not None:
                         by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member))
+            pending: tuple[list, list] | None = None  # a chunk whose TP results are on their way back
             for chunk in _pipeline_chunks(handle.step_units()):
                 for unit in chunk:
                     handle.before_update(unit)
@@ -173,15 +178,26 @@ class DMuon(torch.optim.Optimizer):
                 for unit in chunk:
                     for key, (group, items) in by_unit.get(unit.index, {}).items():
                         work.setdefault(key, (group, []))[1].extend(items)
+                sent = []
                 for group, items in work.values():
                     plain = [(p, m) for p, m in items if m.entry.tp_dim is None]
                     if plain:
                         self._update(group, [p for p, _ in plain], [m.entry.blocks for _, m in plain])
                     sharded = [(p, m) for p, m in items if m.entry.tp_dim is not None]
                     if sharded:  # (the same list on every rank of the TP group: one owner coordinate)
-                        self._update_tensor_parallel(group, handle, sharded)
-                for unit in chunk:
-                    handle.updated(unit)
+                        sent.append((group, sharded, self._send_tensor_parallel(group, handle, sharded)))
+                if pending is not None:  # the previous chunk's results arrived while this one's went out
+                    self._finish_tensor_parallel(handle, *pending)
+                    pending = None
+                if not sent:
+                    for unit in chunk:
+                        handle.updated(unit)  # sent on at once: the next forward starts with the first ones
+                    continue
+                back = [(group, items, self._orthogonalise_tensor_parallel(group, handle, exchange))
+                        for group, items, exchange in sent]
+                pending = (chunk, back)
+            if pending is not None:
+                self._finish_tensor_parallel(handle, *pending)
         for group in groups:
             weights, blocks = [], []
             for p in group["params"]:
@@ -223,38 +239,48 @@ class DMuon(torch.optim.Optimizer):
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
             )
 
-    def _update_tensor_parallel(self, group: dict, handle, items: list) -> None:
-        """Muon on TP-local shards (a collective on the TP group): torch.optim.Muon's elementwise
-        steps on the shards, Newton–Schulz of the assembled matrices on their NS homes
-        (``TensorParallelNewtonSchulz``), each row block's update scaled for the full block."""
-        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        inputs = []
+    # ---- tensor-parallel shards: three stages, pipelined over the step's chunks ----------------------
+    def _send_tensor_parallel(self, group: dict, handle, items: list):
+        """torch.optim.Muon's momentum on this rank's shards; their bf16 NS inputs to the homes."""
+        momentum, inputs = group["momentum"], []
         for p, _ in items:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
-            buffer.lerp_(p.grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
-            inputs.append((p.grad.lerp(buffer, momentum) if nesterov else buffer).bfloat16())
-        if self._ns_timer is None:
-            self._ns_timer = DeviceTimer(items[0][0].device)
+            buffer.lerp_(p.grad, 1 - momentum)
+            inputs.append((p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer).bfloat16())
+        return handle.tensor_parallel_ns.send_to_homes([m.entry for _, m in items], inputs)
 
+    def _orthogonalise_tensor_parallel(self, group: dict, handle, sent):
+        """Newton–Schulz of the matrices homed here (assembled from their shards); results sent back."""
         def orthogonalise_fn(matrices):
             return orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
                                  coefficients=group["ns_coefficients"], eps=group["eps"])
 
+        if self._ns_timer is None:
+            self._ns_timer = DeviceTimer(sent.sent.device)
         with self._ns_timer.timing(accumulate=self._ns_matrices > 0):
-            updates, count = handle.tensor_parallel_ns.orthogonalise([m.entry for _, m in items], inputs, orthogonalise_fn)
-        self._ns_matrices += count
-        tp_rank = handle.mode.tp.rank
-        for (p, member), update in zip(items, updates):
-            entry = member.entry
-            p.mul_(1 - lr * group["weight_decay"])
-            for block in entry.blocks:
-                rows = block_rows(block)
-                scale = adjusted_lr(lr, group["adjust_lr_fn"], (rows, entry.full_shape[-1]))
-                for start, stop, _ in local_block_rows(block, tp_dim=entry.tp_dim, tp_rank=tp_rank, local_rows=entry.shape[0]):
-                    p[start:stop].add_(update[start:stop], alpha=-scale)
+            back = handle.tensor_parallel_ns.orthogonalise_at_homes(sent, orthogonalise_fn)
+        self._ns_matrices += back.ns_matrices
+        return back
+
+    def _finish_tensor_parallel(self, handle, chunk: list, back: list) -> None:
+        """Weight decay and each row block's update (scaled for the full block) on this rank's shards,
+        then the chunk's units are sent on."""
+        tp_rank = handle.mode.tp.rank if handle.mode.tp is not None else 0
+        for group, items, exchange in back:
+            lr = group["lr"]
+            for (p, member), update in zip(items, handle.tensor_parallel_ns.received(exchange)):
+                entry = member.entry
+                p.mul_(1 - lr * group["weight_decay"])
+                for block in entry.blocks:
+                    scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(block), entry.full_shape[-1]))
+                    for start, stop, _ in local_block_rows(block, tp_dim=entry.tp_dim, tp_rank=tp_rank,
+                                                           local_rows=entry.shape[0]):
+                        p[start:stop].add_(update[start:stop], alpha=-scale)
+        for unit in chunk:
+            handle.updated(unit)
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -146,7 +146,7 @@ class DedicatedParams:
             module.register_forward_hook(self._root_post_forward),
         ]
         self.tensor_parallel_ns = (
-            TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, self.mode.mesh.device) if self.mode.tp else None
+            TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, ctx.streams) if self.mode.tp else None
         )
         self._initialized = False
         self._callback_queued = False
