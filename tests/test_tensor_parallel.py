@@ -130,16 +130,19 @@ def test_unfused_qkv_under_tp_matches_fused(pool4, fsdp4, tp2):
 
 # ---- checkpoints ----------------------------------------------------------------------------------
 class _Job:
-    def __init__(self, world, folder, *, tp, state):
+    def __init__(self, world, folder, *, tp, state, hf=False):
         self.dims = th.parallel_dims(world, tp=tp)
         model, self.container = th.build(_model(), self.dims, state=state, lr=0.02)
         self.parts = [model]
         self.schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.container, training_steps=4)
         self.counter = Counter()
-        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=False)
+        config, spec = _model()
+        self.adapter = spec.state_dict_adapter(config, None) if hf else None
+        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=hf,
+                                                last_save_in_hf=hf)
         self.manager = manager.build(
             dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
-            states={"train_state": self.counter}, sd_adapter=None, base_folder=folder,
+            states={"train_state": self.counter}, sd_adapter=self.adapter, base_folder=folder,
         )
         self.data = th.batches(4, 1, batch=8)
 
@@ -149,8 +152,22 @@ class _Job:
             losses += th.train(self.parts[0], self.container, self.dims, [self.data[self.counter.step]])
             self.schedule.step()
             self.counter.step += 1
-            self.manager.save(self.counter.step)
+            self.manager.save(self.counter.step, last_step=self.adapter is not None and self.counter.step == 4)
         return losses
+
+    def hf_expected(self):
+        """The full current weights, the fused wqkv split as TorchTitan's state-dict hook does, through
+        llama3's HF adapter: what the last-step HF export must hold."""
+        from torchtitan.models.common.attention import FusedQKVLinear
+
+        full = full_parameters(self.parts[0], _handle(self.container))
+        for module_name, module in self.parts[0].named_modules():
+            if isinstance(module, FusedQKVLinear):
+                prefix = canonical_fqn(module_name) + "."
+                split = {f"{prefix}wqkv.weight": full.pop(f"{prefix}wqkv.weight")}
+                FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+                full.update(split)
+        return self.adapter.to_hf(full)
 
     def state(self):
         """Full weights and full Muon momentum (assembled from the TP shards) by name."""
@@ -175,9 +192,9 @@ class _Job:
         return out, momentum
 
 
-def _train_and_keep(rank, world, folder, state, tp, until):
-    job = _Job(world, folder, tp=tp, state=state)
-    return job.train(until), *job.state()
+def _train_and_keep(rank, world, folder, state, tp, until, hf=False):
+    job = _Job(world, folder, tp=tp, state=state, hf=hf)
+    return job.train(until), *job.state(), job.hf_expected() if hf else None
 
 
 def _resume(rank, world, folder, tp, until, step=2):
@@ -204,9 +221,10 @@ def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
     """A TP 2 x FSDP 2 job saves at step 2 (DCP: each dedicated weight and its momentum as a DTensor
     of the full matrix on the tp mesh, written once); a new job resumes it bit-exactly to step 4;
     the same checkpoint loads into FSDP 4 (every weight and momentum equal the TP job's at step 2),
-    and an FSDP 4 checkpoint loads into TP 2 x FSDP 2."""
+    and an FSDP 4 checkpoint loads into TP 2 x FSDP 2; the last save, in HF safetensors, holds the
+    full current weights."""
     state = th.initial_state(_model())
-    straight = pool4.run(_train_and_keep, str(tmp_path / "tp"), state, 2, 4)
+    straight = pool4.run(_train_and_keep, str(tmp_path / "tp"), state, 2, 4, True)
     resumed = pool4.run(_resume, str(tmp_path / "tp"), 2, 4)
     assert [r[0] for r in resumed] == [r[0][2:] for r in straight]
     _assert_equal(merge_rank_states(r[1] for r in resumed), merge_rank_states(r[1] for r in straight))
@@ -216,6 +234,10 @@ def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
     into_fsdp = pool4.run(_resume, str(tmp_path / "tp2"), 1, 2)
     _assert_equal(merge_rank_states(r[1] for r in into_fsdp), merge_rank_states(r[1] for r in at_two))
     _assert_equal(_merge(r[2] for r in into_fsdp), _merge(r[2] for r in at_two))
+    # the straight job's last save: model only, in HF safetensors, full current weights
+    from tests.test_pipeline import _check_hf_export
+
+    _check_hf_export(str(tmp_path / "tp" / "ckpt" / "step-4"), _merge(r[3] for r in straight))
     fsdp_at_two = pool4.run(_train_and_keep, str(tmp_path / "fsdp"), state, 1, 2)
     into_tp = pool4.run(_resume, str(tmp_path / "fsdp"), 2, 2)
     _assert_equal(merge_rank_states(r[1] for r in into_tp), merge_rank_states(r[1] for r in fsdp_at_two))
