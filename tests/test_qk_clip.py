@@ -384,3 +384,35 @@ def test_invariant_after_clip(pool2, kv_heads):
     for was_clipped, same in r["rows_same"]:
         assert same != was_clipped
     assert r["others_same"]
+
+
+# ---- no host sync ---------------------------------------------------------------------------------------
+def _clip_host_syncs(rank, world, mode):
+    from tests.helpers import train
+    from tests.test_runtime import _HostSyncCounter
+    from titan_dmuon import clip_grad_norm_
+
+    setup = distribute(toy_model(n_kv_heads=4), mode, world)
+    setup.opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
+                      **{**MUON, **ADAMW, "qk_clip_threshold": 0.3})
+    data = batches(4)
+    train(setup, data[:2], rank, world, max_norm=1.0)  # warm-up: lazy init, layer order, optimizer state
+    host_resident = {s["step"].untyped_storage().data_ptr() for s in setup.opt.state.values() if "step" in s}
+    counter = _HostSyncCounter(host_resident)
+    clipped = 0
+    for batch in data[2:]:
+        x, y = local_slice(batch, rank, world)
+        with counter:
+            loss_fn(setup.module(x), y).backward()
+            clip_grad_norm_(setup.model.parameters(), 1.0, dedicated=setup.handle)
+            setup.opt.step()
+            setup.opt.zero_grad()
+        clipped += setup.opt.last_step_stats["qk_clipped_heads"]  # (read outside the counted step)
+    return counter.syncs, clipped
+
+
+def test_no_host_sync_with_the_clip(pool2):
+    """Capture, the MAX all-reduce, gamma and the rescale stay on the device (the figures are read
+    at log time only); the clip was binding in the counted steps."""
+    for syncs, clipped in pool2.run(_clip_host_syncs, "z3"):
+        assert syncs == [] and clipped > 0
