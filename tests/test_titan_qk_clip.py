@@ -218,3 +218,25 @@ def test_pipeline_stages_clip_as_without_pipelining(pool4):
     assert max_diff(weights, straight[0][1]) < 3e-3
     last_stage = next(losses for losses, _, _ in piped if losses[0] is not None)
     assert last_stage == pytest.approx(straight[0][0], rel=1e-4)
+
+
+def test_deepseek_v3_debug_mla_trains_with_bounded_logits(tmp_path):
+    """TorchTitan's deepseek_v3 debug model (MLA, MoE) with the main job's settings: without the clip
+    its max logit goes 0.93, 1.44, 3.55, 4.47, 4.91 over steps 1-5; with tau = 1 it stays below 2.5
+    and the loss falls as without it."""
+    import os
+
+    from tests.test_titan_e2e import ROOT
+
+    with open(os.path.join(ROOT, "train_configs", "debug_model.toml")) as f:
+        body = f.read().replace('name = "llama3"', 'name = "deepseek_v3"')
+    config = tmp_path / "dsv3.toml"
+    config.write_text(body)
+    result = run_train(tmp_path, "--training.steps", "5", "--optimizer.qk_clip_threshold", "1.0", config=str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    steps = {int(s): float(loss) for s, loss, _ in STEP.findall(out)}
+    qk = _qk(out)
+    assert len(qk) == 5 and steps[5] < 0.6 * steps[1]
+    assert qk[0] == (pytest.approx(0.9329, abs=1e-3), 0) and all(n > 0 for _, n in qk[1:])
+    assert max(s for s, _ in qk) < 2.5
