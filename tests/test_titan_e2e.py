@@ -112,6 +112,18 @@ def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):
     assert [p for p, _, _ in parts] == ["0", "1"] * 3 and all(float(e) == float(d) > 0 for _, e, d in parts[2:])
 
 
+def test_pipeline_without_data_parallelism(tmp_path):
+    """Pipeline parallelism 2 on 2 ranks, one data-parallel rank per stage. Regression: the dedication
+    mesh was TorchTitan's world mesh whenever no data-parallel degree was > 1, i.e. the pipeline ranks,
+    and the stages' plans (different weights) were "ownership plans differ across ranks"; it is the
+    one-rank data-parallel mesh of each stage."""
+    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "2",
+                                  "--parallelism.data_parallel_shard_degree", "1", config="debug_model_pp.toml",
+                                  env={"LOG_RANK": "1"}))
+    assert sorted(steps) == [1, 2] and steps[2][0] < steps[1][0]
+    assert all(elements == design == 0 for elements, _, design in comm)  # one rank per stage: nothing to move
+
+
 def test_tensor_parallel_job_starts_where_adamw_starts(tmp_path):
     """TP 2 x FSDP 2 (TorchTitan's default spmd_types backend, sequence parallel and loss parallel
     on) through run_train.sh: step 1 sees AdamW's loss and global gradient norm with the same

@@ -26,7 +26,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise
-from titan_dmuon.options import OPTION_NAMES, DMuonOptions
+from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
 
@@ -40,9 +40,14 @@ class DMuon(torch.optim.Optimizer):
     ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
     After each ``step()``, ``last_step_stats`` holds this rank's Newton–Schulz
     figures (matrices, time); reading the time syncs with the device once.
+
+    QK-clip (MuonClip): ``qk_clip_threshold=tau`` with ``qk_clip_attention``, one
+    :class:`titan_dmuon.qk_clip.QKClipAttention` per attention layer (its q/k weights
+    dedicated); after each step every head whose largest logit S exceeded tau has its
+    q/k rows rescaled on their owner (``titan_dmuon.qk_clip``).
     """
 
-    def __init__(self, params: Iterable, *, dedicated=None, **options) -> None:
+    def __init__(self, params: Iterable, *, dedicated=None, qk_clip_attention=None, **options) -> None:
         _check_known(options, "DMuon")
         defaults = DMuonOptions(**options)
         user_groups = list(params)
@@ -59,6 +64,9 @@ class DMuon(torch.optim.Optimizer):
         for user_group in user_groups:
             group_options = {k: v for k, v in user_group.items() if k not in ("params", "param_names")}
             _check_known(group_options, "DMuon param-group")
+            for key in JOB_KEYS:
+                if key in group_options:
+                    raise OptionError(key, group_options[key], "a DMuon(...) keyword, not a param-group option (one value per job)")
             merged = dataclasses.replace(defaults, **group_options)
             group_params, names = user_group["params"], user_group.get("param_names")
             for use_muon in (True, False):
@@ -74,6 +82,12 @@ class DMuon(torch.optim.Optimizer):
         self._ns_timer: DeviceTimer | None = None
         self._ns_matrices = 0
         self._host_seconds = 0.0
+        self.qk_clip = None
+        if defaults.qk_clip_threshold is not None:
+            from titan_dmuon.qk_clip import QKClip
+
+            self.qk_clip = QKClip(list(qk_clip_attention or ()), self._handles,
+                                  threshold=defaults.qk_clip_threshold, alpha=defaults.qk_clip_alpha)
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         for handle in self._handles:
@@ -93,7 +107,10 @@ class DMuon(torch.optim.Optimizer):
         """This rank's last step: Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time
         (device), and the step's host time (Python, launches; on the CPU the work too)."""
         seconds = self._ns_timer.seconds() if self._ns_timer is not None else 0.0
-        return {"ns_matrices": self._ns_matrices, "ns_seconds": seconds, "host_seconds": self._host_seconds}
+        stats = {"ns_matrices": self._ns_matrices, "ns_seconds": seconds, "host_seconds": self._host_seconds}
+        if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
+            stats.update(self.qk_clip.stats())
+        return stats
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.
@@ -141,6 +158,8 @@ class DMuon(torch.optim.Optimizer):
                 loss = closure()
         start = time.perf_counter()
         self._ns_matrices = 0
+        if self.qk_clip is not None:
+            self.qk_clip.start()  # the MAX all-reduce of the step's logits, waited at the first rescale
         self._muon_step([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -190,6 +209,9 @@ class DMuon(torch.optim.Optimizer):
                     self._finish_tensor_parallel(handle, *pending)
                     pending = None
                 if not sent:
+                    if self.qk_clip is not None:  # after the Muon update, before the weights are sent on
+                        for unit in chunk:
+                            self.qk_clip.rescale(handle, unit.index)
                     for unit in chunk:
                         handle.updated(unit)  # sent on at once: the next forward starts with the first ones
                     continue
@@ -207,6 +229,8 @@ class DMuon(torch.optim.Optimizer):
                     blocks.append(experts.blocks)
             if weights:
                 self._update(group, weights, blocks, local_experts=True)
+        if self.qk_clip is not None:
+            self.qk_clip.finish()
 
     def _update(self, group: dict, params: list, blocks: list, *, local_experts: bool = False) -> None:
         """Muon on ``params`` (this rank's): momentum state, then one ``muon_step``."""

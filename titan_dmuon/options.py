@@ -48,6 +48,11 @@ class DMuonOptions:
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.1
+    qk_clip_threshold: float | None = None
+    """QK-clip (MuonClip) threshold tau on each attention head's largest pre-softmax logit; None: off.
+    Job-wide (not a param-group option)."""
+    qk_clip_alpha: float = 0.5
+    """QK-clip's split of gamma between q (gamma ** alpha) and k (gamma ** (1 - alpha)) rows, in [0, 1]."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ns_coefficients", tuple(self.ns_coefficients))
@@ -69,6 +74,12 @@ class DMuonOptions:
             raise OptionError("ns_mode", self.ns_mode, f"one of {NS_MODES}")
         if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
             raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
+        if self.qk_clip_threshold is not None and (
+            not _is_number(self.qk_clip_threshold) or not 0.0 < self.qk_clip_threshold < float("inf")
+        ):
+            raise OptionError("qk_clip_threshold", self.qk_clip_threshold, "a finite number > 0, or unset (off)")
+        if not _is_number(self.qk_clip_alpha) or not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise OptionError("qk_clip_alpha", self.qk_clip_alpha, "a number in [0, 1]")
 
     def muon(self) -> dict:
         """The Muon group settings, under their own names."""
@@ -81,5 +92,6 @@ class DMuonOptions:
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DMuonOptions))
 ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
-MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS)
+JOB_KEYS = ("qk_clip_threshold", "qk_clip_alpha")  # one value for the whole optimizer, not per param group
+MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS and name not in JOB_KEYS)
 DEFAULTS = DMuonOptions()

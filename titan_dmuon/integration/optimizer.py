@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 from titan_dmuon.testing.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
-from titan_dmuon.options import DEFAULTS, MUON_KEYS, OPTION_NAMES
+from titan_dmuon.options import DEFAULTS, JOB_KEYS, MUON_KEYS, OPTION_NAMES
 from titan_dmuon.runtime import DedicatedParams
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
@@ -75,12 +75,19 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
         reshard_after_forward: bool | None = None
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
+        qk_clip_threshold: float | None = DEFAULTS.qk_clip_threshold
+        """QK-clip (MuonClip): after each step, rescale the q/k rows of every attention head whose largest
+        pre-softmax logit over the step's global batch exceeded this threshold (unset: off)."""
+        qk_clip_alpha: float = DEFAULTS.qk_clip_alpha
+        """QK-clip's split between q (gamma ** alpha) and k (gamma ** (1 - alpha)) rows (MHA, MLA's non-rotary parts)."""
 
     def __init__(self, config: Config, *, model_parts) -> None:
         self._muon_kwargs = None
         self._part_handles: list = []
+        self._part_attention: list = []
+        self._qk_clip = {k: getattr(config, k) for k in JOB_KEYS}
         if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
-            kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS}
+            kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
             config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
             config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
         else:
@@ -93,8 +100,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def _resolve_optimizer_factory(self, name: str):
         if name == "DMuon":  # (the model part whose groups were just built: TorchTitan goes part by part)
-            handles = self._part_handles
-            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, **kwargs)
+            handles, attention, clip = self._part_handles, self._part_attention, self._qk_clip
+            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **clip, **kwargs)
         if name == "NaiveFSDPMuon":
             return _naive_muon
         return OptimizersContainer._resolve_optimizer_factory(name)
@@ -105,6 +112,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         self._part_handles = handles = DedicatedParams.of(model)
+        if self._qk_clip["qk_clip_threshold"] is not None:
+            from titan_dmuon.integration.qk_clip import attention_descriptions
+
+            self._part_attention = attention_descriptions(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         muon = [(n, p) for n, p in named if any(h.member_of(p) or h.local_expert_of(p) for h in handles)]
         muon_ids = {id(p) for _, p in muon}

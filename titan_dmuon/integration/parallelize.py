@@ -379,6 +379,6 @@ def dedication_mesh(parallel_dims, spmd: bool):
         return parallel_dims.get_mesh(shard_name)
     if replicate > 1:
         return parallel_dims.get_mesh("dp_replicate")
-    if parallel_dims.tp_enabled:  # one data-parallel rank: a mesh of one (the world mesh is the tp ranks)
-        return parallel_dims.get_mesh(shard_name)
+    if parallel_dims.world_size > 1:  # one data-parallel rank under pipeline or tensor parallelism: a mesh of
+        return parallel_dims.get_mesh(shard_name)  # one (the world mesh would be the pp or tp ranks)
     return parallel_dims.world_mesh

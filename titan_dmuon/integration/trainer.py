@@ -184,6 +184,11 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB  "
                 f"host {figures['dmuon/host_ms']:.1f} ms  first layer waited {figures['dmuon/first_layer_wait_ms']:.2f} ms"
             )
+        if "dmuon/qk_max_logit" in figures:
+            parts.append(
+                f"QK-clip: max logit {figures['dmuon/qk_max_logit']:.4f} before clipping, "
+                f"{figures['dmuon/qk_clipped_heads']:.0f} heads clipped"
+            )
         logger.info("titan_dmuon: " + "  ".join(parts))
 
     def begin_step(self) -> None:
@@ -242,4 +247,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 "dmuon/host_ms": 1e3 * (host / steps + sum(s.get("host_seconds", 0.0) for s in stats)),
                 "dmuon/first_layer_wait_ms": 1e3 * max(h.first_layer_wait_seconds for h in handles),
             })
+            clipped = [s for s in stats if "qk_max_logit" in s]
+            if clipped:  # QK-clip: the last step's largest logit before clipping, and heads clipped (this rank's stages)
+                figures["dmuon/qk_max_logit"] = max(s["qk_max_logit"] for s in clipped)
+                figures["dmuon/qk_clipped_heads"] = float(sum(s["qk_clipped_heads"] for s in clipped))
         return figures

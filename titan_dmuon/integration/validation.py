@@ -122,6 +122,22 @@ def validate_dmuon(
                 check_model(config.model_spec)
             except (NotImplementedError, ModelNotSupported) as e:
                 raise ConfigError(f"{names.source('optimizer', 'name')}{e}") from None
+        if opt.qk_clip_threshold is not None:
+            key = names.key("optimizer", "qk_clip_threshold")
+            if opt.name != "dmuon":
+                raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: QK-clip runs with optimizer.name = 'dmuon' only")
+            if config.parallelism.tensor_parallel_degree > 1:
+                raise ConfigError(
+                    f"{key} = {opt.qk_clip_threshold!r} with parallelism.tensor_parallel_degree > 1: under tensor "
+                    "parallelism each rank holds some heads' q/k rows of a TP shard and sees only its heads' logits, "
+                    "which QK-clip does not map yet; use QK-clip without tensor parallelism"
+                )
+            if config.compile.enable and "model" in config.compile.components:
+                raise ConfigError(
+                    f"{key} = {opt.qk_clip_threshold!r} with compile.enable = true: QK-clip captures the logits with an "
+                    "eager forward hook on each inner_attention, which TorchTitan's fullgraph-compiled blocks cannot "
+                    "contain; turn compile off (or take 'model' out of compile.components) with QK-clip"
+                )
     elif opt.name in ADAMW_NAMES:
         _validate_adamw_switch(opt, names)
     _validate_training(config.training, names)
@@ -258,6 +274,8 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
         return []  # nothing below needs the model: do not build it
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
+    if opt.name == "dmuon" and opt.qk_clip_threshold is not None:
+        _validate_qk_clip(model, opt, config.model_spec, names)
     experts = routed_expert_counts(model)
     if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
         raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
@@ -267,6 +285,28 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
             p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names, this_machine=this_machine
         )
     return warnings
+
+
+def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming) -> None:
+    """QK-clip needs attention it knows the q/k row layout of, and those weights on Muon (dedicated)."""
+    from titan_dmuon.integration.qk_clip import QKClipNotSupported, attention_descriptions, clip_weights
+
+    key = names.key("optimizer", "qk_clip_threshold")
+    try:
+        descriptions = attention_descriptions(model)
+    except QKClipNotSupported as e:
+        raise ConfigError(f"{key} = {opt.qk_clip_threshold!r} with the {spec.name} {spec.flavor} model: {e}") from None
+    if not descriptions:
+        raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: the {spec.name} {spec.flavor} model has no attention module to clip")
+    names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    patterns = [re.compile(p) for p in opt.muon_params]
+    for param in clip_weights(descriptions):
+        name = names_of.get(id(param), "?")
+        if not any(p.search(name) for p in patterns):
+            raise ConfigError(
+                f"{key} = {opt.qk_clip_threshold!r}: QK-clip rescales {name} on its Muon owner after the update, but "
+                f"{names.key('optimizer', 'muon_params')} leaves it to AdamW; add it to the Muon targets"
+            )
 
 
 def meta_model(config, names: Naming = PYTHON_NAMES) -> nn.Module:

@@ -29,9 +29,18 @@ class ToyConfig:
     routed_experts: int | None = None  # route tokens to the first k experts only (the rest get none)
 
 
+class InnerAttention(nn.Module):
+    """Causal SDPA on post-projection q, k, v in (batch, heads, positions, head dim): the
+    ``inner_attention`` submodule QK-clip captures at (as TorchTitan's)."""
+
+    def forward(self, q, k, v, *, scale=None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ToyConfig) -> None:
         super().__init__()
+        self.inner_attention = InnerAttention()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
         q_rows, kv_rows = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
@@ -53,7 +62,7 @@ class Attention(nn.Module):
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -135,6 +144,21 @@ def muon_targets(model: ToyTransformer) -> list[nn.Parameter]:
 
 def qkv_splits(model: ToyTransformer) -> dict[nn.Parameter, tuple[int, ...]]:
     return {layer.attention.wqkv.weight: layer.attention.splits for layer in model.layers if hasattr(layer.attention, "wqkv")}
+
+
+def qk_clip_attention(model: ToyTransformer) -> list:
+    """QK-clip's description of every attention layer (``DMuon(..., qk_clip_attention=...)``)."""
+    from titan_dmuon.qk_clip import QKClipAttention
+
+    out = []
+    for i, layer in enumerate(model.layers):
+        a = layer.attention
+        common = dict(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, name=f"layers.{i}", layout="BNLH")
+        if hasattr(a, "wqkv"):
+            out.append(QKClipAttention.fused(a.inner_attention, wqkv=a.wqkv.weight, grouped=False, **common))
+        else:
+            out.append(QKClipAttention.separate(a.inner_attention, wq=a.wq.weight, wk=a.wk.weight, **common))
+    return out
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

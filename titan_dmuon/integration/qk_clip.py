@@ -1,0 +1,83 @@
+"""QK-clip for TorchTitan 0.3.0's attention modules: the descriptions DMuon needs, built from the model.
+
+* ``GQAttention`` (llama3): GQA when ``n_kv_heads < n_heads`` (query rows only), MHA otherwise;
+  separate ``QKVLinear`` (wq/wk) or ``FusedQKVLinear`` (wqkv, grouped rows) projections;
+* DeepSeek-V3's ``Attention`` (MLA, also kimi_k2_7): ``wq`` (q_lora_rank 0) or ``wq_b``, and ``wkv_b``;
+* refused: attention that normalises q and k (qwen3's ``q_norm``/``k_norm``: a rescale of the
+  projection is undone by the norm), and any other attention layout.
+
+Capture is at each attention's ``inner_attention`` submodule (post-RoPE q, k in (B, L, N, H),
+``scale=`` the model's softmax scale), assuming causal attention over the whole sequence: with
+document masking (flex ``block_causal``) S also counts cross-document pairs, an upper bound.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titan_dmuon.qk_clip import QKClipAttention
+from titan_dmuon.runtime import canonical_fqn
+
+
+class QKClipNotSupported(ValueError):
+    """This model's attention cannot be QK-clipped; the message says why."""
+
+
+NORMALISED_QK = (
+    "its attention normalises q and k per head (q_norm/k_norm, as qwen3's) before the logits, so rescaling the q/k "
+    "projection weights does not change the logits: QK-clip cannot bound them; unset optimizer.qk_clip_threshold "
+    "for this model"
+)
+
+
+def attention_descriptions(model: nn.Module) -> list[QKClipAttention]:
+    """One QKClipAttention per attention module of ``model`` (a model part), in module order."""
+    from torchtitan.models.common.attention import BaseAttention, FusedQKVLinear, GQAttention, QKVLinear
+
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseAttention):
+            continue
+        fqn = canonical_fqn(name)
+        inner = getattr(module, "inner_attention", None)
+        if not isinstance(inner, nn.Module):
+            raise QKClipNotSupported(f"attention {fqn!r} ({type(module).__name__}) has no inner_attention submodule to capture at")
+        if isinstance(module, GQAttention):
+            if module.q_norm is not None or module.k_norm is not None:
+                raise QKClipNotSupported(f"attention {fqn!r}: {NORMALISED_QK}")
+            common = dict(n_heads=module.n_heads, n_kv_heads=module.n_kv_heads, head_dim=module.head_dim, name=fqn)
+            qkv = module.qkv_linear
+            if isinstance(qkv, FusedQKVLinear):
+                out.append(QKClipAttention.fused(inner, wqkv=qkv.wqkv.weight, grouped=True, **common))
+            elif isinstance(qkv, QKVLinear):
+                out.append(QKClipAttention.separate(inner, wq=qkv.wq.weight, wk=qkv.wk.weight, **common))
+            else:
+                raise QKClipNotSupported(f"attention {fqn!r}: q/k projection {type(qkv).__name__} has no known row layout")
+        elif _is_mla(module):
+            wq = module.wq if module.q_lora_rank == 0 else module.wq_b
+            out.append(QKClipAttention.mla(
+                inner, wq=wq.weight, wkv_b=module.wkv_b.weight, n_heads=module.n_heads,
+                qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
+                v_head_dim=module.v_head_dim, name=fqn,
+            ))
+        else:
+            raise QKClipNotSupported(
+                f"attention {fqn!r} ({type(module).__module__}.{type(module).__name__}) has a layout QK-clip does not know "
+                "(supported: TorchTitan's GQAttention without q/k norms, DeepSeek-V3's MLA)"
+            )
+    return out
+
+
+def _is_mla(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("wkv_b", "wkv_a", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"))
+
+
+def clip_weights(descriptions: list[QKClipAttention]) -> list[nn.Parameter]:
+    """The weights the clip rescales (each must be a Muon target)."""
+    seen, out = set(), []
+    for d in descriptions:
+        for part in d.rows:
+            if id(part.param) not in seen:
+                seen.add(id(part.param))
+                out.append(part.param)
+    return out

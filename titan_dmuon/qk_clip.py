@@ -1,0 +1,302 @@
+"""QK-clip (MuonClip) for DMuon: what the model tells DMuon, and the runtime that applies it.
+
+``QKClipAttention`` describes one attention module: where its post-RoPE q and k can be seen
+(``capture``: a submodule called as ``capture(q, k, v, ..., scale=...)``, e.g. TorchTitan's
+``inner_attention``), its heads, and which rows of which weights hold each head's q (and k).
+Build one per layer with :meth:`QKClipAttention.separate` (wq, wk), :meth:`QKClipAttention.fused`
+(one wqkv) or :meth:`QKClipAttention.mla` (DeepSeek's multi-head latent attention), and give the
+list to ``DMuon(..., qk_clip_threshold=tau, qk_clip_attention=[...])``.
+
+``QKClip`` (built by DMuon):
+
+* capture: a forward hook on each ``capture`` module (eager, dynamo-disabled, under no_grad: the
+  loss and gradients are untouched) folds the call's per-head max logit into a running
+  [layers x heads] max on the device, over every micro-batch of the step (an activation-
+  checkpoint recompute sees the same logits again: the max is unchanged);
+* step: at the start of ``DMuon.step`` one async MAX all-reduce per dedication handle of its
+  [layers x heads] maxima over the handle's data-parallel ranks (HSDP: the shard group, then the
+  replicate group; pipelining: each stage's own handle), waited before the first rescale;
+* rescale: after a unit's Muon update and before the handle sends it on, the owner of each q/k
+  weight (``member.runs_ns``) multiplies its rows by gamma_h ** e (``qk_clip_math``), computed on
+  the device: no host sync, unclipped heads multiplied by exactly 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_dmuon.qk_clip_math import clip_factors, max_logits, role_exponent, row_map, scale_rows
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class QKRows:
+    """The rows of ``param`` that hold one role (``qk_clip_math.ROLES``) of each query head:
+    ``heads[h]`` is a tuple of ``(start, stop)`` row ranges."""
+
+    param: nn.Parameter
+    role: str
+    heads: tuple[Ranges, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class QKClipAttention:
+    """One attention module as QK-clip sees it.
+
+    ``capture``: the module whose forward receives the post-RoPE ``q, k`` as its first two
+    arguments (``layout`` "BLNH": batch, positions, heads, head dim; or "BNLH") and the softmax
+    scale as the keyword ``scale`` (None or absent: ``head_dim ** -0.5``). Causal attention.
+    ``rows``: where each head's q (and k) rows are; the weights must be dedicated (DMuon's)."""
+
+    capture: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rows: tuple[QKRows, ...]
+    layout: str = "BLNH"
+    causal: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capture, nn.Module):
+            raise TypeError(f"QKClipAttention.capture must be an nn.Module (the inner attention), got {type(self.capture).__name__}")
+        if self.n_heads < 1 or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({self.n_kv_heads})")
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for part in self.rows:
+            if len(part.heads) != self.n_heads:
+                raise ValueError(f"{part.role} rows: {len(part.heads)} heads given, the attention has {self.n_heads}")
+
+    @property
+    def shared_keys(self) -> bool:
+        """GQA: a key head serves several query heads."""
+        return self.n_kv_heads < self.n_heads
+
+    @classmethod
+    def separate(cls, capture, *, wq, wk, n_heads, n_kv_heads=None, head_dim, name="", layout="BLNH"):
+        """q and k projections of their own, rows head-major (head h: rows h*head_dim to (h+1)*head_dim);
+        with fewer key heads than query heads (GQA) ``wk`` is left untouched."""
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        q = QKRows(wq, "q", tuple(((h * head_dim, (h + 1) * head_dim),) for h in range(n_heads)))
+        rows = [q]
+        if n_kv_heads == n_heads:
+            rows.append(QKRows(wk, "k", q.heads))
+        return cls(capture, n_heads, n_kv_heads, head_dim, tuple(rows), layout=layout, name=name)
+
+    @classmethod
+    def fused(cls, capture, *, wqkv, n_heads, n_kv_heads=None, head_dim, grouped=True, name="", layout="BLNH"):
+        """One fused q/k/v weight. ``grouped`` (TorchTitan's FusedQKVLinear): rows are
+        [kv group][its n_heads/n_kv_heads q heads, 1 k head, 1 v head][head_dim]; else
+        [all q heads | all k heads | all v heads], each head-major."""
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        hpk, hd = n_heads // n_kv_heads, head_dim
+        if grouped:
+            r = hpk + 2
+            q_heads = tuple(((g * r * hd + j * hd, g * r * hd + (j + 1) * hd),) for g in range(n_kv_heads) for j in range(hpk))
+            k_heads = tuple(((g * r * hd + hpk * hd, g * r * hd + (hpk + 1) * hd),) for g in range(n_kv_heads) for _ in range(hpk))
+        else:
+            q_heads = tuple(((h * hd, (h + 1) * hd),) for h in range(n_heads))
+            k_base = n_heads * hd
+            k_heads = tuple(((k_base + (h // hpk) * hd, k_base + (h // hpk + 1) * hd),) for h in range(n_heads))
+        rows = [QKRows(wqkv, "q", q_heads)]
+        if n_kv_heads == n_heads:
+            rows.append(QKRows(wqkv, "k", k_heads))
+        return cls(capture, n_heads, n_kv_heads, head_dim, tuple(rows), layout=layout, name=name)
+
+    @classmethod
+    def mla(cls, capture, *, wq, wkv_b, n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, name="", layout="BLNH"):
+        """DeepSeek-V3's multi-head latent attention (TorchTitan's layout): ``wq`` (or ``wq_b``) rows
+        per head [nope | rope], ``wkv_b`` rows per head [k nope | v]; the shared rotary key comes
+        from ``wkv_a`` and is left untouched, as v."""
+        nope, qk = qk_nope_head_dim, qk_nope_head_dim + qk_rope_head_dim
+        kv = nope + v_head_dim
+        rows = (
+            QKRows(wq, "q_nope", tuple(((h * qk, h * qk + nope),) for h in range(n_heads))),
+            QKRows(wq, "q_rope", tuple(((h * qk + nope, (h + 1) * qk),) for h in range(n_heads))),
+            QKRows(wkv_b, "k_nope", tuple(((h * kv, h * kv + nope),) for h in range(n_heads))),
+        )
+        return cls(capture, n_heads, n_heads, qk, rows, layout=layout, name=name)
+
+
+@dataclass(eq=False)
+class _Weight:
+    """One q/k weight this rank owns (runs Newton–Schulz for): its row map on the device."""
+
+    param: nn.Parameter
+    slot: int  # the attention's row in its handle's [layers x heads] table
+    head: torch.Tensor
+    exponent: torch.Tensor
+
+
+@dataclass(eq=False)
+class _HandleClip:
+    """The attention layers of one dedication handle (a model part / pipeline stage)."""
+
+    handle: object
+    attentions: list[QKClipAttention]
+    running: torch.Tensor  # [layers x heads], the step's running max (fp32, -inf: nothing seen)
+    weights_by_unit: dict[int, list[_Weight]] = dataclasses.field(default_factory=dict)
+    reduced: torch.Tensor | None = None
+    work: object = None
+    gamma: torch.Tensor | None = None
+
+
+class QKClip:
+    """The capture hooks and the per-step rescale; DMuon builds and drives it."""
+
+    def __init__(self, attentions: Sequence[QKClipAttention], handles: Sequence, *, threshold: float, alpha: float) -> None:
+        attentions = list(attentions)
+        if not attentions:
+            raise ValueError(
+                "qk_clip_threshold is set but no attention layer was described: pass qk_clip_attention=[QKClipAttention...] "
+                "(TorchTitan: built from the model; see the README's MuonClip section)"
+            )
+        self.threshold, self.alpha = float(threshold), float(alpha)
+        by_handle: dict[int, _HandleClip] = {}
+        placed: list[tuple[_HandleClip, int, QKClipAttention]] = []
+        for attention in attentions:
+            if not isinstance(attention, QKClipAttention):
+                raise TypeError(f"qk_clip_attention takes QKClipAttention objects, got {type(attention).__name__}")
+            owners = {id(_handle_of(part.param, handles, attention)) for part in attention.rows}
+            if len(owners) != 1:
+                raise ValueError(f"attention {attention.name!r}: its q/k weights are in different dedicate_params handles")
+            handle = _handle_of(attention.rows[0].param, handles, attention)
+            if handle.mode.tp is not None:
+                raise NotImplementedError(
+                    f"attention {attention.name!r}: QK-clip with tensor-parallel shards (dedicate_params(..., tp_mesh=)) "
+                    "is not supported: each rank holds some heads' rows and sees only their logits"
+                )
+            entry = by_handle.get(id(handle))
+            if entry is None:
+                entry = by_handle[id(handle)] = _HandleClip(handle, [], torch.empty(0))
+            placed.append((entry, len(entry.attentions), attention))
+            entry.attentions.append(attention)
+        self._clips = list(by_handle.values())
+        self._hooks = []
+        for clip in self._clips:
+            heads = max(a.n_heads for a in clip.attentions)
+            clip.running = torch.full((len(clip.attentions), heads), float("-inf"), device=clip.handle.mode.mesh.device)
+        for clip, slot, attention in placed:
+            self._hooks.append(attention.capture.register_forward_hook(
+                functools.partial(_capture, clip.running, slot, attention), with_kwargs=True))
+            for param, parts in _parts_by_param(attention, self.alpha).items():
+                member = clip.handle.member_of(param)
+                if not member.runs_ns:
+                    continue  # another rank rescales it; this one receives it by the broadcast
+                head, exponent = row_map(member.shape[0], parts)
+                device = clip.running.device
+                clip.weights_by_unit.setdefault(member.unit, []).append(
+                    _Weight(param, slot, head.to(device), exponent.to(device)))
+        self._max_logit: torch.Tensor | None = None
+        self._clipped: torch.Tensor | None = None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def start(self) -> None:
+        """Start each handle's MAX all-reduce of the step's maxima, and reset the running max."""
+        for clip in self._clips:
+            clip.reduced = clip.running.clone()
+            clip.running.fill_(float("-inf"))
+            clip.gamma = None
+            mesh = clip.handle.mode.mesh
+            clip.work = dist.all_reduce(clip.reduced, op=dist.ReduceOp.MAX, group=mesh.shard_group, async_op=True) \
+                if mesh.shard_size > 1 else None
+
+    def _gamma(self, clip: _HandleClip) -> torch.Tensor:
+        if clip.gamma is None:
+            if clip.work is not None:
+                clip.work.wait()
+                clip.work = None
+            mesh = clip.handle.mode.mesh
+            if mesh.hsdp and mesh.replicate_size > 1:
+                dist.all_reduce(clip.reduced, op=dist.ReduceOp.MAX, group=mesh.replicate_group)
+            clip.gamma = clip_factors(clip.reduced, self.threshold)
+        return clip.gamma
+
+    def handles(self) -> list:
+        return [clip.handle for clip in self._clips]
+
+    @torch.no_grad()
+    def rescale(self, handle, unit_index: int) -> None:
+        """Scale the q/k rows this rank owns in ``unit_index`` of ``handle`` (after their update)."""
+        for clip in self._clips:
+            if clip.handle is not handle:
+                continue
+            # every rank waits at its handle's first unit, whatever it owns: under HSDP the wait
+            # includes the replicate group's all-reduce, which must come at the same point on every rank
+            gamma = self._gamma(clip)
+            weights = clip.weights_by_unit.get(unit_index)
+            if not weights:
+                continue
+            for w in weights:
+                scale_rows(w.param, gamma[w.slot], w.head, w.exponent)
+
+    def finish(self) -> None:
+        """After the step: the step's figures (device tensors), every reduce waited."""
+        maxima, clipped = [], []
+        for clip in self._clips:
+            self._gamma(clip)
+            maxima.append(clip.reduced.max())
+            clipped.append((clip.reduced > self.threshold).sum())
+        self._max_logit = torch.stack(maxima).max()
+        self._clipped = torch.stack(clipped).sum()
+
+    def stats(self) -> dict[str, float]:
+        """The last step's largest logit before clipping and heads clipped (reads the device)."""
+        if self._max_logit is None:
+            return {}
+        return {"qk_max_logit": float(self._max_logit.item()), "qk_clipped_heads": int(self._clipped.item())}
+
+
+def _handle_of(param, handles, attention: QKClipAttention):
+    for handle in handles:
+        if handle.member_of(param) is not None:
+            return handle
+        if handle.local_expert_of(param) is not None:
+            break
+    raise ValueError(
+        f"QK-clip: a q/k weight of attention {attention.name or '?'} (shape {tuple(param.shape)}) is not a dedicated "
+        "weight of DMuon: the clip rescales q/k rows on the weight's owner after its Muon update, so each q/k weight "
+        "must be given to dedicate_params (not left to AdamW / FSDP2)"
+    )
+
+
+def _parts_by_param(attention: QKClipAttention, alpha: float) -> dict:
+    out: dict = {}
+    for part in attention.rows:
+        e = role_exponent(part.role, alpha=alpha, shared_keys=attention.shared_keys)
+        out.setdefault(part.param, []).append((part.heads, e))
+    return out
+
+
+@torch._dynamo.disable(recursive=True, reason="DMuon's QK-clip capture runs eagerly")
+def _capture(running: torch.Tensor, slot: int, attention: QKClipAttention, module, args, kwargs, output) -> None:
+    if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        return  # evaluation (no_grad): not part of the step's training batch
+    q, k = (args[0], args[1]) if len(args) >= 2 else (kwargs.get("q", args[0] if args else None), kwargs.get("k"))
+    if q is None or k is None:
+        raise RuntimeError(f"QK-clip: the capture module of attention {attention.name!r} got no q and k positional arguments")
+    scale = kwargs.get("scale")
+    scale = attention.head_dim ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        m = max_logits(_plain(q), _plain(k), scale=scale, causal=attention.causal, layout=attention.layout)
+        row = running[slot, : m.shape[0]]
+        torch.maximum(row, m, out=row)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.to_local() if isinstance(t, DTensor) else t
