@@ -38,11 +38,12 @@ def _handle(container):
     return handle
 
 
-def _train(rank, world, state, tp, fuse_qkv=True):
+def _train(rank, world, state, tp, fuse_qkv=True, options=None):
     from titan_dmuon.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp)
-    model, container = th.build(_model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact")
+    model, container = th.build(_model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact",
+                                **(options or {}))
     handle = _handle(container)
     norms = []
     losses = th.train(model, container, dims, _data()[:1], norms=norms)
@@ -54,6 +55,7 @@ def _train(rank, world, state, tp, fuse_qkv=True):
         "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns,
         "moved": sum(e for e, _, _ in stats.values()) / (STEPS - 1),
         "tp_moved": sum(e for label, (e, _, _) in stats.items() if label.startswith("dmuon.tp_")) / (STEPS - 1),
+        "stats": container.dmuon_optimizers()[0].last_step_stats,
         "design": design_elements_per_rank(handle), "plan_numel": handle.plan.total_numel, "blocks": [m.entry.blocks for m in handle.members],
     }
 
@@ -126,6 +128,32 @@ def test_unfused_qkv_under_tp_matches_fused(pool4, fsdp4, tp2):
     for a, b in zip(unfused, tp2):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert sum(r["ns"] for r in unfused) == MATRICES_PER_LAYER * LAYERS
+
+
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
+    """QK-clip under TP: each TP rank holds whole heads (GQA: whole kv groups with their query heads) of
+    the q/k weights and its inner attention sees exactly those heads' logits, so it clips its own
+    heads' rows of its shards. With a threshold every head exceeds at step 1 (each head gets its own
+    gamma, so a head mapped to another head's rows changes the weights by far more than the
+    tolerance), TP 2 x
+    FSDP 2 trains as FSDP 4 with the clip, fused and separate q/k/v: losses and weights within the
+    tolerances of test_tp_trains_as_fsdp_without_tp, the same largest logit and count of clipped
+    heads (summed over the TP group)."""
+    state, _ = fsdp4
+    clip = {"qk_clip_threshold": 0.05}
+    reference = pool4.run(_train, state, 1, fuse_qkv, clip)
+    results = pool4.run(_train, state, 2, fuse_qkv, clip)
+    for r in results:  # (the last step's figures: every head exceeds 0.05 at step 1, about half at step 3)
+        assert r["losses"] == pytest.approx(reference[0]["losses"], rel=1e-4)
+        assert r["stats"]["qk_clipped_heads"] == reference[0]["stats"]["qk_clipped_heads"] > 0
+        # (step 3's logits come from weights that differ by up to 2e-3: their largest to 5e-4 here)
+        assert r["stats"]["qk_max_logit"] == pytest.approx(reference[0]["stats"]["qk_max_logit"], rel=2e-3)
+    weights, ref_weights = merge_rank_states(r["weights"] for r in results), merge_rank_states(r["weights"] for r in reference)
+    diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert diff < 2e-3, diff
+    unclipped = merge_rank_states(r["weights"] for r in pool4.run(_train, state, 2, fuse_qkv))
+    assert max((weights[k] - unclipped[k]).abs().max().item() for k in weights) > 1e-2  # (the clip did bind)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------

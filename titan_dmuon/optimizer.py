@@ -209,11 +209,7 @@ class DMuon(torch.optim.Optimizer):
                     self._finish_tensor_parallel(handle, *pending)
                     pending = None
                 if not sent:
-                    if self.qk_clip is not None:  # after the Muon update, before the weights are sent on
-                        for unit in chunk:
-                            self.qk_clip.rescale(handle, unit.index)
-                    for unit in chunk:
-                        handle.updated(unit)  # sent on at once: the next forward starts with the first ones
+                    self._send_on(handle, chunk)  # at once: the next forward starts with the first ones
                     continue
                 back = [(group, items, self._orthogonalise_tensor_parallel(group, handle, exchange))
                         for group, items, exchange in sent]
@@ -303,6 +299,15 @@ class DMuon(torch.optim.Optimizer):
                     for start, stop, _ in local_block_rows(block, tp_dim=entry.tp_dim, tp_rank=tp_rank,
                                                            local_rows=entry.shape[0]):
                         p[start:stop].add_(update[start:stop], alpha=-scale)
+        self._send_on(handle, chunk)
+
+    def _send_on(self, handle, chunk: list) -> None:
+        """The chunk's weights are updated: QK-clip's rescale (on the owners), then the handle sends
+        them on (HSDP's replica broadcast, the next forward's first broadcast). Every rank calls this
+        for every unit in the same order, whatever it owns."""
+        if self.qk_clip is not None:
+            for unit in chunk:
+                self.qk_clip.rescale(handle, unit.index)
         for unit in chunk:
             handle.updated(unit)
 

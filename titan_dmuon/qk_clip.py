@@ -169,11 +169,6 @@ class QKClip:
             if len(owners) != 1:
                 raise ValueError(f"attention {attention.name!r}: its q/k weights are in different dedicate_params handles")
             handle = _handle_of(attention.rows[0].param, handles, attention)
-            if handle.mode.tp is not None:
-                raise NotImplementedError(
-                    f"attention {attention.name!r}: QK-clip with tensor-parallel shards (dedicate_params(..., tp_mesh=)) "
-                    "is not supported: each rank holds some heads' rows and sees only their logits"
-                )
             entry = by_handle.get(id(handle))
             if entry is None:
                 entry = by_handle[id(handle)] = _HandleClip(handle, [], torch.empty(0))
@@ -247,8 +242,13 @@ class QKClip:
         maxima, clipped = [], []
         for clip in self._clips:
             self._gamma(clip)
-            maxima.append(clip.reduced.max())
-            clipped.append((clip.reduced > self.threshold).sum())
+            top, count = clip.reduced.max().reshape(1), (clip.reduced > self.threshold).sum().reshape(1)
+            tp = clip.handle.mode.tp
+            if tp is not None:  # each tensor-parallel rank clips its own heads: the figures over the TP group
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+                dist.all_reduce(count, op=dist.ReduceOp.SUM, group=tp.group)
+            maxima.append(top[0])
+            clipped.append(count[0])
         self._max_logit = torch.stack(maxima).max()
         self._clipped = torch.stack(clipped).sum()
 

@@ -115,7 +115,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         if self._qk_clip["qk_clip_threshold"] is not None:
             from titan_dmuon.integration.qk_clip import attention_descriptions
 
-            self._part_attention = attention_descriptions(model)
+            tp = next((h.mode.tp.size for h in handles if h.mode.tp is not None), 1)
+            self._part_attention = attention_descriptions(model, tp_size=tp)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         muon = [(n, p) for n, p in named if any(h.member_of(p) or h.local_expert_of(p) for h in handles)]
         muon_ids = {id(p) for _, p in muon}

@@ -30,8 +30,12 @@ NORMALISED_QK = (
 )
 
 
-def attention_descriptions(model: nn.Module) -> list[QKClipAttention]:
-    """One QKClipAttention per attention module of ``model`` (a model part), in module order."""
+def attention_descriptions(model: nn.Module, tp_size: int = 1) -> list[QKClipAttention]:
+    """One QKClipAttention per attention module of ``model`` (a model part), in module order.
+
+    Under tensor parallelism (``tp_size`` > 1) each rank's q/k weights are its TP-local shards, which
+    hold whole heads (and, for GQA, whole kv groups with their query heads), and its inner attention
+    sees exactly those heads: each rank describes and clips its own heads."""
     from torchtitan.models.common.attention import BaseAttention, FusedQKVLinear, GQAttention, QKVLinear
 
     out = []
@@ -45,7 +49,11 @@ def attention_descriptions(model: nn.Module) -> list[QKClipAttention]:
         if isinstance(module, GQAttention):
             if module.q_norm is not None or module.k_norm is not None:
                 raise QKClipNotSupported(f"attention {fqn!r}: {NORMALISED_QK}")
-            common = dict(n_heads=module.n_heads, n_kv_heads=module.n_kv_heads, head_dim=module.head_dim, name=fqn)
+            if module.n_heads % tp_size or module.n_kv_heads % tp_size:
+                raise QKClipNotSupported(f"attention {fqn!r}: {module.n_heads} heads, {module.n_kv_heads} kv heads "
+                                         f"do not split over {tp_size} tensor-parallel ranks")
+            common = dict(n_heads=module.n_heads // tp_size, n_kv_heads=module.n_kv_heads // tp_size,
+                          head_dim=module.head_dim, name=fqn)
             qkv = module.qkv_linear
             if isinstance(qkv, FusedQKVLinear):
                 out.append(QKClipAttention.fused(inner, wqkv=qkv.wqkv.weight, grouped=True, **common))
@@ -56,7 +64,7 @@ def attention_descriptions(model: nn.Module) -> list[QKClipAttention]:
         elif _is_mla(module):
             wq = module.wq if module.q_lora_rank == 0 else module.wq_b
             out.append(QKClipAttention.mla(
-                inner, wq=wq.weight, wkv_b=module.wkv_b.weight, n_heads=module.n_heads,
+                inner, wq=wq.weight, wkv_b=module.wkv_b.weight, n_heads=module.n_heads // tp_size,
                 qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
                 v_head_dim=module.v_head_dim, name=fqn,
             ))

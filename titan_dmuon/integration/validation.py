@@ -126,12 +126,6 @@ def validate_dmuon(
             key = names.key("optimizer", "qk_clip_threshold")
             if opt.name != "dmuon":
                 raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: QK-clip runs with optimizer.name = 'dmuon' only")
-            if config.parallelism.tensor_parallel_degree > 1:
-                raise ConfigError(
-                    f"{key} = {opt.qk_clip_threshold!r} with parallelism.tensor_parallel_degree > 1: under tensor "
-                    "parallelism each rank holds some heads' q/k rows of a TP shard and sees only its heads' logits, "
-                    "which QK-clip does not map yet; use QK-clip without tensor parallelism"
-                )
             if config.compile.enable and "model" in config.compile.components:
                 raise ConfigError(
                     f"{key} = {opt.qk_clip_threshold!r} with compile.enable = true: QK-clip captures the logits with an "
@@ -293,7 +287,7 @@ def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming) -> None:
 
     key = names.key("optimizer", "qk_clip_threshold")
     try:
-        descriptions = attention_descriptions(model)
+        descriptions = attention_descriptions(model, tp_size=config.parallelism.tensor_parallel_degree)
     except QKClipNotSupported as e:
         raise ConfigError(f"{key} = {opt.qk_clip_threshold!r} with the {spec.name} {spec.flavor} model: {e}") from None
     if not descriptions:
