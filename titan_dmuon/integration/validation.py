@@ -269,7 +269,7 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
     if opt.name == "dmuon" and opt.qk_clip_threshold is not None:
-        _validate_qk_clip(model, opt, config.model_spec, names)
+        _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
     if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
         raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
@@ -281,13 +281,13 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
     return warnings
 
 
-def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming) -> None:
+def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1) -> None:
     """QK-clip needs attention it knows the q/k row layout of, and those weights on Muon (dedicated)."""
     from titan_dmuon.integration.qk_clip import QKClipNotSupported, attention_descriptions, clip_weights
 
     key = names.key("optimizer", "qk_clip_threshold")
     try:
-        descriptions = attention_descriptions(model, tp_size=config.parallelism.tensor_parallel_degree)
+        descriptions = attention_descriptions(model, tp_size=tp)
     except QKClipNotSupported as e:
         raise ConfigError(f"{key} = {opt.qk_clip_threshold!r} with the {spec.name} {spec.flavor} model: {e}") from None
     if not descriptions:
