@@ -283,6 +283,9 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
                 if isinstance(current[k], DTensor) else state[k] for k in current
             })
     container = opt_config.build(model_parts=parts)
+    from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+
+    pause_capture_in_metadata_inference(schedule_obj, container.dmuon_optimizers())  # as DMuonTrainer does
     return schedule_obj, parts, has_first, has_last, container
 
 

@@ -23,6 +23,7 @@ list to ``DMuon(..., qk_clip_threshold=tau, qk_clip_attention=[...])``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -175,13 +176,14 @@ class QKClip:
             placed.append((entry, len(entry.attentions), attention))
             entry.attentions.append(attention)
         self._clips = list(by_handle.values())
+        self._capturing = [True]  # (shared with the hooks: paused() turns it off)
         self._hooks = []
         for clip in self._clips:
             heads = max(a.n_heads for a in clip.attentions)
             clip.running = torch.full((len(clip.attentions), heads), float("-inf"), device=clip.handle.mode.mesh.device)
         for clip, slot, attention in placed:
             self._hooks.append(attention.capture.register_forward_hook(
-                functools.partial(_capture, clip.running, slot, attention), with_kwargs=True))
+                functools.partial(_capture, self._capturing, clip.running, slot, attention), with_kwargs=True))
             for param, parts in _parts_by_param(attention, self.alpha).items():
                 member = clip.handle.member_of(param)
                 if not member.runs_ns:
@@ -192,6 +194,18 @@ class QKClip:
                     _Weight(param, slot, head.to(device), exponent.to(device)))
         self._max_logit: torch.Tensor | None = None
         self._clipped: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside are not the step's training batch and are not captured: e.g.
+        torch.distributed.pipelining's metadata inference, which runs a later stage's forward on
+        uninitialised tensors (``torch.empty``) at the first step (see
+        ``integration.qk_clip.pause_capture_in_metadata_inference``)."""
+        previous, self._capturing[0] = self._capturing[0], False
+        try:
+            yield
+        finally:
+            self._capturing[0] = previous
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -281,7 +295,10 @@ def _parts_by_param(attention: QKClipAttention, alpha: float) -> dict:
 
 
 @torch._dynamo.disable(recursive=True, reason="DMuon's QK-clip capture runs eagerly")
-def _capture(running: torch.Tensor, slot: int, attention: QKClipAttention, module, args, kwargs, output) -> None:
+def _capture(capturing: list, running: torch.Tensor, slot: int, attention: QKClipAttention, module, args, kwargs,
+             output) -> None:
+    if not capturing[0]:
+        return
     if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
         return  # evaluation (no_grad): not part of the step's training batch
     q, k = (args[0], args[1]) if len(args) >= 2 else (kwargs.get("q", args[0] if args else None), kwargs.get("k"))

@@ -75,6 +75,10 @@ class DMuonTrainer(Trainer):
         # DMuon moves its volume once per forward/backward, i.e. per micro-batch
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
         self.metrics_processor.deferred_reduce = self.parallel_dims.pp_enabled
+        if self.parallel_dims.pp_enabled:
+            from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+
+            pause_capture_in_metadata_inference(self.pp_schedule, self.optimizers.dmuon_optimizers())
 
     def train_step(self, data_iterator):
         self.metrics_processor.begin_step()
