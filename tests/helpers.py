@@ -213,6 +213,12 @@ def merge_rank_states(states) -> dict[str, torch.Tensor]:
     return merged
 
 
+def assert_states_equal(a: dict, b: dict) -> None:
+    """The same names, every tensor bitwise equal (the differing ones listed with their max difference)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert [(k, (a[k] - b[k]).abs().max().item()) for k in a if not torch.equal(a[k], b[k])] == []
+
+
 class Counter:
     """Stands in for TorchTitan's train state and dataloader (both Stateful) in checkpoint tests."""
 

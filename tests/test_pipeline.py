@@ -9,14 +9,13 @@ itself checked against torch.optim.Muon + AdamW in test_titan_models.py / test_c
 """
 
 import pytest
-import torch
 
 from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 
 from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
-from tests.helpers import Counter, full_parameters, merge_rank_states  # noqa: E402
+from tests.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states  # noqa: E402
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 LAYERS = 4
@@ -182,17 +181,7 @@ class _Job:
     def hf_expected(self):
         """What TorchTitan's last-step HF export should hold of this rank's stages: their full
         weights, fused wqkv split as TorchTitan's state-dict hook does, through llama3's adapter."""
-        from torchtitan.models.common.attention import FusedQKVLinear
-
-        full = _pp_weights(self.parts)
-        for part in self.parts:
-            for module_name, module in part.named_modules():
-                if isinstance(module, FusedQKVLinear):
-                    prefix = canonical_fqn(module_name) + "."
-                    split = {f"{prefix}wqkv.weight": full.pop(f"{prefix}wqkv.weight")}
-                    FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
-                    full.update(split)
-        return self.adapter.to_hf(full)
+        return th.hf_export_expected(_pp_weights(self.parts), self.parts, self.adapter)
 
     def state(self):
         """Weights, Muon momentum, AdamW moments and steps of this rank's stages, full, by name."""
@@ -223,22 +212,6 @@ def _resume(rank, world, folder, pipeline, until, step=-1):
     return losses, *job.state()
 
 
-def _merge_owned(per_rank):
-    """Momentum lives on its owner only (plain tensors), AdamW state is FSDP2-sharded (full on
-    every rank of the stage): one dict, each name from whichever rank holds it."""
-    merged = {}
-    for owned in per_rank:
-        for k, v in owned.items():
-            assert k not in merged or torch.equal(merged[k], v), k
-            merged[k] = v
-    return merged
-
-
-def _assert_equal(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    assert [(k, (a[k] - b[k]).abs().max().item()) for k in a if not torch.equal(a[k], b[k])] == []
-
-
 def test_pipelined_resume_is_bit_exact_and_loads_without_pipelining(pool4, tmp_path):
     """4 pipelined steps straight == 2 steps + save + new processes + load + 2 steps, bit for bit
     (weights, Muon momentum, AdamW moments, losses): every stage's dedicated weights and momentum
@@ -254,23 +227,23 @@ def test_pipelined_resume_is_bit_exact_and_loads_without_pipelining(pool4, tmp_p
     second = pool4.run(_resume, str(tmp_path / "b"), True, 4)
     for rank in range(4):
         assert first[rank][0] + second[rank][0] == straight[rank][0]
-    _assert_equal(_all_weights(r[1] for r in second), _all_weights(r[1] for r in straight))
-    a, b = _merge_owned(r[2] for r in straight), _merge_owned(r[2] for r in second)
-    _assert_equal(a, b)
+    assert_states_equal(_all_weights(r[1] for r in second), _all_weights(r[1] for r in straight))
+    a, b = merge_rank_states(r[2] for r in straight), merge_rank_states(r[2] for r in second)
+    assert_states_equal(a, b)
     assert any(k.startswith("momentum_buffer/") for k in a) and any(k.startswith("exp_avg/") for k in a)
 
     # the 2-step pipelined checkpoint, into the job without pipelining (no training: until step 2)
     unpipelined = pool4.run(_resume, str(tmp_path / "b"), False, 2, 2)
-    _assert_equal(_all_weights(r[1] for r in unpipelined), _all_weights(r[1] for r in first))
-    _assert_equal(_merge_owned(r[2] for r in unpipelined), _merge_owned(r[2] for r in first))
+    assert_states_equal(_all_weights(r[1] for r in unpipelined), _all_weights(r[1] for r in first))
+    assert_states_equal(merge_rank_states(r[2] for r in unpipelined), merge_rank_states(r[2] for r in first))
 
     # and back: the checkpoint of the job without pipelining, into the pipelined one
     pipelined = pool4.run(_resume, str(tmp_path / "c"), True, 2)
-    _assert_equal(_all_weights(r[1] for r in pipelined), _all_weights(r[1] for r in plain))
-    _assert_equal(_merge_owned(r[2] for r in pipelined), _merge_owned(r[2] for r in plain))
+    assert_states_equal(_all_weights(r[1] for r in pipelined), _all_weights(r[1] for r in plain))
+    assert_states_equal(merge_rank_states(r[2] for r in pipelined), merge_rank_states(r[2] for r in plain))
 
     # the straight job's last save: model only, in HF safetensors, every stage's weights
-    _check_hf_export(str(tmp_path / "a" / "ckpt" / "step-4"), _merge_owned(r[3] for r in straight))
+    _check_hf_export(str(tmp_path / "a" / "ckpt" / "step-4"), merge_rank_states(r[3] for r in straight))
 
 
 def _check_hf_export(folder, expected):
@@ -284,4 +257,4 @@ def _check_hf_export(folder, expected):
     exported = {}
     for name in sorted(set(weight_map.values())):
         exported.update(load_file(os.path.join(folder, name)))
-    _assert_equal(exported, expected)
+    assert_states_equal(exported, expected)

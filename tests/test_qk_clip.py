@@ -391,27 +391,15 @@ def test_invariant_after_clip(pool2, kv_heads):
 
 # ---- no host sync ---------------------------------------------------------------------------------------
 def _clip_host_syncs(rank, world, mode):
-    from tests.helpers import train
-    from tests.test_runtime import _HostSyncCounter
-    from titan_dmuon import clip_grad_norm_
+    from tests.test_runtime import host_syncs_in_steady_steps
 
     setup = distribute(toy_model(n_kv_heads=4), mode, world)
     setup.opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
                       **{**MUON, **ADAMW, "qk_clip_threshold": 0.3})
-    data = batches(4)
-    train(setup, data[:2], rank, world, max_norm=1.0)  # warm-up: lazy init, layer order, optimizer state
-    host_resident = {s["step"].untyped_storage().data_ptr() for s in setup.opt.state.values() if "step" in s}
-    counter = _HostSyncCounter(host_resident)
-    clipped = 0
-    for batch in data[2:]:
-        x, y = local_slice(batch, rank, world)
-        with counter:
-            loss_fn(setup.module(x), y).backward()
-            clip_grad_norm_(setup.model.parameters(), 1.0, dedicated=setup.handle)
-            setup.opt.step()
-            setup.opt.zero_grad()
-        clipped += setup.opt.last_step_stats["qk_clipped_heads"]  # (read outside the counted step)
-    return counter.syncs, clipped
+    clipped = []
+    syncs = host_syncs_in_steady_steps(  # (the figures are read outside the counted step)
+        setup, rank, world, after_step=lambda: clipped.append(setup.opt.last_step_stats["qk_clipped_heads"]))
+    return syncs, sum(clipped)
 
 
 def test_no_host_sync_with_the_clip(pool2):

@@ -53,10 +53,11 @@ class _HostSyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _host_syncs(rank, world, mode):
-    setup = distribute(toy_model(), mode, world)
+def host_syncs_in_steady_steps(setup, rank, world, *, after_step=None) -> list:
+    """Host syncs in 2 steady-state steps (forward, backward, DMuon's clip and step) after 2 warm-up
+    steps (lazy init, layer order, optimizer state); ``after_step()`` runs outside the counted part."""
     data = batches(4)
-    train(setup, data[:2], rank, world, max_norm=1.0)  # warm-up: lazy init, layer order, optimizer state
+    train(setup, data[:2], rank, world, max_norm=1.0)
     host_resident = {
         s["step"].untyped_storage().data_ptr() for s in setup.opt.state.values() if "step" in s
     }
@@ -68,7 +69,13 @@ def _host_syncs(rank, world, mode):
             clip_grad_norm_(setup.model.parameters(), 1.0, dedicated=setup.handle)
             setup.opt.step()
             setup.opt.zero_grad()
+        if after_step is not None:
+            after_step()
     return counter.syncs
+
+
+def _host_syncs(rank, world, mode):
+    return host_syncs_in_steady_steps(distribute(toy_model(), mode, world), rank, world)
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2", "ddp"])

@@ -327,6 +327,7 @@ class _Mode:
     def __init__(self, n, r, z3):
         self.mesh = type("M", (), {"shard_size": n, "replicate_size": r})()
         self.reshard_after_forward = z3
+        self.tp = None
 
 
 @pytest.mark.parametrize("n, r, z3, kept", [(8, 1, False, 0), (8, 1, True, 10), (4, 2, True, 10)])

@@ -16,7 +16,7 @@ from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodati
 from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
-from tests.helpers import Counter, full_parameters, merge_rank_states  # noqa: E402
+from tests.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states  # noqa: E402
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 LAYERS = 2
@@ -186,16 +186,7 @@ class _Job:
     def hf_expected(self):
         """The full current weights, the fused wqkv split as TorchTitan's state-dict hook does, through
         llama3's HF adapter: what the last-step HF export must hold."""
-        from torchtitan.models.common.attention import FusedQKVLinear
-
-        full = full_parameters(self.parts[0], _handle(self.container))
-        for module_name, module in self.parts[0].named_modules():
-            if isinstance(module, FusedQKVLinear):
-                prefix = canonical_fqn(module_name) + "."
-                split = {f"{prefix}wqkv.weight": full.pop(f"{prefix}wqkv.weight")}
-                FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
-                full.update(split)
-        return self.adapter.to_hf(full)
+        return th.hf_export_expected(full_parameters(self.parts[0], _handle(self.container)), self.parts, self.adapter)
 
     def state(self):
         """Full weights and full Muon momentum (assembled from the TP shards) by name."""
@@ -231,20 +222,6 @@ def _resume(rank, world, folder, tp, until, step=2):
     return job.train(until), *job.state()
 
 
-def _merge(per_rank):
-    merged = {}
-    for owned in per_rank:
-        for k, v in owned.items():
-            assert k not in merged or torch.equal(merged[k], v), k
-            merged[k] = v
-    return merged
-
-
-def _assert_equal(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    assert [(k, (a[k] - b[k]).abs().max().item()) for k in a if not torch.equal(a[k], b[k])] == []
-
-
 def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
     """A TP 2 x FSDP 2 job saves at step 2 (DCP: each dedicated weight and its momentum as a DTensor
     of the full matrix on the tp mesh, written once); a new job resumes it bit-exactly to step 4;
@@ -255,21 +232,21 @@ def test_tp_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
     straight = pool4.run(_train_and_keep, str(tmp_path / "tp"), state, 2, 4, True)
     resumed = pool4.run(_resume, str(tmp_path / "tp"), 2, 4)
     assert [r[0] for r in resumed] == [r[0][2:] for r in straight]
-    _assert_equal(merge_rank_states(r[1] for r in resumed), merge_rank_states(r[1] for r in straight))
-    _assert_equal(_merge(r[2] for r in resumed), _merge(r[2] for r in straight))
+    assert_states_equal(merge_rank_states(r[1] for r in resumed), merge_rank_states(r[1] for r in straight))
+    assert_states_equal(merge_rank_states(r[2] for r in resumed), merge_rank_states(r[2] for r in straight))
     # reshard both ways: the step-2 state, through each layout
     at_two = pool4.run(_train_and_keep, str(tmp_path / "tp2"), state, 2, 2)
     into_fsdp = pool4.run(_resume, str(tmp_path / "tp2"), 1, 2)
-    _assert_equal(merge_rank_states(r[1] for r in into_fsdp), merge_rank_states(r[1] for r in at_two))
-    _assert_equal(_merge(r[2] for r in into_fsdp), _merge(r[2] for r in at_two))
+    assert_states_equal(merge_rank_states(r[1] for r in into_fsdp), merge_rank_states(r[1] for r in at_two))
+    assert_states_equal(merge_rank_states(r[2] for r in into_fsdp), merge_rank_states(r[2] for r in at_two))
     # the straight job's last save: model only, in HF safetensors, full current weights
     from tests.test_pipeline import _check_hf_export
 
-    _check_hf_export(str(tmp_path / "tp" / "ckpt" / "step-4"), _merge(r[3] for r in straight))
+    _check_hf_export(str(tmp_path / "tp" / "ckpt" / "step-4"), merge_rank_states(r[3] for r in straight))
     fsdp_at_two = pool4.run(_train_and_keep, str(tmp_path / "fsdp"), state, 1, 2)
     into_tp = pool4.run(_resume, str(tmp_path / "fsdp"), 2, 2)
-    _assert_equal(merge_rank_states(r[1] for r in into_tp), merge_rank_states(r[1] for r in fsdp_at_two))
-    _assert_equal(_merge(r[2] for r in into_tp), _merge(r[2] for r in fsdp_at_two))
+    assert_states_equal(merge_rank_states(r[1] for r in into_tp), merge_rank_states(r[1] for r in fsdp_at_two))
+    assert_states_equal(merge_rank_states(r[2] for r in into_tp), merge_rank_states(r[2] for r in fsdp_at_two))
 
 
 # ---- the step's TP exchange at larger T, on the fake process group ---------------------------------------

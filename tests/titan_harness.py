@@ -208,6 +208,23 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
     return losses
 
 
+def hf_export_expected(full: dict[str, torch.Tensor], parts, adapter) -> dict[str, torch.Tensor]:
+    """What TorchTitan's HF export should hold of ``parts`` whose full weights are ``full`` (canonical
+    names): each fused wqkv split as TorchTitan's state-dict hook splits it, through ``adapter``."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    full = dict(full)
+    for part in parts:
+        for module_name, module in part.named_modules():
+            if isinstance(module, FusedQKVLinear):
+                prefix = canonical_fqn(module_name) + "."
+                split = {f"{prefix}wqkv.weight": full.pop(f"{prefix}wqkv.weight")}
+                FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+                full.update(split)
+    return adapter.to_hf(full)
+
+
 def initial_state(model_and_spec, seed: int = 0) -> dict[str, torch.Tensor]:
     """The weights a plain (unparallelized) build initialises, under TorchTitan's state-dict names
     (a fused wqkv is saved as wq/wk/wv): the same start for models built differently."""

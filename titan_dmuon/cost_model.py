@@ -32,9 +32,8 @@ def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, defer
     total = passes * Fraction(n - 1, n) * numel - Fraction(n - 1, n) * kept_unit_numel
     if r > 1:
         total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
-    tp = getattr(mode, "tp", None)
-    if tp is not None:
-        total += tensor_parallel_elements_per_rank(tp.size, numel=numel, data_parallel_ranks=n * r)
+    if mode.tp is not None:
+        total += tensor_parallel_elements_per_rank(mode.tp.size, numel=numel, data_parallel_ranks=n * r)
     return total
 
 

@@ -288,7 +288,7 @@ class DMuon(torch.optim.Optimizer):
     def _finish_tensor_parallel(self, handle, chunk: list, back: list) -> None:
         """Weight decay and each row block's update (scaled for the full block) on this rank's shards,
         then the chunk's units are sent on."""
-        tp_rank = handle.mode.tp.rank if handle.mode.tp is not None else 0
+        tp_rank = handle.mode.tp.rank
         for group, items, exchange in back:
             lr = group["lr"]
             for (p, member), update in zip(items, handle.tensor_parallel_ns.received(exchange)):

@@ -24,6 +24,12 @@ import torch.distributed as dist
 from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
 
 
+def full_shape(shape: Sequence[int], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
+    """The whole matrix of a tensor-parallel shard of ``shape`` split along ``tp_dim`` over ``tp_size``
+    ranks (``shape`` itself when ``tp_dim`` is None)."""
+    return tuple(n * tp_size if d == tp_dim else n for d, n in enumerate(shape))
+
+
 @dataclass(frozen=True, kw_only=True)
 class MatrixSpec:
     """One dedicated weight as every rank sees it: name, shape, layer unit, NS row blocks.
@@ -49,9 +55,7 @@ class MatrixSpec:
     @property
     def full_shape(self) -> tuple[int, ...]:
         """The whole matrix (or stack): ``shape`` with the tensor-parallel dim times ``tp_size``."""
-        if self.tp_dim is None:
-            return self.shape
-        return tuple(n * self.tp_size if d == self.tp_dim else n for d, n in enumerate(self.shape))
+        return full_shape(self.shape, self.tp_dim, self.tp_size)
 
     @property
     def matrices(self) -> int:

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.muon_math import row_blocks
-from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, validate_across_ranks
+from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
 from titan_dmuon.runtime.handle import DedicatedParams
@@ -131,13 +131,10 @@ def dedicate_params(
 
     tp_dims = _checked_tp_dims(mode, resolved, tp_shard_dims, sites)
 
-    def full_shape(p) -> tuple[int, ...]:
-        dim = tp_dims.get(id(p))
-        return tuple(p.shape) if dim is None else tuple(n * mode.tp.size if d == dim else n for d, n in enumerate(p.shape))
-
     def blocks_of(fqn, p):
         try:
-            return tuple(row_blocks(full_shape(p)[-2:], split_rows.get(p)))
+            shape = full_shape(p.shape, tp_dims.get(id(p)), mode.tp.size if mode.tp else 1)
+            return tuple(row_blocks(shape[-2:], split_rows.get(p)))
         except ValueError as e:
             raise ValueError(f"parameter {fqn!r}: {e}") from None
 
