@@ -177,14 +177,20 @@ def muon_step(
                 groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
     torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     for (short, long), group in groups.items():
-        per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))  # NS needs ~3 stacks of workspace
-        for first in range(0, len(group), per_batch):
+        for batch in _stack_batches(group, short, long):
             _orthogonalise_batch(
-                group[first : first + per_batch], short, long, params, grads, momentum_buffers, blocks,
+                batch, short, long, params, grads, momentum_buffers, blocks,
                 lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
                 eps=eps, adjust_lr_fn=adjust_lr_fn,
             )
     return sum(len(group) for group in groups.values())
+
+
+def _stack_batches(items: list, short: int, long: int) -> list[list]:
+    """``items`` (equally shaped (short, long) matrices) in batches whose bf16 stack is at most
+    MAX_STACK_BYTES (Newton–Schulz needs ~3 such stacks of workspace)."""
+    per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))
+    return [items[first : first + per_batch] for first in range(0, len(items), per_batch)]
 
 
 def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
@@ -292,9 +298,7 @@ def orthogonalise(
     for i, m in enumerate(matrices):
         groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
     for (short, long), group in groups.items():
-        per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))
-        for first in range(0, len(group), per_batch):
-            chosen = group[first : first + per_batch]
+        for chosen in _stack_batches(group, short, long):
             stack = torch.stack([matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i]
                                  for i in chosen]).bfloat16()
             result = _newton_schulz_wide_(stack, steps, coefficients, eps)
