@@ -147,7 +147,7 @@ def test_toml_switch_does_not_reinterpret_the_files_lr(tmp_path, file_name, swit
         (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--optimizer.name", "AdamW"], "pass --optimizer.lr 0.0008"),
         (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--parallelism.data_parallel_shard_degree", "3"], "world size is 2"),
         (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"],
-         "command line: Unrecognized options: --training.stepz, 3 (TorchTitan's parser"),
+         "command line: unknown key [training] stepz (did you mean 'steps'?)"),
         (["--module", "titan_dmuon", "--config", "nope"], "Config function 'nope' not found"),
         (["--training.steps", "3"], "expected --config_file FILE.toml or --module M --config F"),
     ],
@@ -170,11 +170,72 @@ def test_prelaunch_check_passes_good_jobs_quietly(capsys):
 
 
 def test_prelaunch_check_prints_one_line_last_and_exits_2(capsys, monkeypatch):
+    """What tyro rejects and the TOML door's reading of the overrides does not explain keeps tyro's
+    framed message, with its first paragraph (wrapped lines joined: it was cut after one) last."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"]) == 2
+    assert main(["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--stepz", "3"]) == 2
     err = capsys.readouterr().err.rstrip("\n")
     assert "Unrecognized options" in err.rsplit("\n", 1)[0]  # TorchTitan's own message first
-    assert err.rsplit("\n", 1)[1].startswith("config error: command line: Unrecognized options: --training.stepz, 3")
+    assert err.rsplit("\n", 1)[1].startswith("config error: command line: Unrecognized options: --stepz, 3")
+    from titan_dmuon.integration.check import _summary_of_box
+
+    box = ("╭─ Invalid choice ────────╮\n│ invalid choice 'x' for argument '--a.b'. Expected  │\n│ one of ('p', 'q'). │\n"
+           "│ ────────────────── │\n│ For full helptext, run check.py --help │\n╰────────────────╯\n")
+    assert _summary_of_box(box) == "invalid choice 'x' for argument '--a.b'. Expected one of ('p', 'q')."
+
+
+# ---- every bad input before launch, in one line, in both doors (the TOML file and a Python config) ----
+TOML_DOOR = ["--config_file", MAIN_JOB]
+PYTHON_DOOR = ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon"]
+
+
+@pytest.mark.parametrize("args, world, line", [
+    (["--optimizer.ns_mode", "exakt"], 2, "command line: [optimizer] ns_mode = 'exakt': expected one of 'batched', 'exact'"),
+    (["--optimizer.qk_clip_threshold", "abc"], 2, "command line: [optimizer] qk_clip_threshold = 'abc': expected a number or unset"),
+    (["--checkpoint.last_save_in_hf"], 2,
+     "command line: [checkpoint] last_save_in_hf = true needs last_save_model_only = true (TorchTitan saves only the model "
+     "weights in HF format); add [checkpoint] last_save_model_only = true (--checkpoint.last_save_model_only)"),
+    (["--checkpoint.keep_latest_k", "1"], 2,
+     "command line: TorchTitan rejects the checkpoint settings: We need to maintain at least 2 checkpoint replicas"),
+], ids=["ns_mode", "qk_clip_threshold", "last_save_in_hf", "keep_latest_k"])
+def test_bad_values_are_the_same_line_in_both_doors(capsys, monkeypatch, args, world, line):
+    """The Python door printed tyro's framed message (7 to 18 lines) and a cut summary
+    ("... Expected one of"), or passed the check and died after launch (last_save_in_hf without
+    last_save_model_only, a rule TorchTitan checks when it builds its checkpointer): now each is
+    the TOML door's line, alone, exit status 2."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for door in (TOML_DOOR, PYTHON_DOOR):
+        assert main([*door, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"config error: {line}"), err
+    if "last_save_in_hf" in line:  # the fix, as the line writes it, passes
+        for door in (TOML_DOOR, PYTHON_DOOR):
+            check([*door, *args, "--checkpoint.last_save_model_only"], world_size=world)
+
+
+@pytest.mark.parametrize("args, world, line", [
+    (["--parallelism.pipeline_parallel_degree", "8"], 8,
+     "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' (2 stages per pipeline "
+     "rank) splits the llama3 debugmodel model into 16 stages, and TorchTitan needs at least one of its 8 layers per "
+     "stage (6 layers, the embedding counted as 1, the head as 1); use pipeline_parallel_degree <= 4 or a single-stage "
+     "schedule (1F1B, GPipe)"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1FB1"], 2,
+     "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining (did you mean "
+     "'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"),
+    (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"], 6,
+     "TorchTitan cannot build the llama3 debugmodel model for this job: tensor_parallel_degree (3) must divide n_heads (16)."),
+], ids=["pp_stages_over_layers", "pp_schedule_name", "tp_heads"])
+def test_parallelism_errors_before_launch_name_the_command_line(args, world, line):
+    """PP degree 8 on 8 ranks and a misspelt schedule passed the check and failed after launch in
+    TorchTitan's pipeline_llm (231 / 166 lines); a TP degree from the command line was blamed on
+    the TOML file. Each is one line now, naming where the value came from (the Python door names
+    settings as optimizer.key: no source)."""
+    toml = _one_line_error(check, [*TOML_DOOR, *args], world_size=world)
+    assert toml.startswith("command line: ") and toml.endswith(line), toml
+    python = _one_line_error(check, [*PYTHON_DOOR, *args], world_size=world)
+    assert python.endswith(line), python
+    fixed = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "2"]
+    check([*TOML_DOOR, *fixed], world_size=8)  # the advice works (4 x 2 stages of the 8 layers)
 
 
 def test_run_train_sh_stops_before_torchrun_with_the_line_last(tmp_path):
@@ -237,6 +298,11 @@ def test_impossible_expert_parallel_degree_is_a_config_error(tmp_path, monkeypat
     message = _one_line_error(load_config, _toml(tmp_path, MOE + "expert_parallel_degree = 3\n"), world_size=2)
     assert "[parallelism] expert_parallel_degree = 3: expected a divisor of" in message and "= 2" in message
     assert message.endswith("one of 1, 2")
+    # which divides which: 4 on 2 ranks is refused, 2 on 4 ranks is a valid layout (with the operands
+    # swapped, 3 on 2 ranks was still refused and only the end-to-end EP runs failed)
+    message = _one_line_error(load_config, _toml(tmp_path, MOE + "expert_parallel_degree = 4\n", "four.toml"), world_size=2)
+    assert "[parallelism] expert_parallel_degree = 4: expected a divisor of" in message
+    load_config(_toml(tmp_path, MOE + "expert_parallel_degree = 2\n", "two.toml"), world_size=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = _parse("--parallelism.expert_parallel_degree", "3", config="qwen3_moe_debug_dmuon")
     import torch.distributed as dist

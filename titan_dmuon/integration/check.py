@@ -31,7 +31,7 @@ cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from titan_dmuon.integration.config import load_config  # noqa: E402
+from titan_dmuon.integration.config import apply_command_line, load_config  # noqa: E402
 from titan_dmuon.integration.train import split_config_file  # noqa: E402
 from titan_dmuon.integration.trainer import DMuonTrainer  # noqa: E402
 from titan_dmuon.integration.validation import ConfigError, validate_dmuon  # noqa: E402
@@ -47,42 +47,64 @@ def check(args: list[str], *, world_size: int | None) -> None:
         return
     if not any(a == "--config" or a.startswith("--config=") for a in args):
         raise ConfigError(f"command line: expected --config_file FILE.toml or --module M --config F; {USAGE}")
-    config = _torchtitan_config(args)
+    config = _torchtitan_config(args, world_size=world_size)
     if isinstance(config, DMuonTrainer.Config):  # (a plain TorchTitan config is TorchTitan's to check)
         validate_dmuon(config, world_size=world_size, this_machine=True)  # as DMuonTrainer does; it logs the warnings
 
 
-def _torchtitan_config(args: list[str]):
+def _torchtitan_config(args: list[str], *, world_size: int | None):
     """The config ``torchtitan.train`` builds from these arguments: TorchTitan's ConfigManager calls
     the config function, then applies its command-line overrides (tyro)."""
     captured = io.StringIO()
+    show_tyros_message = True
     try:
         with contextlib.redirect_stderr(captured):
             return ConfigManager().parse_args(list(args))
     except SystemExit as e:  # tyro printed why (a framed message) and exits
         if e.code in (0, None):
             raise
-        summary = _first_line_of_box(captured.getvalue())
+        try:
+            _explain_rejection(args, world_size)
+        except ConfigError as explained:
+            show_tyros_message = False  # the one line says it all
+            raise explained from None
+        summary = _summary_of_box(captured.getvalue())
         raise ConfigError(f"command line: {summary} (TorchTitan's parser; its message is above)") from None
     except ConfigError:
         raise  # (from with_dmuon in the config function)
     except (ValueError, ImportError) as e:  # --module/--config not found; TorchTitan's own checks
         raise ConfigError(f"command line: {' '.join(str(e).split())}") from None
     finally:
-        sys.stderr.write(captured.getvalue())  # tyro's own message, before the one line
+        if show_tyros_message:
+            sys.stderr.write(captured.getvalue())  # tyro's own message, before the one line
 
 
-def _first_line_of_box(text: str) -> str:
-    """The first line of tyro's framed message under its title (e.g. "Unrecognized options:
-    --training.stepz, 3"); framed with box characters on a terminal, with dashes otherwise."""
+def _explain_rejection(args: list[str], world_size: int | None) -> None:
+    """TorchTitan's parser (tyro) rejected these arguments with a framed message, many lines long.
+    Apply their ``--section.key value`` overrides the TOML door's way to the config function's
+    config and check it: a wrong value, or a check TorchTitan runs as it builds a section (e.g.
+    ``checkpoint.keep_latest_k = 1``), is then the TOML door's one line, a ConfigError. Returns if it finds nothing (tyro's own message then stands)."""
+    try:
+        config, overrides = ConfigManager()._load_config(list(args))
+    except Exception:  # noqa: BLE001 - (the caller reports tyro's message)
+        return
+    names = apply_command_line(config, overrides)
+    if isinstance(config, DMuonTrainer.Config):
+        validate_dmuon(config, world_size=world_size, names=names, this_machine=True)
+
+
+def _summary_of_box(text: str) -> str:
+    """The first paragraph of tyro's framed message under its title (e.g. "Unrecognized options:
+    --training.stepz, 3"), its wrapped lines joined; framed with box characters on a terminal, with
+    dashes otherwise."""
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
-        rule = stripped.startswith("╭") or (stripped != "" and set(stripped) <= set("─-│ "))
+        rule = stripped.startswith(("╭", "╰")) or (stripped != "" and set(stripped) <= set("─-│ "))
         lines.append((rule, re.sub(r"[│╭╮╰╯]", "", line).strip(" ─")))
-    after_rule = [content for (rule, _), (_, content) in itertools.pairwise(lines) if rule and content]
-    first = next((content for rule, content in lines if content and not rule), None)
-    return after_rule[0] if after_rule else first or "the arguments were rejected"
+    start = next((i + 1 for i, (rule, _) in enumerate(lines) if rule), 0)
+    paragraph = list(itertools.takewhile(lambda line: not line[0] and line[1], lines[start:]))
+    return " ".join(content for _, content in paragraph) or "the arguments were rejected"
 
 
 def main(argv: list[str] | None = None) -> int:

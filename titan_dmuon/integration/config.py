@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -61,7 +63,7 @@ MODEL_KEYS = {"name": str, "flavor": str, "hf_assets_path": str}
 AC_MODES = ("selective", "full", "none")
 
 
-__all__ = ["ConfigError", "load_config"]
+__all__ = ["ConfigError", "apply_command_line", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,7 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
     if "hf_assets_path" in settings.get("model", {}):
         config.hf_assets_path = _check_plain(settings["model"]["hf_assets_path"], "model", "hf_assets_path", MODEL_KEYS)
 
-    _apply_activation_checkpoint(config, settings.get("activation_checkpoint", {}))
-    for section in TRAINER_SECTIONS:
-        if section == "activation_checkpoint":
-            continue
-        target = getattr(config, section)
-        for key, setting in settings.get(section, {}).items():
-            _apply(target, section, key, setting)
+    _apply_sections(config, settings)
 
     sources = {key: setting.source for key, setting in settings.get("optimizer", {}).items()}
     validate_optimizer_keys(config.optimizer, sources, file_name=file_optimizer, config_file=config_file)
@@ -114,6 +110,34 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
         return finalize(config, keep_cuda_graph_setting="disable_cuda_graphs" in settings.get("training", {}))
     except ConfigError as e:  # TorchTitan's own checks of the whole config
         raise ConfigError(f"{config_file}: {e}") from None
+
+
+def apply_command_line(config, cli_args: list[str]) -> Naming:
+    """The ``--section.key value`` overrides of another door's command line (TorchTitan's parser,
+    which rejected them), applied to ``config`` the TOML door's way: a value of the wrong type is
+    this door's one line (a ConfigError). Other arguments are skipped. Returns how errors name
+    these settings (as the TOML door names command-line values), for ``validate_dmuon``."""
+    kept, keep = [], False
+    for arg in cli_args:
+        if arg.startswith("--"):
+            keep = "." in arg.partition("=")[0] and arg[2:].split(".", 1)[0].replace("-", "_") in TRAINER_SECTIONS
+        if keep:
+            kept.append(arg)
+    settings: dict[str, dict[str, _Setting]] = {}
+    for section, key, setting in _parse_cli(kept):
+        settings.setdefault(section, {})[key] = setting
+    _apply_sections(config, settings)
+    return _TomlNames(settings)
+
+
+def _apply_sections(config, settings: dict[str, dict[str, _Setting]]) -> None:
+    _apply_activation_checkpoint(config, settings.get("activation_checkpoint", {}))
+    for section in TRAINER_SECTIONS:
+        if section == "activation_checkpoint":
+            continue
+        target = getattr(config, section)
+        for key, setting in settings.get(section, {}).items():
+            _apply(target, section, key, setting)
 
 
 def _file_optimizer_name(from_file: dict[str, dict[str, _Setting]], base_name: str) -> str | None:
@@ -150,9 +174,10 @@ def _read_toml(path: str) -> dict[str, dict[str, _Setting]]:
 
 
 def _parse_cli(args) -> list[tuple[str, str, _Setting]]:
-    """``--section.key value`` / ``--section.key=value``, and TorchTitan's spellings of true/false
-    keys: ``--section.key`` (true), ``--section.no-key`` or ``--section.no_key`` (false), with
-    ``-`` or ``_`` in names. A word that starts with ``--`` is never taken as a value."""
+    """``--section.key value`` / ``--section.key=value`` (``--section.key v1 v2``: a tuple or list),
+    and TorchTitan's spellings of true/false keys: ``--section.key`` (true), ``--section.no-key`` or
+    ``--section.no_key`` (false), with ``-`` or ``_`` in names. A word that starts with ``--`` is
+    never taken as a value."""
     out, args, i = [], list(args), 0
     while i < len(args):
         arg = args[i]
@@ -164,8 +189,9 @@ def _parse_cli(args) -> list[tuple[str, str, _Setting]]:
         name, has_value, value = arg[2:].partition("=")
         flag = None
         if not has_value:
-            if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value, i = args[i + 1], i + 1
+            values = list(itertools.takewhile(lambda a: not a.startswith("--"), args[i + 1 :]))
+            if values:  # (several: a tuple or list, as TorchTitan's command line writes it)
+                value, i = values[0] if len(values) == 1 else values, i + len(values)
             else:
                 flag = arg
         section, _, key = name.replace("-", "_").partition(".")
@@ -246,6 +272,12 @@ def _suggest(word: str, options) -> str:
 
 
 # ---- how errors name settings ----------------------------------------------------------------
+def _mentions(text: str, key: str) -> bool:
+    """``text`` names ``key`` (keys with an underscore only: ``tensor_parallel_degree``, not ``name``)."""
+    return "_" in key and re.search(rf"(?<!\w){re.escape(key)}(?!\w)", text) is not None
+
+
+
 class _TomlNames(Naming):
     """Errors name the file (or the command line) a value came from, and the key as [section] key."""
 
@@ -253,11 +285,12 @@ class _TomlNames(Naming):
         self.settings = settings
 
     def where(self, section: str, *keys: str) -> str:
-        """Where the value came from: the key's source, else the section's, else the defaults."""
+        """Where the value came from: the keys' source (the command line if it set any of them, as
+        it overrides the file; no keys: any of the section's), else the section's, else the defaults."""
         table = self.settings.get(section, {})
-        for key in keys:
-            if key in table:
-                return table[key].source
+        sources = [table[key].source for key in keys or table if key in table]
+        if sources:
+            return "command line" if "command line" in sources else sources[0]
         return next(iter(table.values()), _Setting(None, "defaults", False)).source
 
     def key(self, section: str, key: str) -> str:
@@ -266,7 +299,11 @@ class _TomlNames(Naming):
     def section(self, section: str, *keys: str) -> str:
         return f"{self.where(section, *keys)}: [{section}]"
 
-    def source(self, section: str, *keys: str) -> str:
+    def source(self, section: str, *keys: str, text: str = "") -> str:
+        mentioned = [setting.source for table in self.settings.values() for key, setting in table.items()
+                     if _mentions(text, key)]
+        if mentioned:
+            return f"{'command line' if 'command line' in mentioned else mentioned[0]}: "
         return f"{self.where(section, *keys)}: "
 
     def how_to_set(self, section: str, key: str, value) -> str:

@@ -18,8 +18,10 @@ process group, well under a second even for a 70B model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
+import logging
 import re
 from collections.abc import Mapping
 
@@ -62,8 +64,9 @@ class Naming:
     def section(self, section: str, *keys: str) -> str:
         return f"{section}:"
 
-    def source(self, section: str, *keys: str) -> str:
-        """Prefix for messages that name their settings themselves."""
+    def source(self, section: str, *keys: str, text: str = "") -> str:
+        """Prefix for messages that name their settings themselves (``text``: the message, e.g.
+        TorchTitan's, whose settings say where the value came from)."""
         return ""
 
     def how_to_set(self, section: str, key: str, value) -> str:
@@ -121,7 +124,7 @@ def validate_dmuon(
                 check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
                 check_model(config.model_spec)
             except (NotImplementedError, ModelNotSupported) as e:
-                raise ConfigError(f"{names.source('optimizer', 'name')}{e}") from None
+                raise ConfigError(f"{names.source('optimizer', 'name', text=str(e))}{e}") from None
         if opt.qk_clip_threshold is not None:
             key = names.key("optimizer", "qk_clip_threshold")
             if opt.name != "dmuon":
@@ -135,7 +138,10 @@ def validate_dmuon(
     elif opt.name in ADAMW_NAMES:
         _validate_adamw_switch(opt, names)
     _validate_training(config.training, names)
+    _validate_checkpoint(config.checkpoint, names)
     _validate_parallelism(config.parallelism, world_size, names)
+    _validate_pipeline(config, names)
+    _validate_sections(config, names)
     return _validate_against_model(config, world_size, names, this_machine=this_machine)
 
 
@@ -211,6 +217,38 @@ def _validate_training(training, names: Naming) -> None:
         raise ConfigError(f"{names.key('training', 'max_norm')} = {training.max_norm}: expected a positive number")
 
 
+def _validate_checkpoint(checkpoint, names: Naming) -> None:
+    """TorchTitan's own rules for its HF export and import, which it checks only when it builds the
+    checkpointer, after the process groups started."""
+    for kind in ("last_save", "initial_load"):
+        if getattr(checkpoint, f"{kind}_in_hf") and not getattr(checkpoint, f"{kind}_model_only"):
+            raise ConfigError(
+                f"{names.key('checkpoint', f'{kind}_in_hf')} = true needs {kind}_model_only = true (TorchTitan "
+                f"{'saves' if kind == 'last_save' else 'loads'} only the model weights in HF format); add "
+                f"{names.how_to_set('checkpoint', f'{kind}_model_only', True)}"
+            )
+
+
+def _validate_sections(config, names: Naming) -> None:
+    """Each section's own checks (its ``__post_init__``), which TorchTitan runs when it builds the
+    section: in the TOML door after the process groups started (the door sets fields one by one),
+    in the Python door inside its command-line parser. Run on a copy, its log lines muted."""
+    for field in dataclasses.fields(config):
+        section = getattr(config, field.name)
+        post_init = getattr(type(section), "__post_init__", None)
+        if not dataclasses.is_dataclass(section) or isinstance(section, type) or post_init is None:
+            continue
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            post_init(copy.copy(section))
+        except (ValueError, AssertionError) as e:
+            message = " ".join(str(e).split())
+            raise ConfigError(f"{names.source(field.name, text=message)}TorchTitan rejects the {field.name} settings: {message}") from None
+        finally:
+            logging.disable(previous)
+
+
 def _validate_parallelism(p, world_size: int | None, names: Naming) -> None:
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
@@ -232,10 +270,10 @@ def _validate_parallelism(p, world_size: int | None, names: Naming) -> None:
         others *= degree
     product = " * ".join(f"{k}({v})" for k, v in degrees.items())
     if world_size is not None and shard == -1 and world_size % others:
-        raise ConfigError(f"{names.section('parallelism')} {product} = {others} does not divide the world size {world_size}")
+        raise ConfigError(f"{names.section('parallelism', *degrees)} {product} = {others} does not divide the world size {world_size}")
     if world_size is not None and shard != -1 and shard * others != world_size:
         raise ConfigError(
-            f"{names.section('parallelism', 'data_parallel_shard_degree', 'data_parallel_replicate_degree')} "
+            f"{names.section('parallelism', 'data_parallel_shard_degree', *degrees)} "
             f"data_parallel_shard_degree({shard}) * {product} = {shard * others}, but the world size is {world_size}; "
             "the degrees must multiply to the number of processes (data_parallel_shard_degree = -1 infers it)"
         )
@@ -247,6 +285,67 @@ def _validate_parallelism(p, world_size: int | None, names: Naming) -> None:
             f"data_parallel_shard_degree * context_parallel_degree * tensor_parallel_degree = {shard_ranks} "
             f"(TorchTitan forms the expert-parallel groups from those ranks): one of {', '.join(map(str, divisors))}"
         )
+
+
+def _validate_pipeline(config, names: Naming) -> None:
+    """What TorchTitan's pipeline_llm checks only after the process groups started: the schedule's
+    name, the split of the model into stages (TorchTitan's own functions, on the config) and the
+    micro-batch size."""
+    p = config.parallelism
+    if p.pipeline_parallel_degree == 1 or p.pipeline_parallel_schedule_csv:
+        return
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torchtitan.distributed import pipeline_parallel
+
+    key = names.key("parallelism", "pipeline_parallel_schedule")
+    try:
+        schedule = get_schedule_class(p.pipeline_parallel_schedule)
+    except ValueError as e:  # (its message lists torch's schedules)
+        valid = [n for n in re.findall(r"'(\w+)'", str(e).partition("valid options are")[2])
+                 if n not in ("PipelineScheduleSingle", "PipelineScheduleMulti")]
+        close = difflib.get_close_matches(p.pipeline_parallel_schedule, valid, n=1, cutoff=0.5)
+        raise ConfigError(
+            f"{key} = {p.pipeline_parallel_schedule!r}: not a schedule of torch.distributed.pipelining"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}; expected one of {', '.join(valid)}"
+        ) from None
+    if schedule.__name__ in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+        raise ConfigError(f"{key} = {p.pipeline_parallel_schedule!r} is an abstract base class: use a schedule such as 1F1B or Interleaved1F1B")
+    spec = config.model_spec
+    if spec is None or spec.pipelining_fn is not pipeline_parallel.pipeline_llm:
+        return  # (another model family's pipelining checks its own split)
+    degree = p.pipeline_parallel_degree
+    where = names.source("parallelism", "pipeline_parallel_degree", "pipeline_parallel_schedule",
+                         "pipeline_parallel_layers_per_stage")
+    try:
+        stages, layers, first, last = pipeline_parallel._get_pipeline_metadata(_PipelineDegree(degree), p, spec.model)
+        if p.module_fqns_per_model_part is None:
+            pipeline_parallel._generate_llm_fqn_per_model_part(stages, layers, first, last)
+    except ValueError as e:
+        too_many = "cannot be greater than effective layers" in str(e) or "empty stages" in str(e)
+        if p.pipeline_parallel_layers_per_stage is None and too_many:
+            per_rank = stages // degree
+            raise ConfigError(
+                f"{where}parallelism.pipeline_parallel_degree = {degree} with pipeline_parallel_schedule "
+                f"{p.pipeline_parallel_schedule!r} ({per_rank} stage{'s' if per_rank > 1 else ''} per pipeline rank) "
+                f"splits the {spec.name} {spec.flavor} model into {stages} stages, and TorchTitan needs at least "
+                f"one of its {layers + first + last} layers per stage ({layers} layers, the embedding counted as "
+                f"{first}, the head as {last}); use pipeline_parallel_degree <= {(layers + first + last) // per_rank}"
+                + (" or a single-stage schedule (1F1B, GPipe)" if per_rank > 1 else "")
+            ) from None
+        message = " ".join(str(e).split())
+        raise ConfigError(f"{where}TorchTitan cannot split the {spec.name} {spec.flavor} model into pipeline stages: {message}") from None
+    if config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise ConfigError(
+            f"{names.key('parallelism', 'pipeline_parallel_microbatch_size')} = {p.pipeline_parallel_microbatch_size}: "
+            f"expected a divisor of training.local_batch_size ({config.training.local_batch_size})"
+        )
+
+
+class _PipelineDegree:
+    """What TorchTitan's ``_get_pipeline_metadata`` reads of ParallelDims (before any process group)."""
+
+    def __init__(self, pp: int) -> None:
+        self.pp = pp
 
 
 def _expert_region_ranks(p, world_size: int | None) -> int | None:
@@ -315,7 +414,8 @@ def meta_model(config, names: Naming = PYTHON_NAMES) -> nn.Module:
     except (ValueError, TypeError, AssertionError, NotImplementedError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(
-            f"{names.source('model')}TorchTitan cannot build the {spec.name} {spec.flavor} model for this job: {message}"
+            f"{names.source('model', text=message)}TorchTitan cannot build the {spec.name} {spec.flavor} model for this "
+            f"job: {message}"
         ) from None
 
 
