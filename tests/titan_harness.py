@@ -41,6 +41,23 @@ def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
     return config, llama3.model_registry("debugmodel")
 
 
+def tiny_qwen3(*, dim: int = 64, n_layers: int = 2):
+    """Dense qwen3 (q/k norms, head_dim set apart from dim // n_heads)."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    layers = qwen3._build_qwen3_layers(
+        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=2 * dim, attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=32, max_seq_len=64, theta=1000000.0),
+    )
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+    )
+    return config, qwen3.model_registry("debugmodel")
+
+
 def tiny_qwen3_moe(*, experts: int = 8, dim: int = 64, n_layers: int = 2):
     import torchtitan.models.qwen3 as qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -168,10 +185,12 @@ def batches(steps: int, world: int, *, batch: int = 2, seed: int = 1, routed_voc
     return [torch.randint(0, routed_vocab, (batch * world, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def train(model, container, dims, data, *, clip=None, norms: list | None = None) -> list[float]:
+def train(model, container, dims, data, *, clip=None, norms: list | None = None, inf_norms: list | None = None) -> list[float]:
     """Global mean loss per step (TorchTitan's normalisation; clipping with max_norm 1 by ``clip``,
-    default DMuon's; each step's norm is appended to ``norms`` if given)."""
+    default DMuon's; each step's norm is appended to ``norms`` if given, and its max-norm, by DMuon's
+    clip with norm_type inf before the clip, to ``inf_norms``)."""
     from titan_dmuon import clip_grad_norm_
+    from titan_dmuon.integration.trainer import dmuon_handles
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -192,11 +211,11 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
                 summed = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
             loss = summed / (tokens.shape[0] * SEQ)
             loss.backward()
+        handles = dmuon_handles(container)
         if clip is None:
-            from titan_dmuon.integration.trainer import dmuon_handles
-
-            handles = dmuon_handles(container)
             clip = lambda params, max_norm: clip_grad_norm_(params, max_norm, dedicated=handles)  # noqa: E731
+        if inf_norms is not None:
+            inf_norms.append(float(_inf_norm([p for p in model.parameters()], handles)))
         norm = clip([p for p in model.parameters()], 1.0)
         if norms is not None:
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -206,6 +225,13 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None)
         dist.all_reduce(total)
         losses.append(total.item())
     return losses
+
+
+def _inf_norm(params, handles, pp_mesh=None):
+    """The gradients' max-norm by DMuon's clip (max_norm inf: nothing is scaled)."""
+    from titan_dmuon import clip_grad_norm_
+
+    return clip_grad_norm_(params, float("inf"), norm_type=float("inf"), dedicated=handles, pp_mesh=pp_mesh)
 
 
 def hf_export_expected(full: dict[str, torch.Tensor], parts, adapter) -> dict[str, torch.Tensor]:
@@ -306,7 +332,7 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     return schedule_obj, parts, has_first, has_last, container
 
 
-def train_pp(dims, built, data, *, norms: list | None = None) -> list[float | None]:
+def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | None = None) -> list[float | None]:
     """One schedule step per batch of ``data`` (the global batch; this rank's data-parallel slice),
     gradient sync deferred to one reduce per step as DMuonTrainer does; global mean loss per step on
     the last stage's ranks, None elsewhere (the loss lives there)."""
@@ -328,7 +354,10 @@ def train_pp(dims, built, data, *, norms: list | None = None) -> list[float | No
         for handle in handles:
             handle.set_requires_gradient_sync(True)
             handle.reduce_gradients()
-        norm = clip_grad_norm_([p for m in parts for p in m.parameters()], 1.0, dedicated=handles, pp_mesh=dims.get_mesh("pp"))
+        params = [p for m in parts for p in m.parameters()]
+        if inf_norms is not None:
+            inf_norms.append(float(_inf_norm(params, handles, dims.get_mesh("pp"))))
+        norm = clip_grad_norm_(params, 1.0, dedicated=handles, pp_mesh=dims.get_mesh("pp"))
         if norms is not None:
             norms.append(float(norm))
         container.step()
