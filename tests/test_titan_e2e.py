@@ -75,9 +75,10 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
     them under FSDP2 (the same random numbers on every rank); this also checks the gradient scale
     (TorchTitan sums: divide factor 1) and the clip's count of owner-held plus FSDP-sharded
     gradients (each element once; summed in another order: 1e-5)."""
+    export = _readme_export_flags()  # (the Z3 run also saves the README's HF export of its last step)
     runs = {
         "adamw": parse(run_train(tmp_path / "a", "--training.steps", "1", config="debug_model_adamw.toml"))[0],
-        "z3": parse(run_train(tmp_path / "b", "--training.steps", "1"))[0],
+        "z3": parse(run_train(tmp_path / "b", "--training.steps", "1", *export))[0],
         "z2": parse(run_train(tmp_path / "c", "--training.steps", "3", config="debug_model_z2.toml"))[0],
     }
     assert sorted(runs["z2"]) == [1, 2, 3] and runs["z2"][3][0] < runs["z2"][1][0]  # and the Z2 config trains
@@ -85,7 +86,34 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
     for name in ("z3", "z2"):
         assert runs[name][1][0] == loss, name
         assert runs[name][1][1] == pytest.approx(norm, rel=1e-4), name
+    _check_export_loads_in_transformers(str(tmp_path / "b" / "checkpoint" / "step-1"))
 
+
+def _readme_export_flags() -> list[str]:
+    """The flags of the README's HF export command (tests/test_hf_export.py checks the export's logits)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = f.read().split("### Export for Hugging Face", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in block.splitlines() if line.strip()]
+    words = command.split()
+    assert words[0] == "./run_train.sh", command
+    return words[1:]
+
+
+def _check_export_loads_in_transformers(folder: str) -> None:
+    """The debug model's export, as the README says: ``from_pretrained`` for the model and the
+    tokenizer as they are, no ``sharded/`` folder left, the debug model's shape and the tokenizer's
+    special tokens in the config, and the model runs on the tokenizer's ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert not os.path.exists(os.path.join(folder, "sharded")), os.listdir(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (6, 256, 2048)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id) != (None, None)
+    ids = tokenizer("every rank owns one matrix once .", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids, labels=ids).loss)
 
 # The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_readme_checkpoint_commands_run_as_written.
 
@@ -116,10 +144,13 @@ def test_pipeline_without_data_parallelism(tmp_path):
     """Pipeline parallelism 2 on 2 ranks, one data-parallel rank per stage. Regression: the dedication
     mesh was TorchTitan's world mesh whenever no data-parallel degree was > 1, i.e. the pipeline ranks,
     and the stages' plans (different weights) were "ownership plans differ across ranks"; it is the
-    one-rank data-parallel mesh of each stage."""
-    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "2",
-                                  "--parallelism.data_parallel_shard_degree", "1", config="debug_model_pp.toml",
-                                  env={"LOG_RANK": "1"}))
+    one-rank data-parallel mesh of each stage. With run_train.sh's default LOG_RANK=0 (the first
+    stage) the log shows the job's loss (it showed ``loss: -1.00000``: the loss lives on the last
+    stage's ranks), and no warning that the loss is not visible."""
+    result = run_train(tmp_path, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "1", config="debug_model_pp.toml")
+    steps, comm = parse(result)
+    assert "loss is not visible" not in result.stdout + result.stderr
     assert sorted(steps) == [1, 2] and steps[2][0] < steps[1][0]
     assert all(elements == design == 0 for elements, _, design in comm)  # one rank per stage: nothing to move
 

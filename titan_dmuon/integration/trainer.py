@@ -71,7 +71,11 @@ class DMuonTrainer(Trainer):
         except ConfigError as e:
             logger.error(f"config error: {e}")
             raise
-        super().__init__(config)
+        import torchtitan.trainer as titan_trainer
+
+        # (its warning that LOG_RANK misses the last stage: every rank logs the loss, DMuonMetricsProcessor.log)
+        with _replaced(titan_trainer, "ensure_pp_loss_visible", lambda **_: None):
+            super().__init__(config)
         # DMuon moves its volume once per forward/backward, i.e. per micro-batch
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
         self.metrics_processor.deferred_reduce = self.parallel_dims.pp_enabled
@@ -163,6 +167,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
         self._time_of_last_figures: float | None = None
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.parallel_dims.pp_enabled:
+            global_avg_loss, global_max_loss = self._last_stage_loss(global_avg_loss, global_max_loss)
         figures = self.step_figures(step)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **figures})
         parts = [f"step {figures['time/step(s)']:.3f}s, optimizer {1e3 * figures['time/optimizer_step(s)']:.1f} ms"]
@@ -194,6 +200,17 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"{figures['dmuon/qk_clipped_heads']:.0f} heads clipped"
             )
         logger.info("titan_dmuon: " + "  ".join(parts))
+
+    def _last_stage_loss(self, *losses: float) -> list[float]:
+        """Under pipelining the loss is computed on the last stage's ranks (TorchTitan's trainer gives
+        the others -1 per data-parallel rank), and only their log showed it: ``loss: -2.00000`` with
+        run_train.sh's default LOG_RANK=0. Every rank takes it (a MAX over the pipeline ranks, at log
+        steps only: a loss is >= 0), so each rank's log and metrics show the job's loss."""
+        mesh = self.parallel_dims.get_mesh("pp")
+        device = "cpu" if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        values = torch.tensor(losses, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        return values.tolist()
 
     def begin_step(self) -> None:
         """DMuonTrainer calls this as each step starts. Figures are per step of THIS process: a
