@@ -57,11 +57,11 @@ def _all_weights(per_rank):
 def _without_pipeline(rank, world, state):
     dims = th.parallel_dims(world)
     model, container = th.build(_model(), dims, state=state, lr=0.02, param_dtype="float32")
-    norms = []
-    losses = th.train(model, container, dims, _data(), norms=norms)
+    norms, inf_norms = [], []
+    losses = th.train(model, container, dims, _data(), norms=norms, inf_norms=inf_norms)
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     (handle,) = container.dmuon_optimizers()[0].dedicated_handles()
-    return losses, norms, full_parameters(model, handle), ns
+    return losses, norms, full_parameters(model, handle), ns, inf_norms
 
 
 def _with_pipeline(rank, world, state, schedule, microbatch=1):
@@ -70,19 +70,22 @@ def _with_pipeline(rank, world, state, schedule, microbatch=1):
                         state=state, lr=0.02, param_dtype="float32")
     _, parts, _, _, container = built
     handles = _handles(parts)
-    norms = []
-    losses = th.train_pp(dims, built, _data()[:1], norms=norms)
+    norms, inf_norms = [], []
+    losses = th.train_pp(dims, built, _data()[:1], norms=norms, inf_norms=inf_norms)
     for h in handles:
         h.pop_comm_stats()
-    losses += th.train_pp(dims, built, _data()[1:], norms=norms)
+    losses += th.train_pp(dims, built, _data()[1:], norms=norms, inf_norms=inf_norms)
     from titan_dmuon.cost_model import design_elements_per_rank
 
     moved = sum(e for h in handles for e, _, _ in h.pop_comm_stats().values()) / (STEPS - 1)
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     without = [sorted(n for n, _ in part.named_parameters()) for part in parts if not _handles([part])]
-    return {"losses": losses, "norms": norms, "weights": _pp_weights(parts), "ns": ns, "moved": moved,
-            "design": design, "stages": len(parts), "handles": len(handles), "without_handle": without}
+    own_loads = [[sum(e.ns_flops for e in h.plan.entries if e.owner == r) for r in range(h.plan.world_size)]
+                 for h in handles]  # each stage's Newton-Schulz FLOPs per data-parallel rank, its own matrices
+    return {"losses": losses, "norms": norms, "inf_norms": inf_norms, "weights": _pp_weights(parts), "ns": ns,
+            "moved": moved, "design": design, "stages": len(parts), "handles": len(handles), "without_handle": without,
+            "own_loads": own_loads}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_schedules_train_as_without_pipelining(pool4, straight, schedule):
     micro-batch moves the step-1 norm by percents. Newton-Schulz ran once per matrix in
     the whole job; every stage with Muon targets has its own handle."""
     state, reference = straight
-    ref_losses, ref_norms, _, _ = reference[0]
+    ref_losses, ref_norms, _, _, ref_inf_norms = reference[0]
     ref_weights = _all_weights(r[2] for r in reference)
     results = pool4.run(_with_pipeline, state, schedule)
     stages = 1 if schedule == "1F1B" else 2
@@ -119,11 +122,18 @@ def test_schedules_train_as_without_pipelining(pool4, straight, schedule):
     for r in results:
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-3)
         assert r["norms"][0] == pytest.approx(ref_norms[0], rel=1e-5)  # step 1: the same weights
+        # the max-norm (clip_grad_norm_(inf)): the largest over the stages, not their sum
+        assert r["inf_norms"] == pytest.approx(ref_inf_norms, rel=1e-3)
+        assert r["inf_norms"][0] == pytest.approx(ref_inf_norms[0], rel=1e-5)
+        if len(r["own_loads"]) > 1:  # two stages with Muon targets on this rank: each plan counts the earlier
+            totals = [sum(loads) for loads in zip(*r["own_loads"])]  # stages' load, so the rank's sum is as even as
+            assert max(totals) - min(totals) <= max(max(s) - min(s) for s in r["own_loads"])  # one stage's
     weights = _all_weights(r["weights"] for r in results)
     assert weights.keys() == ref_weights.keys()
     diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
     assert diff < 3e-3, diff
     assert sum(r["ns"] for r in results) == sum(r[3] for r in reference) == MATRICES_PER_LAYER * LAYERS
+    assert any(len(r["own_loads"]) > 1 for r in results) == (schedule != "1F1B")
 
 
 @pytest.mark.parametrize("microbatch", [1, 2, 4])

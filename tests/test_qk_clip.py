@@ -258,7 +258,7 @@ def _reference(model, data, *, tau, alpha, muon=MUON, adamw=ADAMW):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, maxima, clipped, per_step_s
 
 
-def _vs_reference(rank, world, mode, kv_heads, alpha, steps=STEPS, tau=TAU):
+def _vs_reference(rank, world, mode, kv_heads, alpha, steps=STEPS, tau=TAU, no_grad_forwards=False):
     data = batches(steps)
     model = toy_model(n_kv_heads=kv_heads)
     ref, ref_losses, ref_max, ref_clipped, _ = _reference(model, data, tau=tau, alpha=alpha)
@@ -276,6 +276,8 @@ def _vs_reference(rank, world, mode, kv_heads, alpha, steps=STEPS, tau=TAU):
         opt.zero_grad()
         losses.append(loss.item())
         stats = opt.last_step_stats
+        if no_grad_forwards:  # an evaluation between steps, its logits 100 times the training batch's
+            _forward_with_large_logits(setup, x)
         maxima.append(stats["qk_max_logit"])
         clipped.append(stats["qk_clipped_heads"])
     state = full_state(setup)
@@ -310,6 +312,24 @@ def test_alpha_splits_the_factor_between_q_and_k(pool2):
     (q and k exponents not swapped, alpha not ignored)."""
     r = _check(pool2.run(_vs_reference, "z3", 4, 0.2))
     assert r["swapped_diff"] > 10 * TOLERANCE
+
+
+def _forward_with_large_logits(setup, x) -> None:
+    scale_qk = [layer.attention.inner_attention.register_forward_pre_hook(
+        lambda module, args, kwargs: ((args[0] * 10, args[1] * 10, *args[2:]), kwargs), with_kwargs=True)
+        for layer in setup.model.layers]
+    with torch.no_grad():
+        setup.module(x)
+    for hook in scale_qk:
+        hook.remove()
+
+
+def test_no_grad_forwards_are_not_captured(pool2):
+    """Z3, GQA: a forward under torch.no_grad() after each step (an evaluation), whose q and k are
+    scaled by 10 (logits 100 times the training batch's: every head far above tau), leaves the
+    next step's S, the clipped heads and gamma (the weights) the reference's: the capture counts
+    the training forwards only. (Counted, S would be ~100 and every head clipped.)"""
+    _check(pool2.run(_vs_reference, "z3", 2, 0.3, STEPS, TAU, True))
 
 
 def test_hsdp_matches_reference(pool4):

@@ -227,7 +227,16 @@ def _copy_in():
     unit = handle._units[0]
     for i, m in enumerate(unit.members):
         m.compute.grad = None if i == 1 else torch.full(m.shape, float(i + 1))
-    items = handle._ctx.reducer._copy_in(unit)
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):  # memory as an allocator may hand it out: not zeros
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    torch.empty = dirty_empty
+    try:
+        items = handle._ctx.reducer._copy_in(unit)
+    finally:
+        torch.empty = empty
     flat_values = []
     for bucket, flat in items:
         offset = 0
@@ -238,6 +247,9 @@ def _copy_in():
 
 
 def test_the_reducer_copies_every_member_and_zeros_the_missing_one(solo):
+    """The flat buffers are torch.empty: a member without a gradient must be zeroed, not left as
+    whatever the memory held (fresh memory happened to be zeros, so the test passed without the zero
+    fill; here torch.empty hands out NaNs)."""
     values, freed, n = solo.run(_copy_in_job)[0]
     assert values == [(i, 0.0 if i == 1 else float(i + 1)) for i in range(n)]
     assert all(freed)  # autograd's gradients are dropped once copied
@@ -258,12 +270,15 @@ def _accumulated_grads():
     grads = {}
     for sync in ("each", "deferred"):
         setup = distribute(toy_model(), "z2", 1, mp_policy=policy)
-        setup.handle.set_requires_gradient_sync(sync == "each")
-        for xs, ys in zip(x.chunk(4), y.chunk(4)):
-            loss_fn(setup.module(xs), ys).backward()
-        setup.handle.set_requires_gradient_sync(True)
-        setup.handle.reduce_gradients()
-        grads[sync] = {m.fqn: m.param.grad.clone() for m in setup.handle.members}
+        for step in ("", " again"):  # two steps (no update between: the same gradients again)
+            setup.handle.set_requires_gradient_sync(sync == "each")
+            for xs, ys in zip(x.chunk(4), y.chunk(4)):
+                loss_fn(setup.module(xs), ys).backward()
+            setup.handle.set_requires_gradient_sync(True)
+            setup.handle.reduce_gradients()
+            grads[sync + step] = {m.fqn: m.param.grad.clone() for m in setup.handle.members}
+            for m in setup.handle.members:
+                m.param.grad = None
     bf16 = {}  # what adding the micro-batches' gradients up in bf16 would give
     for xs, ys in zip(x.chunk(4), y.chunk(4)):
         setup = distribute(toy_model(), "z2", 1, mp_policy=policy)
@@ -285,6 +300,9 @@ def test_gradients_accumulate_in_the_reduce_dtype_with_sync_off(solo):
     assert grads["each"].keys() == grads["deferred"].keys() == bf16.keys()
     for fqn, g in grads["each"].items():
         assert g.dtype == torch.float32 and torch.equal(g, grads["deferred"][fqn]), fqn
+        # the next step starts from empty accumulators (the reduce hands them over and clears them): the
+        # same batches give the same gradient again, not twice it
+        assert torch.equal(grads["deferred again"][fqn], g) and torch.equal(grads["each again"][fqn], g), fqn
     assert any(not torch.equal(g, bf16[fqn].float()) for fqn, g in grads["each"].items())
 
 

@@ -8,6 +8,8 @@ Newton-Schulz runs once per matrix in the whole job: each matrix is assembled fr
 its NS home, so ns_mode='exact' gives torch.optim.Muon's update of the full matrix.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,18 +48,41 @@ def _train(rank, world, state, tp, fuse_qkv=True, options=None):
                                 **(options or {}))
     handle = _handle(container)
     norms = []
-    losses = th.train(model, container, dims, _data()[:1], norms=norms)
-    handle.pop_comm_stats()
-    losses += th.train(model, container, dims, _data()[1:], norms=norms)
+    with _exact_ns_calls() as exact_ns:
+        losses = th.train(model, container, dims, _data()[:1], norms=norms)
+        first_step = dict(container.dmuon_optimizers()[0].last_step_stats)
+        handle.pop_comm_stats()
+        losses += th.train(model, container, dims, _data()[1:], norms=norms)
     stats = handle.pop_comm_stats()
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     return {
-        "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns,
+        "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns, "exact_ns": exact_ns[0],
+        "first_step": first_step,
         "moved": sum(e for e, _, _ in stats.values()) / (STEPS - 1),
         "tp_moved": sum(e for label, (e, _, _) in stats.items() if label.startswith("dmuon.tp_")) / (STEPS - 1),
         "stats": container.dmuon_optimizers()[0].last_step_stats,
         "design": design_elements_per_rank(handle), "plan_numel": handle.plan.total_numel, "blocks": [m.entry.blocks for m in handle.members],
     }
+
+
+@contextlib.contextmanager
+def _exact_ns_calls():
+    """Counts the matrices that go through torch.optim.Muon's own Newton-Schulz (ns_mode="exact":
+    every matrix, on its owner or its TP home; "batched" mode runs its own batched iteration). On
+    this CPU both give the same bits for these shapes, so only the path taken tells them apart."""
+    from torch.optim import _muon
+
+    count, original = [0], _muon._zeropower_via_newtonschulz
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    _muon._zeropower_via_newtonschulz = counted
+    try:
+        yield count
+    finally:
+        _muon._zeropower_via_newtonschulz = original
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +115,8 @@ def test_tp_trains_as_fsdp_without_tp(fsdp4, tp2):
     moved = max((weights[k] - th_initial).abs().max().item() for k, th_initial in fsdp4[0].items() if k in weights)
     assert moved > 1e-2  # (the weights did train)
     assert sum(r["ns"] for r in tp2) == sum(r["ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS
+    # ns_mode="exact" with and without TP: every matrix of every step through torch.optim.Muon's own NS
+    assert sum(r["exact_ns"] for r in tp2) == sum(r["exact_ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS * STEPS
 
 
 def test_tp_traffic_is_the_design(tp2):
@@ -145,6 +172,8 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
     reference = pool4.run(_train, state, 1, fuse_qkv, clip)
     results = pool4.run(_train, state, 2, fuse_qkv, clip)
     for r in results:  # (the last step's figures: every head exceeds 0.05 at step 1, about half at step 3)
+        # step 1: both TP ranks clip all their heads, the count summed over them (a MAX would give half)
+        assert r["first_step"]["qk_clipped_heads"] == reference[0]["first_step"]["qk_clipped_heads"] == LAYERS * 4
         assert r["losses"] == pytest.approx(reference[0]["losses"], rel=1e-4)
         assert r["stats"]["qk_clipped_heads"] == reference[0]["stats"]["qk_clipped_heads"] > 0
         # (step 3's logits come from weights that differ by up to 2e-3: their largest to 5e-4 here)
@@ -154,6 +183,45 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
     assert diff < 2e-3, diff
     unclipped = merge_rank_states(r["weights"] for r in pool4.run(_train, state, 2, fuse_qkv))
     assert max((weights[k] - unclipped[k]).abs().max().item() for k in weights) > 1e-2  # (the clip did bind)
+
+
+# ---- the owner's update under TP, compared directly -------------------------------------------------------
+def _tp_update_vs_torch_muon(rank, world):
+    """One step of TP 2 (separate wq/wk/wv: every dedicated weight is one matrix): each matrix's
+    full weight and full gradient before the step (gathered from the TP shards) go through
+    torch.optim.Muon on one process; DMuon's full weight after the step must be that, bitwise."""
+    dims = th.parallel_dims(world, tp=world)
+    muon = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    model, container = th.build(_model(fuse_qkv=False), dims, param_dtype="float32", ns_mode="exact", **muon)
+    handle = _handle(container)
+    before = {}
+
+    def snapshot(params, max_norm):  # (after backward, before the step; no clipping)
+        for m in handle.members:
+            before[m.fqn] = (handle.tp_full(m, m.param.detach()).clone(), handle.tp_full(m, m.param.grad).clone())
+        return torch.zeros(())
+
+    th.train(model, container, dims, _data()[:1], clip=snapshot)
+    same, sharded = {}, 0
+    for m in handle.members:
+        weight, grad = before[m.fqn]
+        reference = weight.clone().requires_grad_()
+        reference.grad = grad
+        torch.optim.Muon([reference], **muon).step()
+        same[m.fqn] = torch.equal(handle.tp_full(m, m.param.detach()), reference.detach())
+        sharded += m.entry.tp_dim is not None
+    return same, sharded
+
+
+def test_tp_update_is_torch_muons_update_of_the_full_matrix(pool2):
+    """ns_mode="exact" under TP: the owner's update of each TP-sharded matrix (momentum on the shards,
+    Newton-Schulz of the assembled matrix on its home, weight decay with the plain lr and the update
+    with the full matrix's adjusted lr, "match_rms_adamw", on the shards) is torch.optim.Muon's update
+    of the full matrix, bit for bit. (Weight decay with the adjusted lr was caught only by 2.06e-3
+    against a 2e-3 tolerance on the weights after 3 steps; here it changes the bits at once.)"""
+    for same, sharded in pool2.run(_tp_update_vs_torch_muon):
+        assert sharded == len(same) == MATRICES_PER_LAYER * LAYERS
+        assert all(same.values()), [k for k, v in same.items() if not v]
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
@@ -306,22 +374,35 @@ def _step_issue_order(rank, world):
     from titan_dmuon import CommLedger
 
     dims = th.parallel_dims(world, tp=2)
-    model, container = th.build(_model(), dims, lr=0.02)
+    model, container = th.build(th.tiny_llama3(n_layers=4), dims, lr=0.02)
     th.train(model, container, dims, _data()[:1])  # (the first step learns the layer order)
     with CommLedger() as ledger:
         th.train(model, container, dims, _data()[1:2])
     sources = [r.source for r in ledger.records]
     last_reduce = max(i for i, s in enumerate(sources) if s == "dmuon.shard_reduce")
-    step = [s for s in sources[last_reduce + 1 :] if s.startswith("dmuon.")]
-    return [s for i, s in enumerate(step) if i == 0 or s != step[i - 1]]
+    step = [r for r in ledger.records[last_reduce + 1 :] if r.source.startswith("dmuon.")]
+    runs = []  # consecutive records of one source, with their elements summed
+    for r in step:
+        if runs and runs[-1][0] == r.source:
+            runs[-1][1] += r.elements
+        else:
+            runs.append([r.source, r.elements])
+    return [tuple(run) for run in runs]
 
 
 def test_tp_step_pipelines_the_exchange(pool4):
-    """The step's issue order (2 layers, chunks [layer 0], [layer 1]), identical on every rank: layer 1's
-    shards go to their homes before layer 0's results are applied, so that transfer overlaps layer 0's
-    update; layer 0 is broadcast for the next forward before layer 1's results come back. (Without the
-    pipeline layer 0's broadcast would come before layer 1's shards go out.)"""
+    """The step's issue order (4 layers, chunks [layer 0], [layer 1], [layers 2, 3]: 1, 1, 2, 4, ...
+    layers), identical on every rank: each chunk's shards go to their homes (one all-to-all per
+    chunk) before the previous chunk's results are applied, so that transfer overlaps its update;
+    layer 0 is broadcast for the next forward before layer 1's results come back. (Without the
+    pipeline layer 0's broadcast would come before layer 1's shards go out; other chunk sizes give
+    another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order of sizes, seen
+    in the elements of each.)"""
     orders = pool4.run(_step_issue_order)
-    assert orders[0] == ["dmuon.tp_to_home", "dmuon.tp_from_home", "dmuon.tp_to_home", "dmuon.forward_broadcast",
-                         "dmuon.tp_from_home"], orders[0]
-    assert all(order == orders[0] for order in orders)
+    exchange, back, broadcast = "dmuon.tp_to_home", "dmuon.tp_from_home", "dmuon.forward_broadcast"
+    sources = [[s for s, _ in order] for order in orders]
+    assert sources[0] == [exchange, back, exchange, broadcast, back, exchange, back], orders[0]
+    assert all(order == sources[0] for order in sources)
+    # summed over the ranks each exchange moves its layers' shards: 1, 1, 2 layers (all layers alike)
+    sizes = [sum(n for order in orders for s, n in order[i : i + 1] if s == exchange) for i in (0, 2, 5)]
+    assert sizes[0] == sizes[1] > 0 and sizes[2] == 2 * sizes[0], sizes
