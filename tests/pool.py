@@ -21,6 +21,19 @@ import traceback
 COLLECTIVE_TIMEOUT_S = 60  # a wrong collective fails a test in a minute, never hangs it
 
 
+def _init_gloo(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    """The world group, and every group made later (DeviceMesh's and TorchTitan's sub-groups: the
+    shard, replicate, tp and pp groups), with ``timeout_s``: new_group's default is torch's 30
+    minutes, so a collective missing on one rank of a sub-group (e.g. HSDP's replicate group) hung
+    the test until the pool's deadline instead of failing with gloo's "Timed out waiting" on each rank."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _worker(rank: int, world_size: int, init_file: str | None, tasks, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -28,13 +41,7 @@ def _worker(rank: int, world_size: int, init_file: str | None, tasks, results) -
 
     torch.set_num_threads(1)
     if init_file is not None:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        _init_gloo(rank, world_size, init_file, COLLECTIVE_TIMEOUT_S)
     while True:
         item = tasks.get()
         if item is None:
@@ -120,13 +127,9 @@ class WorkerPool:
 def _one_shot(rank: int, world_size: int, init_file: str, pg_timeout_s: float, fn, args, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=pg_timeout_s),
-    )
+    _init_gloo(rank, world_size, init_file, pg_timeout_s)
     try:
         results.put((rank, True, fn(rank, world_size, *args)))
         code = 0

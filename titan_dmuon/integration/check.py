@@ -83,8 +83,9 @@ def _explain_rejection(args: list[str], world_size: int | None) -> None:
     """TorchTitan's parser (tyro) rejected these arguments with a framed message, many lines long.
     Apply their ``--section.key value`` overrides the TOML door's way to the config function's
     config and check it: a wrong value, or a check TorchTitan runs as it builds a section (e.g.
-    ``checkpoint.keep_latest_k = 1``), is then the TOML door's one line, a ConfigError. Returns if it finds nothing (tyro's own message then stands)."""
-    try:
+    ``checkpoint.keep_latest_k = 1``), is then the TOML door's one line, a ConfigError. Returns if
+    it finds nothing (tyro's own message then stands)."""
+    try:  # (ConfigManager's own first half: the config function's config, the overrides left over)
         config, overrides = ConfigManager()._load_config(list(args))
     except Exception:  # noqa: BLE001 - (the caller reports tyro's message)
         return

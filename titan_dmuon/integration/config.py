@@ -277,7 +277,6 @@ def _mentions(text: str, key: str) -> bool:
     return "_" in key and re.search(rf"(?<!\w){re.escape(key)}(?!\w)", text) is not None
 
 
-
 class _TomlNames(Naming):
     """Errors name the file (or the command line) a value came from, and the key as [section] key."""
 
