@@ -1,11 +1,11 @@
 """The README's QK-clip figures, regenerated: each job with the clip and without it, per step.
 
-    .venv/bin/python benchmarks/qk_clip_figures.py            # llama3 and deepseek_v3 debug models, ~5 min on 2 CPU cores
+    .venv/bin/python benchmarks/qk_clip_figures.py            # llama3 and deepseek_v3 debug models, ~2.5 min on 2 CPU cores
 
 Runs ``./run_train.sh`` (the main job, 2 ranks) with ``--optimizer.qk_clip_threshold TAU`` and,
 for the comparison, with a threshold no logit reaches (1e9: the capture and its reduce run and log
-S, every factor is exactly 1, so the job trains as without the clip), and prints one markdown table
-per model: the step's largest logit S before clipping, the heads clipped, the loss, for both. The
+S, every factor is exactly 1, so the job trains as without the clip), and prints the README's table
+with both models: the step's largest logit S before clipping, the heads clipped, the loss. The
 figures are bf16 runs of this machine's kernels: another CPU or a GPU gives slightly other digits.
 """
 
@@ -44,15 +44,21 @@ def run(tau: str, steps: int, extra: tuple, folder: str) -> list[tuple[int, floa
     return [(step, loss, s, n) for (step, loss), (s, n) in zip(losses, clips)]
 
 
-def table(model: str, tau: str, clipped: list, free: list) -> str:
-    lines = [
-        f"{model}, tau = {tau}:",
-        "",
-        "| step | max logit S | heads clipped | loss | S without the clip | loss without |",
-        "|---|---|---|---|---|---|",
-    ]
-    for (step, loss, s, n), (_, free_loss, free_s, _) in zip(clipped, free):
-        lines.append(f"| {step} | {s:.4f} | {n} | {loss:.4f} | {free_s:.4f} | {free_loss:.4f} |")
+def table(results: dict[str, tuple[list, list]]) -> str:
+    """The README's table: per step, for each model, S and heads clipped with the clip, S without it
+    and the loss with and without it."""
+    models = list(results)
+    head = "| step | " + " | ".join(f"{m}: S | heads clipped | S without the clip | loss, without" for m in models) + " |"
+    lines = [head, "|---|" + "---|" * 4 * len(models)]
+    for step in range(1, max(len(clipped) for clipped, _ in results.values()) + 1):
+        cells = []
+        for clipped, free in results.values():
+            if step > len(clipped):
+                cells += [""] * 4
+                continue
+            (_, loss, s, n), (_, free_loss, free_s, _) = clipped[step - 1], free[step - 1]
+            cells += [f"{s:.4f}", str(n), f"{free_s:.4f}", f"{loss:.4f}, {free_loss:.4f}"]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -60,12 +66,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(JOBS), choices=list(JOBS))
     args = parser.parse_args()
+    results = {}
     with tempfile.TemporaryDirectory(prefix="qk_clip_figures_") as work:
         for model in args.models:
             tau, steps, extra = JOBS[model]
-            clipped = run(tau, steps, extra, os.path.join(work, f"{model}_clip"))
-            free = run(NEVER, steps, extra, os.path.join(work, f"{model}_free"))
-            print(table(model, tau, clipped, free), end="\n\n", flush=True)
+            results[model] = (run(tau, steps, extra, os.path.join(work, f"{model}_clip")),
+                              run(NEVER, steps, extra, os.path.join(work, f"{model}_free")))
+            print(f"{model}: tau = {tau}, {steps} steps", flush=True)
+    print(table(results))
 
 
 if __name__ == "__main__":

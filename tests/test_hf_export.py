@@ -117,3 +117,33 @@ def test_config_follows_the_model_arguments():
     assert (moe["model_type"], moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"]) == ("qwen3_moe", 8, 2, 32)
     with pytest.raises(NoHFConfig, match="not llama3 or qwen3"):
         hf_config(th.tiny_deepseek_v3()[0])
+
+
+def test_qwen3_moe_config_loads_in_transformers(tmp_path):
+    """qwen3 MoE (Qwen3MoeForCausalLM): TorchTitan's adapter's HF weights of a tiny model (8 experts,
+    top 2, normalised top-k weights; one process, its initial weights: the load-balancing bias is
+    still zero) with the written config.json load in transformers and give TorchTitan's logits to
+    bf16 rounding: TorchTitan's routed experts always compute in bf16 (its grouped matmul), HF's in
+    fp32, so the bound is 2^-8 of the logits' size (2.5e-3 here; 1.4e-4 measured); a wrong top-k
+    or normalisation is off by 1.5e-2 and more."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from titan_dmuon.integration.hf_export import hf_config
+
+    config, spec = th.tiny_qwen3_moe(experts=8)
+    state = th.initial_state((config, spec))
+    with torch.device("meta"):
+        titan = config.build()
+    titan.to_empty(device="cpu")
+    with torch.no_grad():
+        titan.init_weights(buffer_device=None)
+    titan.load_state_dict(state)
+    hf_state = spec.state_dict_adapter(config, None).to_hf(dict(state))
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(config)))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    tokens = th.batches(1, 1, batch=2, seed=7)[0][:, : th.SEQ]
+    with torch.no_grad():
+        expected, got = titan.eval()(tokens), hf(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=2**-8 * expected.abs().max().item())
