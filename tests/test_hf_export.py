@@ -7,7 +7,7 @@ beside the weights. DMuonCheckpointManager now writes both files from the model'
 (GQA, fused q/k/v, llama3 RoPE scaling) and a tiny dense qwen3 (q/k norms, head_dim set apart)
 trained 2 steps with DMuon on 2 ranks, saved at step 2 as a DCP checkpoint and as an HF export;
 ``AutoModelForCausalLM.from_pretrained(export)`` gives the logits of TorchTitan's model loaded
-from the DCP checkpoint.
+from the DCP checkpoint; a tiny qwen3 MoE's config is checked the same way in one process.
 """
 
 import json
