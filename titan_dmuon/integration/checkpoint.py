@@ -1,7 +1,7 @@
 """TorchTitan's DCP CheckpointManager, checking a checkpoint before loading it.
 
-Saving needs nothing extra (an HF export gets its config.json: integration/hf_export.py): DMuon's
-state-dict hooks (runtime.py) make every
+Saving needs nothing extra (an HF export also gets its config.json: integration/hf_export.py):
+DMuon's state-dict hooks (runtime.py) make every
 dedicated weight appear once per holder under its normal name, and its
 momentum lives in the optimizer state of its one global owner. Loading gets
 a check first, identical on every rank so that a bad checkpoint is an error

@@ -23,6 +23,7 @@ import difflib
 import json
 import logging
 import re
+import types
 from collections.abc import Mapping
 
 import torch
@@ -317,7 +318,8 @@ def _validate_pipeline(config, names: Naming) -> None:
     where = names.source("parallelism", "pipeline_parallel_degree", "pipeline_parallel_schedule",
                          "pipeline_parallel_layers_per_stage")
     try:
-        stages, layers, first, last = pipeline_parallel._get_pipeline_metadata(_PipelineDegree(degree), p, spec.model)
+        # (of ParallelDims it reads the pipeline degree only: none exists before the process groups)
+        stages, layers, first, last = pipeline_parallel._get_pipeline_metadata(types.SimpleNamespace(pp=degree), p, spec.model)
         if p.module_fqns_per_model_part is None:
             pipeline_parallel._generate_llm_fqn_per_model_part(stages, layers, first, last)
     except ValueError as e:
@@ -339,13 +341,6 @@ def _validate_pipeline(config, names: Naming) -> None:
             f"{names.key('parallelism', 'pipeline_parallel_microbatch_size')} = {p.pipeline_parallel_microbatch_size}: "
             f"expected a divisor of training.local_batch_size ({config.training.local_batch_size})"
         )
-
-
-class _PipelineDegree:
-    """What TorchTitan's ``_get_pipeline_metadata`` reads of ParallelDims (before any process group)."""
-
-    def __init__(self, pp: int) -> None:
-        self.pp = pp
 
 
 def _expert_region_ranks(p, world_size: int | None) -> int | None:
