@@ -474,16 +474,17 @@ def torch_version() -> tuple[int, int]:
 
 
 def titan_blocker(*, cpu: bool = False, skip: bool = False) -> str | None:
-    """Why the TorchTitan jobs cannot run here, or None."""
+    """Why the TorchTitan jobs cannot run here, or None (what this python lacks first: a ``--cpu``
+    run on the lent machine's torch then gives the line that machine's GPU run gives)."""
     if skip:
         return "--skip-jobs"
-    if cpu:
-        return "--cpu: they train on the GPU (their command lines are checked by the CPU tests)"
     if importlib.util.find_spec("torchtitan") is None:
         return (f"TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch >= 2.14, this one has "
                 f"torch {torch.__version__}")
     if torch_version() < TITAN_TORCH:
         return f"TorchTitan 0.3.0 needs torch >= 2.14; this python has torch {torch.__version__}"
+    if cpu:
+        return "--cpu: they train on the GPU (their command lines are checked by the CPU tests)"
     return None
 
 

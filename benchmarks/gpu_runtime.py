@@ -192,23 +192,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train(setup, data, device, world: int, *, after_step=None) -> list[torch.Tensor]:
-    """Rank 0's share of each global batch: forward, backward, step; no host sync (the losses come
-    back as tensors; data already on ``device`` is not copied)."""
+def _train(setup, data, device, world: int, *, after_step=None) -> torch.Tensor | None:
+    """Rank 0's share of each global batch: forward, backward, step; no host sync. Returns the last
+    loss as a tensor (only the last is kept: (2) checks that memory stays flat from step 2 on);
+    data already on ``device`` is not copied."""
     from tests.helpers import local_slice
     from titan_dmuon.testing.toy_model import loss_fn
 
-    losses = []
+    last = None
     for i, batch in enumerate(data):
         x, y = (t.to(device) for t in local_slice(batch, 0, world))
         loss = loss_fn(setup.module(x), y)
         loss.backward()
-        losses.append(loss.detach())
+        last = loss.detach()
         setup.opt.step()
         setup.opt.zero_grad()
         if after_step is not None:
             after_step(i)
-    return losses
+    return last
 
 
 def _setup(kind: str, mesh, world: int, device: torch.device, sizes: dict, *, mp_policy=None):
@@ -749,7 +750,7 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
         params = sum(p.numel() for p in setup.model.parameters())
         after_step(-1)  # the start of step 1
         try:
-            losses = _train(setup, data, device, 1, after_step=after_step)
+            last_loss = _train(setup, data, device, 1, after_step=after_step)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -758,7 +759,7 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
             setup.handle.remove()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     times = [a.elapsed_time(b) if cuda else 1e3 * (b - a) for a, b in itertools.pairwise(marks)]
-    return {"step_ms": statistics.median(times[2:] or times), "loss": losses[-1].item(), "params": params,
+    return {"step_ms": statistics.median(times[2:] or times), "loss": last_loss.item(), "params": params,
             "peak": torch.cuda.max_memory_allocated(device) - empty if cuda else 0,
             "sync": f"{len(syncs)} syncs, the first {str(syncs[0].message).splitlines()[0][:80]} at "
                     f"{_short_path(syncs[0].filename)}:{syncs[0].lineno}" if syncs else None}

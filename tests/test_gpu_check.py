@@ -69,7 +69,7 @@ def test_refuses_without_cuda_and_runs_the_same_flow_on_the_cpu(dry_run, capsys)
     assert rows[-1][:2] == ("total", "wall time")
     assert not [row for row in rows if gpu_check.failed(row)]
     titan = _rows_of(rows, "(b) (c) (4) (6) TorchTitan jobs")
-    assert len(titan) == 1 and titan[0][2].startswith("skipped: --cpu")
+    assert len(titan) == 1 and titan[0][2] == f"skipped: {gpu_check.titan_blocker(cpu=True)}"
     assert {row[0][:3] for row in rows} >= {"(a)", "(1)", "(2)", "(3)", "(5)", "(7)"}
 
 
@@ -98,6 +98,7 @@ def test_the_torchtitan_rows_say_why_they_are_skipped(monkeypatch):
     assert gpu_check.titan_blocker(skip=True) == "--skip-jobs"
     monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
     assert gpu_check.titan_blocker() is None
+    assert gpu_check.titan_blocker(cpu=True).startswith("--cpu: they train on the GPU")
 
 
 # ---- (a) Newton–Schulz ---------------------------------------------------------------------------------------------
