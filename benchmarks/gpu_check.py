@@ -150,7 +150,8 @@ def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3, *, peak
             tflops = flops / (ms / 1e3) / 1e12
             # batched 'torch' against the per-matrix iteration, every other method against batched 'torch'
             against = runs[0][0] if method == "torch" else runs[1][0]
-            relative = f"; {ms / times[against]:.2f}x the time of {against}" if against in times and against != what else ""
+            relative = (f"; {ms / times[against]:.2f}x the time of {against}"
+                        if against in times and against != what else "")
             rows.append((check, what, f"{ms:.2f} ms" if finite else "FAIL: a non-finite output",
                          f"{tflops:.3g} TFLOP/s = {100 * tflops / peak_tflops:.0f}% of the bf16 peak; {len(shapes)} "
                          f"matrices, {flops / 1e12:.3g} TFLOP{relative}"))

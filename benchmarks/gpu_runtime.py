@@ -684,8 +684,8 @@ def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: i
     rows.append((check, f"median step ms (steps 3-{steps}), bf16 mixed precision",
                  f"DMuon {bypassed['step_ms'] / adamw['step_ms']:.2f}x AdamW",
                  f"FSDP2 + AdamW {adamw['step_ms']:.2f} ms; DMuon-Z3 {bypassed['step_ms']:.2f} ms (shortcut bypassed), "
-                 f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, {adamw['params'] / 1e6:.1f}M "
-                 f"parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}"))
+                 f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, "
+                 f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}"))
     if not cuda:
         return rows + [(check, what, f"{SKIP_CPU}: no device memory or sync debug mode", "")
                        for what in ("peak memory_allocated GiB", "no host sync from step 3 (sync debug 'warn')")]
@@ -693,8 +693,10 @@ def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: i
     rows.append((check, "peak memory_allocated GiB", f"{bypassed['peak'] / gib:.2f} vs {adamw['peak'] / gib:.2f}",
                  f"DMuon-Z3 (shortcut bypassed) vs FSDP2 + AdamW, above the empty device; DMuon as NGPU=1 "
                  f"{alone['peak'] / gib:.2f}"))
-    dmuon_syncs = [f"{label}: {runs[label]['sync']}" for label, kind, _ in STEP_RUNS if kind == "z3" and runs[label]["sync"]]
-    rows.append((check, "no host sync from step 3 (sync debug 'warn')", verdict(not dmuon_syncs, "; ".join(dmuon_syncs)),
+    dmuon_syncs = [f"{label}: {runs[label]['sync']}" for label, kind, _ in STEP_RUNS
+                   if kind == "z3" and runs[label]["sync"]]
+    rows.append((check, "no host sync from step 3 (sync debug 'warn')",
+                 verdict(not dmuon_syncs, "; ".join(dmuon_syncs)),
                  f"forward, backward, step, {steps - 2} steps; FSDP2 + AdamW: {adamw['sync'] or 'no host sync'}"[:300]))
     return rows
 
@@ -743,7 +745,8 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
         if cuda and i == 1:
             torch.cuda.set_sync_debug_mode("warn")  # from step 3
 
-    with warnings.catch_warnings(record=True) as caught, bypass_size_one_shortcut() if bypass else contextlib.nullcontext():
+    bypassed = bypass_size_one_shortcut() if bypass else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, bypassed:
         warnings.simplefilter("always")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         setup = _setup(kind, _mesh(device, kind, 1), 1, device, sizes, mp_policy=mp)

@@ -45,7 +45,8 @@ def test_the_exact_mode_refuses_an_lr_rule_this_torchs_muon_lacks(monkeypatch):
     param, grad = torch.randn(8, 2), torch.randn(8, 2)
     with pytest.raises(ValueError, match="needs torch >= 2.14"):
         muon_math.muon_step([param], [grad], [torch.zeros_like(param)], [[((0, 8),)]], lr=0.02, weight_decay=0.1,
-                            momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="spectral_unclamped", ns_mode="exact")
+                            momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="spectral_unclamped",
+                            ns_mode="exact")
 
 
 BLOCKED = ("torchtitan", "tyro", "datasets", "torchdata", "spmd_types")

@@ -298,7 +298,7 @@ def test_the_profile_summary_counts_kernels_streams_and_gaps(torch_211):
     assert (s["idle_ms"], s["gaps"], s["span_ms"]) == (1.5, 2, 4.0)
 
 
-# ---- (7) the plain-PyTorch FSDP2 step ---------------------------------------------------------------------------------------
+# ---- (7) the plain-PyTorch FSDP2 step ----------------------------------------------------------------------
 def test_a_plain_pytorch_fsdp2_dmuon_step_beside_adamw(dry_run):
     """FSDP2 + DMuon-Z3 from plain PyTorch on a 1-rank gloo group: its fp32 weights equal the
     single-process torch.optim.Muon + AdamW reference within the tolerance, with collectives
