@@ -1,9 +1,15 @@
 """One prepared check on one NVIDIA GPU (under 8 minutes on an H200), printing one table.
 
-    .venv/bin/python benchmarks/gpu_check.py [--skip-jobs] [--skip-runtime]
+    python3 benchmarks/gpu_check.py [--skip-jobs] [--skip-runtime]   # the repository on PYTHONPATH
+    python3 benchmarks/gpu_check.py --cpu                            # the same flow on the CPU, tiny sizes
 
-(a) Newton–Schulz on one layer of llama3 8B and 70B shapes: DMuon's update
-    (``muon_step``: shape groups batched) against ``torch.optim.Muon``'s per-matrix loop.
+It runs on torch 2.11 without TorchTitan (the GPU machine this project can be lent: torch
+2.11.0+cu130, no TorchTitan, nothing to install): the core rows need only titan_dmuon's
+TorchTitan-free core; the TorchTitan rows are skipped there with one line saying why.
+
+(a) The bf16 matmul peak of this GPU, then Newton–Schulz on one layer of llama3 8B and 70B
+    shapes: ``torch.optim.Muon``'s per-matrix iteration, and DMuon's batched ``orthogonalise``
+    once per method in ``muon_math.NS_METHODS``: ms, TFLOP/s and their share of that peak.
 (1) One coalesced broadcast + reduce ``Launch`` on a real 1-rank NCCL group with
     DMuon's size-1 shortcut bypassed, behind a ``torch.cuda._sleep`` on its side
     stream: one launch, the host not blocked, the compute stream waits, values, no sync.
@@ -11,28 +17,38 @@
     simulated on the fake process group under ``TORCH_CUDA_SANITIZER=1``; memory flat.
 (3) Race amplification at world 1: sleeps at every side-stream block and buffer free
     leave the final weights bitwise unchanged (shortcut bypassed, and not).
+(5) One profiled steady-state step, DMuon-Z3 vs FSDP2-Z3 + AdamW (world 1): host time in
+    the hooks, CUDA kernels per layer, compute-stream idle time.
+(7) FSDP2 + DMuon-Z3 from plain PyTorch on a 1-rank NCCL group: fp32 weights against
+    ``torch.optim.Muon`` + ``torch.optim.AdamW`` in one process; with bf16 mixed precision the
+    step time, peak memory and host syncs beside FSDP2 + AdamW.
+TorchTitan rows (TorchTitan 0.3.0 on torch 2.14; skipped where either is missing):
 (4) TorchTitan's llama3 debug model on one GPU with its default attention
     (FlexAttention), through ./run_train.sh: (b) Z3 compile off and (Z3) compile on with
     gradient accumulation 2 under ``torch.cuda.set_sync_debug_mode("error")`` from step 3;
     with ``TORCH_LOGS=recompiles,graph_breaks`` no recompile or graph break after step 2
     (Z3 with accumulation, Z2); (c) peak memory of DMuon vs AdamW on llama3 1B.
-(5) One profiled steady-state step, DMuon-Z3 vs FSDP2-Z3 + AdamW (world 1): host time in
-    the hooks, CUDA kernels per layer, compute-stream idle time.
 (6) TorchTitan's AdamW job with CUDA-graph capture on vs off: median step time.
 
-(1), (2), (3) and (5) are in ``benchmarks/gpu_runtime.py`` (each in a subprocess: (2)
-needs the sanitizer on from the start; a hang there cannot stop the rest). NCCL refuses
-two ranks on one GPU, so every real process group here has one rank. A failing check
-is a FAILED row; the others still run. Without CUDA it refuses at once (exit code 2).
+(1), (2), (3), (5) and (7) are in ``benchmarks/gpu_runtime.py``, each group in a subprocess ((2)
+needs the sanitizer on from the start; a hang there cannot stop the rest). NCCL refuses two
+ranks on one GPU, so every real process group here has one rank. A failing check is a FAILED
+row; the others still run. Exit status: 0 when every row that ran passed, 1 when one failed
+(FAIL, FAILED, INCONCLUSIVE, or skipped because the 8-minute budget was spent), 2 without CUDA
+(nothing run; ``--cpu`` runs the same flow there, what the CPU tests exercise).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
+import inspect
 import json
 import math
 import os
+import platform
 import re
 import signal
 import statistics
@@ -46,9 +62,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from titan_dmuon.muon_math import muon_step, ns_flops  # noqa: E402
+from titan_dmuon import muon_math  # noqa: E402
 
 BUDGET_S = 470  # the whole check, every subprocess included (8 minutes, less a margin)
+BUDGET_SPENT = "SKIPPED: the 8-minute budget is spent"
+TITAN_TORCH = (2, 14)  # TorchTitan 0.3.0's torch
 
 # one transformer block: (name, rows, cols, row blocks of its fused q/k/v)
 LLAMA3_LAYERS = {
@@ -57,21 +75,13 @@ LLAMA3_LAYERS = {
     "llama3 70B": [("wqkv", 10240, 8192, [8192, 1024, 1024]), ("wo", 8192, 8192, None), ("w1", 28672, 8192, None),
                    ("w2", 8192, 28672, None), ("w3", 28672, 8192, None)],
 }
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+TINY_LAYERS = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2", 16, 40, None)]}
+PEAK_SIZE = {"cuda": 8192, "cpu": 256}  # the square bf16 matmul whose TFLOP/s is the peak
 
 
-def layer_matrices(layer):
-    """(shape of each matrix torch.optim.Muon sees, DMuon's parameters with their row blocks)."""
-    separate, fused = [], []
-    for _, rows, cols, split in layer:
-        if split:
-            separate += [(r, cols) for r in split]
-            starts = [sum(split[:i]) for i in range(len(split))]
-            fused.append(((rows, cols), [((s, s + r),) for s, r in zip(starts, split)]))
-        else:
-            separate.append((rows, cols))
-            fused.append(((rows, cols), [((0, rows),)]))
-    return separate, fused
+def layer_matrices(layer) -> list[tuple[int, int]]:
+    """The 2-D matrices Newton–Schulz sees in one layer (a fused q/k/v is its q, k and v blocks)."""
+    return [(r, cols) for _, rows, cols, split in layer for r in (split or [rows])]
 
 
 def time_ms(fn, device, reps: int = 3) -> float:
@@ -90,34 +100,76 @@ def time_ms(fn, device, reps: int = 3) -> float:
     return (time.perf_counter() - begin) * 1e3 / reps
 
 
-def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3) -> list[tuple]:
-    """(model, implementation, matrices, ms, TFLOP/s) for one layer's Muon update."""
-    device = device or torch.device("cuda")
-    return [row for model, layer in layers.items() for row in _time_layer(model, layer, device, reps)]
+def ns_methods() -> tuple[str, ...]:
+    """The Newton–Schulz methods of ``muon_math`` ("torch" first); ("torch",) where it names none."""
+    return tuple(getattr(muon_math, "NS_METHODS", ("torch",)))
 
 
-def _time_layer(model: str, layer, device, reps: int) -> list[tuple]:
-    separate, fused = layer_matrices(layer)
-    flops = sum(ns_flops(r, c) for r, c in separate)
+def with_method(fn, method: str):
+    """``fn`` with ``ns_method=method`` where it takes that keyword, else ``fn`` itself (which is
+    the "torch" method: muon_math before it had methods)."""
+    if "ns_method" in inspect.signature(fn).parameters:
+        return functools.partial(fn, ns_method=method)
+    if method != "torch":
+        raise TypeError(f"muon_math.{fn.__name__} takes no ns_method, so {method!r} cannot run")
+    return fn
+
+
+def matmul_peak_tflops(device, n: int | None = None, reps: int = 10) -> float:
+    """bf16 TFLOP/s of one square ``n``-sized matmul on ``device``: the best of 3 timings."""
+    n = n or PEAK_SIZE[device.type]
     g = torch.Generator(device=device).manual_seed(0)
-    torch_params = [torch.nn.Parameter(torch.randn(s, device=device, generator=g)) for s in separate]
-    for p in torch_params:
-        p.grad = torch.randn_like(p)
-    reference = torch.optim.Muon(torch_params, **MUON)
-    params = [torch.randn(s, device=device, generator=g) for s, _ in fused]
-    grads = [torch.randn_like(p) for p in params]
-    buffers = [torch.zeros_like(p) for p in params]
-    blocks = [b for _, b in fused]
+    a, b = (torch.randn(n, n, device=device, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    ms = min(time_ms(lambda: torch.mm(a, b), device, reps) for _ in range(3))
+    return 2 * n**3 / (ms / 1e3) / 1e12
 
-    def dmuon():
-        with torch.no_grad():
-            muon_step(params, grads, buffers, blocks, ns_steps=5, **MUON)
 
+def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3, *, peak_tflops: float) -> list[tuple]:
+    """Table rows: one layer's Newton–Schulz through ``torch.optim.Muon``'s per-matrix iteration,
+    then batched once per method: ms, TFLOP/s (the method's own FLOPs: ``ns_flops``) and the share
+    of ``peak_tflops``. A method whose output is not finite is a FAIL; one that raises, FAILED."""
+    device = device or torch.device("cuda")
     rows = []
-    for name, fn in (("torch.optim.Muon (per-matrix loop)", reference.step), ("DMuon muon_step (batched)", dmuon)):
-        ms = time_ms(fn, device, reps)
-        rows.append((model, name, len(separate), ms, flops / (ms / 1e3) / 1e12))
+    for model, layer in layers.items():
+        check = f"(a) Newton–Schulz, one {model} layer"
+        shapes = layer_matrices(layer)
+        g = torch.Generator(device=device).manual_seed(0)
+        matrices = [torch.randn(s, device=device, generator=g).bfloat16() for s in shapes]
+        runs = [("torch.optim.Muon's iteration, per matrix", "torch", "exact")]
+        runs += [(f"ns_method {m!r}, batched", m, "batched") for m in ns_methods()]
+        times = {}  # what -> ms
+        for what, method, ns_mode in runs:
+            try:
+                ms, finite, flops = _time_newton_schulz(matrices, method, ns_mode, device, reps)
+            except Exception as e:  # noqa: BLE001 - a row; the other methods still run
+                from benchmarks.gpu_runtime import first_line
+
+                rows.append((check, what, f"FAILED: {first_line(e)}", ""))
+                continue
+            times[what] = ms
+            tflops = flops / (ms / 1e3) / 1e12
+            # batched 'torch' against the per-matrix iteration, every other method against batched 'torch'
+            against = runs[0][0] if method == "torch" else runs[1][0]
+            relative = (f"; {ms / times[against]:.2f}x the time of {against}"
+                        if against in times and against != what else "")
+            rows.append((check, what, f"{ms:.2f} ms" if finite else "FAIL: a non-finite output",
+                         f"{tflops:.3g} TFLOP/s = {100 * tflops / peak_tflops:.0f}% of the bf16 peak; {len(shapes)} "
+                         f"matrices, {flops / 1e12:.3g} TFLOP{relative}"))
     return rows
+
+
+def _time_newton_schulz(matrices, method: str, ns_mode: str, device, reps: int) -> tuple[float, bool, int]:
+    """(ms per call, every output finite, FLOPs) of ``orthogonalise`` on ``matrices`` (bf16; the
+    per-matrix path normalises them in place, which leaves them the same matrices up to scale)."""
+    orthogonalise = with_method(muon_math.orthogonalise, method) if ns_mode == "batched" else muon_math.orthogonalise
+    flops = sum(with_method(muon_math.ns_flops, method)(*m.shape) for m in matrices)
+    outputs: list = []
+
+    def run():
+        outputs[:] = orthogonalise(matrices, ns_mode=ns_mode)
+
+    ms = time_ms(run, device, reps)
+    return ms, all(bool(torch.isfinite(o).all()) for o in outputs), flops
 
 
 # ---- the time budget -----------------------------------------------------------------------------------
@@ -140,10 +192,11 @@ def progress(message: str) -> None:
     print(f"gpu_check: {message}", file=sys.stderr, flush=True)
 
 
-# ---- (1) (2) (3) (5): the runtime checks, in subprocesses ----------------------------------------------------
-RUNTIME_RUNS = (  # (checks, extra environment, own limit in s, estimate in s)
+# ---- (1) (2) (3) (5) (7): the runtime checks, in subprocesses ------------------------------------------------
+RUNTIME_RUNS = (  # (checks, extra environment on CUDA, own limit in s, estimate in s)
     (("launch", "race", "profile"), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 150, 40),
     (("fake_pg",), {"TORCH_CUDA_SANITIZER": "1"}, 150, 35),
+    (("fsdp_step",), {}, 150, 35),
 )
 
 
@@ -153,7 +206,7 @@ def runtime_rows(checks, env: dict, timeout: float | None, *, device: str = "cud
     from benchmarks.gpu_runtime import LABELS, ROW_PREFIX
 
     if timeout is None:
-        return [(LABELS[c], c, "SKIPPED: the 8-minute budget is spent", "") for c in checks]
+        return [(LABELS[c], c, BUDGET_SPENT, "") for c in checks]
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_runtime.py"), *checks, "--device", device]
     if tiny:
         command.append("--tiny")
@@ -272,7 +325,7 @@ JOBS = (
 def run_job(job: Job, tmp: str, timeout: float | None, *, precheck: bool = False) -> dict:
     """./run_train.sh with one rank; its per-step figures, the first error line and the whole output."""
     if timeout is None:
-        return {"key": job.key, "code": "skipped", "steps": {}, "error": "the 8-minute budget is spent", "output": ""}
+        return {"key": job.key, "code": "skipped", "steps": {}, "error": BUDGET_SPENT, "output": ""}
     command = ["./run_train.sh", *job.command_args(f"{tmp}/{job.key}")]
     out, code = run_command(command, job.environment(precheck=precheck), timeout)
     error = first_error(out) if code != 0 else ""
@@ -356,7 +409,7 @@ def _losses(job) -> str:
 
 
 def _failed(job) -> str:
-    return "SKIPPED: the 8-minute budget is spent" if job["code"] == "skipped" else f"FAILED ({job['code']}): {job['error']}"
+    return BUDGET_SPENT if job["code"] == "skipped" else f"FAILED ({job['code']}): {job['error']}"
 
 
 def job_rows(results: dict[str, dict]) -> list[tuple]:
@@ -417,42 +470,99 @@ def run_jobs(tmp: str, budget: Budget, jobs=JOBS) -> dict[str, dict]:
     return results
 
 
-def estimate_s() -> int:
-    """The planned wall time on one H200 (NS timing ~15 s, then the subprocesses)."""
-    return 15 + sum(run[3] for run in RUNTIME_RUNS) + sum(job.estimate_s for job in JOBS)
+def torch_version() -> tuple[int, int]:
+    return tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 
 
-def main() -> None:
+def titan_blocker(*, cpu: bool = False, skip: bool = False) -> str | None:
+    """Why the TorchTitan jobs cannot run here, or None (what this python lacks first: a ``--cpu``
+    run on the lent machine's torch then gives the line that machine's GPU run gives)."""
+    if skip:
+        return "--skip-jobs"
+    if importlib.util.find_spec("torchtitan") is None:
+        return (f"TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch >= 2.14, this one has "
+                f"torch {torch.__version__}")
+    if torch_version() < TITAN_TORCH:
+        return f"TorchTitan 0.3.0 needs torch >= 2.14; this python has torch {torch.__version__}"
+    if cpu:
+        return "--cpu: they train on the GPU (their command lines are checked by the CPU tests)"
+    return None
+
+
+def titan_skipped_row(reason: str) -> tuple:
+    return ("(b) (c) (4) (6) TorchTitan jobs", "./run_train.sh with NGPU=1", f"skipped: {reason}",
+            "sync debug in the main job, recompiles and graph breaks, llama3 1B memory, CUDA graphs on/off")
+
+
+def environment_row(device) -> tuple:
+    titan = importlib.util.find_spec("torchtitan")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
+    return ("environment", "torch, CUDA, Python, device", f"torch {torch.__version__}",
+            f"CUDA {torch.version.cuda}, Python {platform.python_version()}, {where}; "
+            f"TorchTitan {'installed' if titan else 'not installed'}")
+
+
+def failed(row) -> bool:
+    """A row that did not pass: FAIL/FAILED, INCONCLUSIVE, or not run for lack of time."""
+    return str(row[2]).startswith(("FAIL", "INCONCLUSIVE", BUDGET_SPENT))
+
+
+def estimate_s(*, jobs: bool = True, methods: int | None = None) -> int:
+    """The planned wall time on one H200: Newton–Schulz (~5 s per implementation timed), the
+    runtime subprocesses, the TorchTitan jobs where they run."""
+    implementations = 1 + (len(ns_methods()) if methods is None else methods)
+    return (10 + 5 * implementations + sum(run[3] for run in RUNTIME_RUNS)
+            + (sum(job.estimate_s for job in JOBS) if jobs else 0))
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-jobs", action="store_true", help="no ./run_train.sh jobs ((b), (c), (4), (6))")
-    parser.add_argument("--skip-runtime", action="store_true", help="no runtime checks ((1), (2), (3), (5))")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check needs an NVIDIA GPU (torch.cuda.is_available() is False); nothing was run.")
-        sys.exit(2)
+    parser.add_argument("--skip-jobs", action="store_true", help="no TorchTitan jobs ((b), (c), (4), (6))")
+    parser.add_argument("--skip-runtime", action="store_true", help="no runtime checks ((1), (2), (3), (5), (7))")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the same flow on the CPU with tiny sizes (what the CPU tests run); no TorchTitan jobs")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print(f"gpu_check needs an NVIDIA GPU (torch.cuda.is_available() is False with torch {torch.__version__}); "
+              "nothing was run. --cpu runs the same flow on the CPU with tiny sizes.")
+        return 2
+    device = torch.device("cpu" if args.cpu else "cuda")
+    blocker = titan_blocker(cpu=args.cpu, skip=args.skip_jobs)
     budget, started = Budget(), time.monotonic()
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; planned ~{estimate_s()} s of {BUDGET_S}")
-    rows = []
+    rows = [environment_row(device)]
+    print(f"gpu_check: {rows[0][2]}, {rows[0][3]}; planned ~{estimate_s(jobs=blocker is None)} s of {BUDGET_S}",
+          flush=True)
     try:
-        for model, name, matrices, ms, tflops in newton_schulz_rows():
-            rows.append((f"(a) NS, one {model} layer", name, f"{ms:.1f} ms", f"{matrices} matrices, {tflops:.0f} TFLOP/s"))
+        peak = matmul_peak_tflops(device)
+        rows.append(("(a) bf16 matmul peak", f"torch.mm, {PEAK_SIZE[device.type]}^3, bf16", f"{peak:.3g} TFLOP/s",
+                     "best of 3 timings of 10; the Newton–Schulz rows' share is of this"))
+        rows += newton_schulz_rows(TINY_LAYERS if args.cpu else LLAMA3_LAYERS, device, 1 if args.cpu else 3,
+                                   peak_tflops=peak)
     except Exception as e:  # noqa: BLE001 - a row, and the other checks still run
         from benchmarks.gpu_runtime import first_line
 
-        rows.append(("(a) NS", "one layer's update", f"FAILED: {first_line(e)}", ""))
-    torch.cuda.empty_cache()
+        rows.append(("(a) Newton–Schulz", "peak and one layer per method", f"FAILED: {first_line(e)}", ""))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     progress(f"(a) done at {time.monotonic() - started:.0f} s")
     if not args.skip_runtime:
         for checks, env, own_s, _ in RUNTIME_RUNS:
-            rows += runtime_rows(checks, env, budget.timeout(own_s))
+            rows += runtime_rows(checks, env if device.type == "cuda" else {}, budget.timeout(own_s),
+                                 device=device.type, tiny=args.cpu)
             progress(f"{', '.join(checks)} done at {time.monotonic() - started:.0f} s")
-    if not args.skip_jobs:
+    if blocker is not None:
+        rows.append(titan_skipped_row(blocker))
+    else:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             rows += job_rows(run_jobs(tmp, budget))
     rows.append(("total", "wall time", f"{time.monotonic() - started:.0f} s", f"budget {BUDGET_S} s"))
     print(table(rows))
+    bad = [row for row in rows if failed(row)]
+    print(f"gpu_check: {len(bad)} of {len(rows)} rows did not pass" if bad else f"gpu_check: every row that ran passed "
+          f"({len(rows)} rows)", flush=True)
+    return 1 if bad else 0
 
 
 def table(rows) -> str:
@@ -463,4 +573,4 @@ def table(rows) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

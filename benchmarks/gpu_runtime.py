@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py's checks of DMuon's runtime itself, on one device.
 
-    .venv/bin/python benchmarks/gpu_runtime.py launch race profile [--device cuda]
-    TORCH_CUDA_SANITIZER=1 .venv/bin/python benchmarks/gpu_runtime.py fake_pg [--device cuda]
+    python3 benchmarks/gpu_runtime.py launch race profile fsdp_step [--device cuda] [--tiny]
+    TORCH_CUDA_SANITIZER=1 python3 benchmarks/gpu_runtime.py fake_pg [--device cuda]
 
 Each check takes a device and returns table rows ``(check, what, result, detail)``;
 ``result`` is "pass", "FAIL: ..." / "FAILED: ..." (an error), "skipped (cpu): ..."
@@ -23,6 +23,12 @@ script, each finished check prints its rows as one line ``GPU_CHECK_ROWS <json>`
     (world 1 as TorchTitan's NGPU=1 runs it).
 (5) ``profile``: one profiled steady-state step, DMuon-Z3 and FSDP2-Z3 + AdamW (world 1,
     shortcut bypassed): host time in the hooks, CUDA kernels per layer, compute-stream idle.
+(7) ``fsdp_step``: FSDP2 + DMuon-Z3 set up from plain PyTorch on a 1-rank NCCL group: fp32
+    weights against the single-process torch.optim.Muon + AdamW reference; with bf16 mixed
+    precision its step time, peak memory and host syncs beside FSDP2 + AdamW's.
+
+Only the TorchTitan-free core is used (titan_dmuon outside integration/, tests/helpers.py), so
+this runs on torch 2.11 without TorchTitan (the GPU machine this project can be lent).
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -183,28 +192,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train(setup, data, device, world: int, *, after_step=None) -> None:
-    """Rank 0's share of each global batch: forward, backward, step; no host sync."""
+def _train(setup, data, device, world: int, *, after_step=None) -> torch.Tensor | None:
+    """Rank 0's share of each global batch: forward, backward, step; no host sync. Returns the last
+    loss as a tensor (only the last is kept: (2) checks that memory stays flat from step 2 on);
+    data already on ``device`` is not copied."""
     from tests.helpers import local_slice
     from titan_dmuon.testing.toy_model import loss_fn
 
+    last = None
     for i, batch in enumerate(data):
         x, y = (t.to(device) for t in local_slice(batch, 0, world))
-        loss_fn(setup.module(x), y).backward()
+        loss = loss_fn(setup.module(x), y)
+        loss.backward()
+        last = loss.detach()
         setup.opt.step()
         setup.opt.zero_grad()
         if after_step is not None:
             after_step(i)
+    return last
 
 
-def _setup(kind: str, mesh, world: int, device: torch.device, sizes: dict):
+def _setup(kind: str, mesh, world: int, device: torch.device, sizes: dict, *, mp_policy=None):
     """kind: a ``tests.helpers.distribute`` mode (z3, z2, hsdp) or "fsdp_adamw" (the baseline)."""
     from tests.helpers import baseline, distribute, toy_model
 
     model = toy_model(**sizes).to(device)
     if kind == "fsdp_adamw":
-        return baseline(model, "fsdp_adamw", world, mesh=mesh, reshard=True)
-    return distribute(model, kind, world, mesh=mesh)
+        return baseline(model, "fsdp_adamw", world, mesh=mesh, reshard=True, mp_policy=mp_policy)
+    return distribute(model, kind, world, mesh=mesh, mp_policy=mp_policy)
 
 
 def _mesh(device: torch.device, kind: str, world: int):
@@ -553,11 +568,28 @@ def profiled_step(step, device: torch.device) -> dict:
     return summarize(prof.profiler.kineto_results.events(), wall_s=wall)
 
 
+HOOK_LABELS = ("DMuon::", "FSDP::")  # the record_function labels of DMuon's and FSDP2's hooks
+
+
+def device_activity(event) -> str:
+    """A device event's kind: "annotation" (a label's GPU span, not work), "copy" (memcpy/memset) or
+    "kernel". torch 2.14's events have ``activity_type()``; torch 2.11's do not (the GPU machine this
+    project can be lent has 2.11), where ``is_user_annotation()`` and the name tell the same."""
+    if hasattr(event, "activity_type"):
+        kind = event.activity_type()  # kernel, gpu_memcpy, gpu_memset, gpu_user_annotation
+        annotation, copy = kind == "gpu_user_annotation", kind in ("gpu_memcpy", "gpu_memset")
+    else:
+        annotation, copy = event.is_user_annotation() or event.name().startswith(HOOK_LABELS), False
+    if annotation:
+        return "annotation"
+    return "copy" if copy or event.name().startswith(("Memcpy", "Memset")) else "kernel"
+
+
 def summarize(events, *, wall_s: float = 0.0) -> dict:
     """Host time under DMuon::* / FSDP::* labels (intervals merged per thread), and on the device:
     kernels, memcpy/memset, NCCL kernels and the compute stream's idle time. The compute stream is
     the one that ran the marker (``torch.cuda._sleep``); without one, the busiest stream."""
-    cpu = {"DMuon::": {}, "FSDP::": {}}
+    cpu = {prefix: {} for prefix in HOOK_LABELS}
     device_events = []
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU:
@@ -565,10 +597,10 @@ def summarize(events, *, wall_s: float = 0.0) -> dict:
                 if e.name().startswith(prefix):
                     spans.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
         elif e.device_type() == torch.autograd.DeviceType.CUDA:
-            kind = e.activity_type()  # kernel, gpu_memcpy, gpu_memset; gpu_user_annotation: a label's span, not work
-            if kind != "gpu_user_annotation":
+            kind = device_activity(e)
+            if kind != "annotation":
                 device_events.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name(),
-                                      kind in ("gpu_memcpy", "gpu_memset") or e.name().startswith(("Memcpy", "Memset"))))
+                                      kind == "copy"))
     out = {"dmuon_ms": _union_ns(cpu["DMuon::"]) / 1e6, "fsdp_ms": _union_ns(cpu["FSDP::"]) / 1e6, "wall_ms": 1e3 * wall_s}
     markers = [ev for ev in device_events if MARKER in ev[3]]
     work = [ev for ev in device_events if MARKER not in ev[3]]
@@ -607,25 +639,164 @@ def _union_ns(spans_by_thread: dict) -> int:
     return total
 
 
-CHECKS = {"launch": launch_check, "fake_pg": fake_pg_check, "race": race_check, "profile": profile_check}
+# ---- (7) a plain-PyTorch FSDP2 + DMuon step against FSDP2 + AdamW ---------------------------------------------
+STEP_SIZES = {  # (7)'s timed toy model, bf16 mixed precision: ~0.5 B parameters on CUDA
+    "cuda": dict(vocab_size=32768, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=5632),
+    "cpu": TINY,
+}
+STEP_BATCH = {"cuda": (4, 1024), "cpu": (2, 8)}  # (sequences, tokens each) per step
+STEP_RUNS = (  # (label, kind, size-1 shortcut bypassed)
+    ("FSDP2 + AdamW", "fsdp_adamw", False),
+    ("DMuon-Z3, shortcut bypassed", "z3", True),
+    ("DMuon-Z3 as NGPU=1 runs it", "z3", False),
+)
+
+
+def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: int = 10,
+                    reference_steps: int = 3) -> list[tuple]:
+    """FSDP2 + DMuon-Z3 set up from plain PyTorch (no TorchTitan) on a real 1-rank group, beside
+    FSDP2 + AdamW. (i) fp32: the weights after ``reference_steps`` steps (shortcut bypassed) against
+    the single-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` reference, within TOLERANCE
+    (batched bf16 Newton–Schulz against the per-matrix one). (ii) bf16 mixed precision, for AdamW
+    and for DMuon with the shortcut bypassed and as NGPU=1 runs it: the median step time of steps
+    3.., peak ``memory_allocated`` and no host sync from step 3 (sync debug 'warn')."""
+    cuda = device.type == "cuda"
+    timed = STEP_SIZES[device.type] if sizes is None else sizes
+    check = f"(7) plain PyTorch FSDP2 + DMuon-Z3 vs FSDP2 + AdamW, 1-rank {backend_for(device)} group"
+    reference_what = f"fp32 weights after {reference_steps} steps vs torch.optim.Muon + AdamW"
+    rows, runs = [], {}
+    with process_group(backend_for(device)):
+        try:
+            rows.append((check, reference_what, *_against_reference(device, SIZES["race"] if sizes is None else sizes,
+                                                                    reference_steps)))
+        except Exception as e:  # noqa: BLE001
+            rows.append((check, reference_what, f"FAILED: {first_line(e)}", ""))
+        for label, kind, bypass in STEP_RUNS:
+            try:
+                runs[label] = _timed_run(device, kind, timed, steps, bypass=bypass)
+            except Exception as e:  # noqa: BLE001
+                runs[label] = {"error": first_line(e)}
+    failed = [f"{label}: {run['error']}" for label, run in runs.items() if "error" in run]
+    if failed:
+        return rows + [(check, "bf16 mixed-precision steps", f"FAILED: {'; '.join(failed)}"[:300], "")]
+    adamw, bypassed, alone = (runs[label] for label, _, _ in STEP_RUNS)
+    sequences, seq = STEP_BATCH[device.type]
+    rows.append((check, f"median step ms (steps 3-{steps}), bf16 mixed precision",
+                 f"DMuon {bypassed['step_ms'] / adamw['step_ms']:.2f}x AdamW",
+                 f"FSDP2 + AdamW {adamw['step_ms']:.2f} ms; DMuon-Z3 {bypassed['step_ms']:.2f} ms (shortcut bypassed), "
+                 f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, "
+                 f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}"))
+    if not cuda:
+        return rows + [(check, what, f"{SKIP_CPU}: no device memory or sync debug mode", "")
+                       for what in ("peak memory_allocated GiB", "no host sync from step 3 (sync debug 'warn')")]
+    gib = 2**30
+    rows.append((check, "peak memory_allocated GiB", f"{bypassed['peak'] / gib:.2f} vs {adamw['peak'] / gib:.2f}",
+                 f"DMuon-Z3 (shortcut bypassed) vs FSDP2 + AdamW, above the empty device; DMuon as NGPU=1 "
+                 f"{alone['peak'] / gib:.2f}"))
+    dmuon_syncs = [f"{label}: {runs[label]['sync']}" for label, kind, _ in STEP_RUNS
+                   if kind == "z3" and runs[label]["sync"]]
+    rows.append((check, "no host sync from step 3 (sync debug 'warn')",
+                 verdict(not dmuon_syncs, "; ".join(dmuon_syncs)),
+                 f"forward, backward, step, {steps - 2} steps; FSDP2 + AdamW: {adamw['sync'] or 'no host sync'}"[:300]))
+    return rows
+
+
+def _against_reference(device: torch.device, sizes: dict, steps: int) -> tuple[str, str]:
+    """(result, detail): DMuon-Z3's fp32 weights at world 1 (shortcut bypassed) vs the reference."""
+    from tests.helpers import TOLERANCE, batches, full_state, max_diff, reference_train, toy_model
+
+    data = [tuple(t.to(device) for t in batch)
+            for batch in batches(steps, global_batch=8, seq=16, vocab=sizes.get("vocab_size", 64))]
+    with bypass_size_one_shortcut():
+        setup = _setup("z3", _mesh(device, "z3", 1), 1, device, sizes)
+        _train(setup, data, device, 1)
+        launches = _launches(setup.handle)
+        state = full_state(setup)
+        setup.handle.remove()
+    expected, _, _ = reference_train(toy_model(**sizes).to(device), data)
+    diff = max_diff(state, expected)
+    return (verdict(diff <= TOLERANCE and launches > 0, f"max |diff| {diff:.2e}, {launches} launches"),
+            f"max |diff| {diff:.2e} (tolerance {TOLERANCE}: batched bf16 Newton–Schulz vs per matrix); "
+            f"{launches} DMuon launches (shortcut bypassed); the reference is one process, no FSDP2")
+
+
+def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypass: bool) -> dict:
+    """``steps`` bf16-mixed-precision steps: the median step time of steps 3.., peak memory_allocated
+    above the empty device, the host syncs from step 3 on (sync debug 'warn': each sync is a warning
+    naming the line that made it), the last loss and the parameter count."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tests.helpers import batches
+
+    cuda = device.type == "cuda"
+    sequences, seq = STEP_BATCH[device.type]
+    data = [tuple(t.to(device) for t in batch)  # on the device first: a host-to-device copy synchronises
+            for batch in batches(steps, global_batch=sequences, seq=seq, vocab=sizes.get("vocab_size", 64))]
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    empty = torch.cuda.memory_allocated(device) if cuda else 0
+    marks: list = []
+
+    def after_step(i: int) -> None:
+        marks.append(torch.cuda.current_stream(device).record_event(torch.cuda.Event(enable_timing=True))
+                     if cuda else time.perf_counter())
+        if cuda and i == 1:
+            torch.cuda.set_sync_debug_mode("warn")  # from step 3
+
+    bypassed = bypass_size_one_shortcut() if bypass else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, bypassed:
+        warnings.simplefilter("always")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        setup = _setup(kind, _mesh(device, kind, 1), 1, device, sizes, mp_policy=mp)
+        params = sum(p.numel() for p in setup.model.parameters())
+        after_step(-1)  # the start of step 1
+        try:
+            last_loss = _train(setup, data, device, 1, after_step=after_step)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        _sync(device)
+        if setup.handle is not None:
+            setup.handle.remove()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    times = [a.elapsed_time(b) if cuda else 1e3 * (b - a) for a, b in itertools.pairwise(marks)]
+    return {"step_ms": statistics.median(times[2:] or times), "loss": last_loss.item(), "params": params,
+            "peak": torch.cuda.max_memory_allocated(device) - empty if cuda else 0,
+            "sync": f"{len(syncs)} syncs, the first {str(syncs[0].message).splitlines()[0][:80]} at "
+                    f"{_short_path(syncs[0].filename)}:{syncs[0].lineno}" if syncs else None}
+
+
+def _short_path(path: str) -> str:
+    """A source file's path from its package on (titan_dmuon/..., torch/...)."""
+    for marker in ("site-packages/", f"{ROOT}/"):
+        if marker in path:
+            return path[path.rindex(marker) + len(marker):]
+    return path
+
+CHECKS = {"launch": launch_check, "fake_pg": fake_pg_check, "race": race_check, "profile": profile_check,
+          "fsdp_step": fsdp_step_check}
 LABELS = {"launch": "(1) coalesced Launch on a 1-rank group", "fake_pg": "(2) fake PG under the sanitizer",
-          "race": "(3) race amplification", "profile": "(5) profiled step"}
+          "race": "(3) race amplification", "profile": "(5) profiled step",
+          "fsdp_step": "(7) plain PyTorch FSDP2 + DMuon vs FSDP2 + AdamW"}
+TINY_KWARGS = {  # --tiny: each check's arguments on the CPU (tests/test_gpu_check.py)
+    "launch": dict(numel=1024), "fake_pg": dict(sizes=TINY, steps=3), "race": dict(sizes=TINY, steps=2),
+    "profile": dict(sizes=TINY, warmup=1), "fsdp_step": dict(sizes=TINY, steps=3, reference_steps=2),
+}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="gpu_check's runtime checks; one JSON line of rows per check")
     parser.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tiny", action="store_true", help="tiny models (what the CPU tests run)")
+    parser.add_argument("--tiny", action="store_true", help="tiny models and few steps (what the CPU tests run)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     for name in args.checks:
         start = time.perf_counter()
-        kwargs = {"sizes": TINY} if args.tiny and name != "launch" else {}
-        if args.tiny and name == "launch":
-            kwargs = {"numel": 1024}
         try:
-            rows = CHECKS[name](device, **kwargs)
+            rows = CHECKS[name](device, **(TINY_KWARGS[name] if args.tiny else {}))
         except Exception as e:  # noqa: BLE001 - one check's failure must not stop the next
             rows = [(LABELS[name], name, f"FAILED: {first_line(e)}", "")]
         rows = [list(r[:3]) + [f"{r[3]} [{time.perf_counter() - start:.0f} s]" if i == len(rows) - 1 else r[3]]

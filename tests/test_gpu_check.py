@@ -1,69 +1,172 @@
 """benchmarks/gpu_check.py (and benchmarks/gpu_runtime.py), as far as a CPU can check them.
 
-Every runtime check takes a device and runs here on the CPU with tiny models; what only a GPU can
-show is skipped there and named in each test's docstring. The job table's parsing runs on
-synthetic TorchTitan/torch logs, and every job's command line is parsed by its own door.
+One run of ``gpu_check.py --cpu`` (the whole flow, every runtime check in its subprocess, tiny
+models) is shared by the tests of its rows; what only a GPU can show is skipped there and named in
+each test's docstring. The Newton–Schulz rows, the trace summary and the job table's parsing run
+in-process on tiny or synthetic inputs, and every job's command line is parsed by its own door.
+These tests also run on torch 2.11 without TorchTitan (the GPU machine this project can be lent):
+the two that need TorchTitan skip there.
 """
 
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-CPU = torch.device("cpu")
 
 
 def _by_what(rows):
     return {what: result for _, what, result, _ in rows}
 
 
-def test_refuses_without_cuda():
-    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "needs an NVIDIA GPU" in result.stdout and "nothing was run" in result.stdout
+def parse_table(out: str) -> list[tuple[str, ...]]:
+    """The rows of the one markdown table in ``out`` (cells unescaped); asserts there is one."""
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line == "| check | what | result | detail |"]
+    assert len(starts) == 1, out
+    rows = []
+    for line in lines[starts[0] + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        assert len(cells) == 4, line
+        rows.append(tuple(cells))
+    return rows
 
 
-def test_newton_schulz_comparison_runs_the_same_update():
-    """Both implementations it times run: one row each, same matrix count; on tiny shapes here.
-    Only a GPU gives the times that matter (cuBLAS batched vs single GEMMs)."""
-    from benchmarks.gpu_check import newton_schulz_rows
-
-    tiny = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2", 16, 40, None)]}
-    rows = newton_schulz_rows(tiny, device=torch.device("cpu"), reps=1)
-    assert [r[1] for r in rows] == ["torch.optim.Muon (per-matrix loop)", "DMuon muon_step (batched)"]
-    assert all(r[2] == 5 and r[3] > 0 and r[4] > 0 for r in rows)
+@pytest.fixture(scope="module")
+def dry_run():
+    """``gpu_check.py --cpu`` once: (exit status, stdout, table rows)."""
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=400)
+    return result.returncode, result.stdout, parse_table(result.stdout)
 
 
-def test_its_1b_configs_are_valid():
-    from titan_dmuon.integration import cpu
+def _rows_of(rows, prefix: str):
+    found = [row for row in rows if row[0].startswith(prefix)]
+    assert found, (prefix, rows)
+    return found
 
-    cpu.enable()
-    from benchmarks.gpu_configs import llama3_1b_adamw, llama3_1b_dmuon
-    from titan_dmuon.integration.validation import validate_dmuon
 
-    dmuon, adamw = llama3_1b_dmuon(), llama3_1b_adamw()
-    assert dmuon.optimizer.name == "dmuon" and dmuon.model_spec.flavor == "1B" == adamw.model_spec.flavor
-    validate_dmuon(dmuon, world_size=1)
+def test_refuses_without_cuda_and_runs_the_same_flow_on_the_cpu(dry_run, capsys):
+    """Without CUDA it refuses (exit 2, nothing run); ``--cpu`` runs every core row once: one table
+    that starts with the torch version and ends with the wall time, the TorchTitan jobs as one
+    skipped row, exit 0 (every row that ran passed)."""
+    from benchmarks import gpu_check
+
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 2
+        assert "needs an NVIDIA GPU" in capsys.readouterr().out
+    code, out, rows = dry_run
+    assert code == 0 and out.splitlines()[-1].startswith("gpu_check: every row that ran passed"), out
+    assert rows[0][:3] == ("environment", "torch, CUDA, Python, device", f"torch {torch.__version__}")
+    assert rows[-1][:2] == ("total", "wall time")
+    assert not [row for row in rows if gpu_check.failed(row)]
+    titan = _rows_of(rows, "(b) (c) (4) (6) TorchTitan jobs")
+    assert len(titan) == 1 and titan[0][2] == f"skipped: {gpu_check.titan_blocker(cpu=True)}"
+    assert {row[0][:3] for row in rows} >= {"(a)", "(1)", "(2)", "(3)", "(5)", "(7)"}
+
+
+def test_exit_status_counts_failures_and_a_spent_budget():
+    from benchmarks.gpu_check import BUDGET_SPENT, failed
+
+    assert [failed(("c", "w", result, "")) for result in (
+        "pass", "12.3 ms", "skipped (cpu): no streams", "skipped: --skip-jobs", "FAIL: memory grew", "FAILED: x",
+        "FAILED (1): RuntimeError", "INCONCLUSIVE: two runs without sleeps differ", BUDGET_SPENT)] == [
+        False, False, False, False, True, True, True, True, True]
+
+
+def test_the_torchtitan_rows_say_why_they_are_skipped(monkeypatch):
+    """The lent GPU machine has torch 2.11 and no TorchTitan: one line says so. With TorchTitan on
+    a torch older than 2.14 the line names the torch; with both, the jobs run (no reason)."""
+    import importlib.util
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert gpu_check.titan_blocker() == ("TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch "
+                                         ">= 2.14, this one has torch 2.11.0+cu130")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert gpu_check.titan_blocker() == "TorchTitan 0.3.0 needs torch >= 2.14; this python has torch 2.11.0+cu130"
+    assert gpu_check.titan_blocker(skip=True) == "--skip-jobs"
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    assert gpu_check.titan_blocker() is None
+    assert gpu_check.titan_blocker(cpu=True).startswith("--cpu: they train on the GPU")
+
+
+# ---- (a) Newton–Schulz ---------------------------------------------------------------------------------------------
+TINY_LAYERS = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2", 16, 40, None)]}
+
+
+def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch):
+    """Today (no ``muon_math.NS_METHODS``, no ``ns_method`` keyword) the rows are torch.optim.Muon's
+    per-matrix iteration and the batched "torch" method. With the methods API (stood in for here)
+    every method gets a row timed through ``orthogonalise(..., ns_method=m)`` with its own
+    ``ns_flops``; a non-finite output is a FAIL and an error a FAILED row, the others still run.
+    Only a GPU gives the times and shares of the peak that matter."""
+    from benchmarks import gpu_check
+    from titan_dmuon import muon_math
+
+    monkeypatch.delattr(muon_math, "NS_METHODS", raising=False)
+    shapes = gpu_check.layer_matrices(TINY_LAYERS["tiny"])
+    assert shapes == [(16, 16), (4, 16), (4, 16), (40, 16), (16, 40)]
+    rows = gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)
+    assert [(r[1], r[2].endswith(" ms")) for r in rows] == [
+        ("torch.optim.Muon's iteration, per matrix", True), ("ns_method 'torch', batched", True)]
+    flops = sum(muon_math.ns_flops(r, c) for r, c in shapes)
+    assert all(f"5 matrices, {flops / 1e12:.3g} TFLOP" in r[3] for r in rows), rows
+    assert "x the time of torch.optim.Muon's iteration, per matrix" in rows[1][3]
+
+    real_orthogonalise, real_flops, calls = muon_math.orthogonalise, muon_math.ns_flops, []
+
+    def orthogonalise(matrices, *, ns_mode="batched", ns_method="torch"):
+        calls.append((ns_mode, ns_method))
+        if ns_method == "raises":
+            raise ValueError("no such method")
+        out = real_orthogonalise(matrices, ns_mode=ns_mode)
+        return [o * float("nan") for o in out] if ns_method == "broken" else out
+
+    def ns_flops(rows, cols, steps=muon_math.NS_STEPS, *, ns_method="torch"):
+        return real_flops(rows, cols, steps) // (2 if ns_method == "half" else 1)
+
+    monkeypatch.setattr(muon_math, "NS_METHODS", ("torch", "half", "broken", "raises"), raising=False)
+    monkeypatch.setattr(muon_math, "orthogonalise", orthogonalise)
+    monkeypatch.setattr(muon_math, "ns_flops", ns_flops)
+    rows = {r[1]: r for r in gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)}
+    assert list(rows) == ["torch.optim.Muon's iteration, per matrix", "ns_method 'torch', batched",
+                          "ns_method 'half', batched", "ns_method 'broken', batched", "ns_method 'raises', batched"]
+    assert ("exact", "torch") in calls and ("batched", "half") in calls
+    assert f"{flops // 2 / 1e12:.3g} TFLOP; " in rows["ns_method 'half', batched"][3]
+    assert "x the time of ns_method 'torch', batched" in rows["ns_method 'half', batched"][3]
+    assert rows["ns_method 'broken', batched"][2] == "FAIL: a non-finite output"
+    assert rows["ns_method 'raises', batched"][2] == "FAILED: ValueError: no such method"
+    with pytest.raises(TypeError, match="takes no ns_method"):
+        gpu_check.with_method(real_flops, "half")
+
+
+def test_the_dry_run_times_the_peak_and_newton_schulz(dry_run):
+    _, _, rows = dry_run
+    peak = _rows_of(rows, "(a) bf16 matmul peak")
+    assert len(peak) == 1 and peak[0][2].endswith(" TFLOP/s")
+    ns = _rows_of(rows, "(a) Newton–Schulz, one tiny layer")
+    assert ns[0][1] == "torch.optim.Muon's iteration, per matrix" and ns[1][1] == "ns_method 'torch', batched"
+    assert all(r[2].endswith(" ms") and "% of the bf16 peak" in r[3] for r in ns)
 
 
 # ---- (1) the Launch --------------------------------------------------------------------------------------------
-def _launch_job(rank, world):
-    from benchmarks.gpu_runtime import launch_check
-
-    return launch_check(CPU, numel=1024)
-
-
-def test_one_launch_on_a_real_one_rank_group_with_the_shortcut_bypassed(solo):
+def test_one_launch_on_a_real_one_rank_group_with_the_shortcut_bypassed(dry_run):
     """gloo at world 1, group size passed as 2: the broadcast and the reduce are issued (one launch
     counted, two works: gloo does not coalesce) and the values come out right. Only a GPU proves
     the rest: NCCL's coalesced group, the host not blocked behind a sleeping side stream, the
     compute stream waiting on the Launch's event, and no host sync under sync debug 'error'."""
-    rows = solo.run(_launch_job)[0]
+    rows = _rows_of(dry_run[2], "(1) ")
     results = _by_what(rows)
     assert results["launches counted (CommStats)"] == "pass" and results["values after synchronize"] == "pass"
     assert "waits on 2 work(s)" in rows[0][3]
@@ -72,20 +175,14 @@ def test_one_launch_on_a_real_one_rank_group_with_the_shortcut_bypassed(solo):
 
 
 # ---- (2) the fake process group --------------------------------------------------------------------------------------
-def _fake_pg_job(rank, world):
-    from benchmarks.gpu_runtime import TINY, fake_pg_check
-
-    return fake_pg_check(CPU, steps=3, sizes=TINY)
-
-
-def test_the_runtime_runs_every_layout_on_the_fake_process_group(solo):
+def test_the_runtime_runs_every_layout_on_the_fake_process_group(dry_run):
     """World 4 Z3 and Z2, 2 x 2 HSDP, world 1 and the FSDP2 + AdamW control all train 3 steps as
     rank 0 on the fake backend. Only a GPU proves what the check is for: no unsynchronised
     cross-stream access under TORCH_CUDA_SANITIZER=1 (the CPU has no streams) and a flat
     torch.cuda.memory_allocated from step 2 on."""
-    rows = solo.run(_fake_pg_job)[0]
+    rows = _rows_of(dry_run[2], "(2) ")
     assert len(rows) == 5 and all(result == "pass" for _, _, result, _ in rows), rows
-    assert [r[0] for r in rows][2] == "(2) fake PG, 2 x 2 HSDP, DMuon-Z3"
+    assert rows[2][0] == "(2) fake PG, 2 x 2 HSDP, DMuon-Z3"
 
 
 def test_a_sanitizer_race_reads_as_one_line():
@@ -113,30 +210,24 @@ def test_a_sanitizer_race_reads_as_one_line():
 
 
 # ---- (3) race amplification -------------------------------------------------------------------------------------------
-def _race_job(rank, world):
-    from benchmarks.gpu_runtime import TINY, _world1_run, bypass_size_one_shortcut, process_group, race_check
+def test_the_bypass_issues_collectives_at_world_one(dry_run):
+    """On gloo at world 1 the bypass makes DMuon issue its collectives (launches > 0 in CommStats;
+    without it none: the row's verdict requires both) and trains to the same weights, Z3 and Z2;
+    the bypass comes off afterwards. Only a GPU proves the point of the check: with a sleep at the
+    start of every side-stream block and before every free, the final weights stay bitwise the
+    same (a missing wait or an early free would read or reuse memory too soon)."""
+    from benchmarks.gpu_runtime import bypass_size_one_shortcut
     from titan_dmuon.runtime.comm import Launch
 
+    rows = _rows_of(dry_run[2], "(3) ")
+    bypass = [row for row in rows if row[1] == "bypass vs none: max |diff|"]
+    assert [row[2] for row in bypass] == ["pass", "pass"], rows  # Z3 and Z2
+    assert all(re.search(r"; [1-9]\d* launches with the bypass, 0 without", row[3]) for row in bypass), bypass
+    assert sum(row[2].startswith("skipped (cpu)") for row in rows) == 4
     init = Launch.__init__
-    rows = race_check(CPU, steps=2, sizes=TINY)
-    with process_group("gloo"):
-        bypassed = _world1_run(CPU, "z3", 2, TINY, bypass=True)
-        alone = _world1_run(CPU, "z3", 2, TINY, bypass=False)
     with bypass_size_one_shortcut():
-        patched = Launch.__init__ is not init
-    return rows, bypassed["launches"], alone["launches"], patched and Launch.__init__ is init
-
-
-def test_the_bypass_issues_collectives_at_world_one(solo):
-    """On gloo at world 1 the bypass makes DMuon issue its collectives (launches > 0 in CommStats;
-    without it none) and trains to the same weights. Only a GPU proves the point of the check: with
-    a sleep at the start of every side-stream block and before every free, the final weights stay
-    bitwise the same (a missing wait or an early free would read or reuse memory too soon)."""
-    rows, launched, alone, restored = solo.run(_race_job)[0]
-    assert launched > 0 and alone == 0 and restored
-    results = [result for _, what, result, _ in rows if what == "bypass vs none: max |diff|"]
-    assert results == ["pass", "pass"]  # Z3 and Z2
-    assert sum(result.startswith("skipped (cpu)") for _, _, result, _ in rows) == 4
+        assert Launch.__init__ is not init
+    assert Launch.__init__ is init
 
 
 def test_the_injected_sleeps_wrap_side_streams_and_frees_and_come_off():
@@ -149,41 +240,47 @@ def test_the_injected_sleeps_wrap_side_streams_and_frees_and_come_off():
     use, free = Streams.use, Unit.free
     with sleeps_injected(1000) as counts:
         assert Streams.use is not use and Unit.free is not free
-        with Streams(CPU).use(None):
+        with Streams(torch.device("cpu")).use(None):
             pass
     assert Streams.use is use and Unit.free is free and counts == {"side_stream_blocks": 0, "frees": 0}
 
 
 # ---- (5) the profiled step -----------------------------------------------------------------------------------------------
-def _profile_job(rank, world):
-    from benchmarks.gpu_runtime import TINY, profile_check
-
-    return profile_check(CPU, sizes=TINY, warmup=1)
-
-
-def test_a_profiled_step_finds_the_hooks(solo):
+def test_a_profiled_step_finds_the_hooks(dry_run):
     """Host time under DMuon::* (DMuon-Z3) and FSDP::* (the FSDP2 + AdamW baseline) labels is found
     in a CPU profile. Only a GPU gives kernels per layer and the compute stream's idle time."""
-    rows = solo.run(_profile_job)[0]
+    rows = _rows_of(dry_run[2], "(5) ")
     host = [float(result) for _, what, result, _ in rows if what.startswith("host ms")]
     assert len(host) == 2 and all(ms > 0 for ms in host), rows
     assert sum(result.startswith("skipped (cpu)") for _, _, result, _ in rows) == 4
 
 
-def test_the_profile_summary_counts_kernels_streams_and_gaps():
+def _event(name, kind, start, duration, resource, activity=None, *, torch_211=False):
+    """A kineto event as torch 2.14 gives it (``activity_type()``) or torch 2.11 (no such method:
+    ``is_user_annotation()`` only)."""
+    activity = activity or ("user_annotation" if kind == torch.autograd.DeviceType.CPU else "kernel")
+    fields = dict(name=lambda: name, device_type=lambda: kind, start_ns=lambda: start, duration_ns=lambda: duration,
+                  start_thread_id=lambda: resource, device_resource_id=lambda: resource)
+    if torch_211:
+        fields["is_user_annotation"] = lambda: activity.endswith("user_annotation")
+    else:
+        fields["activity_type"] = lambda: activity
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("torch_211", [False, True])
+def test_the_profile_summary_counts_kernels_streams_and_gaps(torch_211):
     """The trace arithmetic on hand-made events: nested labels merged per thread, the compute
     stream found by the marker kernel, memcpy/memset apart from kernels, labels' GPU spans left
-    out, NCCL kernels by stream, and the idle gaps between the compute stream's kernels. Whether
-    CUPTI's trace of a real step reads this way only a GPU shows."""
+    out, NCCL kernels by stream, and the idle gaps between the compute stream's kernels; the same
+    from torch 2.11's events, which have no ``activity_type()``. Whether CUPTI's trace of a real
+    step reads this way only a GPU shows."""
     from benchmarks.gpu_runtime import MARKER, summarize
 
     CPU_, CUDA_ = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def event(name, kind, start, duration, resource, activity=None):
-        activity = activity or ("user_annotation" if kind == CPU_ else "kernel")
-        return SimpleNamespace(name=lambda: name, device_type=lambda: kind, start_ns=lambda: start,
-                               duration_ns=lambda: duration, start_thread_id=lambda: resource,
-                               device_resource_id=lambda: resource, activity_type=lambda: activity)
+    def event(*args):
+        return _event(*args, torch_211=torch_211)
 
     events = [
         event("FSDP::pre_forward", CPU_, 0, 100, 1), event("FSDP::all_gather", CPU_, 10, 20, 1),  # nested: 100
@@ -201,24 +298,31 @@ def test_the_profile_summary_counts_kernels_streams_and_gaps():
     assert (s["idle_ms"], s["gaps"], s["span_ms"]) == (1.5, 2, 4.0)
 
 
-# ---- the runtime checks' subprocess --------------------------------------------------------------------------------------
-def test_runtime_rows_come_back_from_the_subprocess_and_a_timeout_is_a_failed_row():
-    """What gpu_check runs on the GPU, here on the CPU: the rows of the checks one subprocess runs
-    come back through its JSON lines into one table, none failed; a check that printed none (here:
-    killed by its time limit) is one FAILED row, and a spent budget skips. On a GPU the same runs
-    with --device cuda (and TORCH_CUDA_SANITIZER=1 for the fake process group)."""
-    from benchmarks.gpu_check import runtime_rows, table
+# ---- (7) the plain-PyTorch FSDP2 step ----------------------------------------------------------------------
+def test_a_plain_pytorch_fsdp2_dmuon_step_beside_adamw(dry_run):
+    """FSDP2 + DMuon-Z3 from plain PyTorch on a 1-rank gloo group: its fp32 weights equal the
+    single-process torch.optim.Muon + AdamW reference within the tolerance, with collectives
+    issued (shortcut bypassed); the bf16 step times of DMuon and AdamW are measured. Only a GPU
+    gives the times that matter, the peak memory and the host-sync check."""
+    rows = {row[1]: row for row in _rows_of(dry_run[2], "(7) ")}
+    assert rows["fp32 weights after 2 steps vs torch.optim.Muon + AdamW"][2] == "pass", rows
+    assert re.fullmatch(r"DMuon \d+\.\d\dx AdamW", rows["median step ms (steps 3-3), bf16 mixed precision"][2]), rows
+    assert rows["peak memory_allocated GiB"][2].startswith("skipped (cpu)")
+    assert rows["no host sync from step 3 (sync debug 'warn')"][2].startswith("skipped (cpu)")
 
-    rows = runtime_rows(("launch", "race"), {}, 120, device="cpu", tiny=True)
-    assert _by_what(rows)["launches counted (CommStats)"] == "pass", rows
-    assert all(len(row) == 4 and not row[2].startswith(("FAIL", "INCONCLUSIVE")) for row in rows), rows
-    assert {row[0][:3] for row in rows} == {"(1)", "(3)"}
-    assert rows[-1][3].endswith(" s]")  # each check's own time, on its last row
-    lines = table(rows + [("x", "max |diff|", "1", "")]).splitlines()
-    assert len(lines) == len(rows) + 3 and lines[-1] == "| x | max \\|diff\\| | 1 |  |"
+
+# ---- the runtime checks' subprocess --------------------------------------------------------------------------------------
+def test_a_check_killed_by_its_time_limit_is_a_failed_row_and_a_spent_budget_skips():
+    """A check that printed no rows (here: killed by its time limit) is one FAILED row, and a
+    spent budget skips (the rows that came back through the JSON lines: the dry run above)."""
+    from benchmarks.gpu_check import BUDGET_SPENT, runtime_rows, table
+
     late = runtime_rows(("race",), {}, 0.3, device="cpu", tiny=True)
     assert len(late) == 1 and late[0][2].startswith("FAILED: timed out after 0 s"), late
-    assert runtime_rows(("race",), {}, None)[0][2].startswith("SKIPPED")
+    assert runtime_rows(("race",), {}, None)[0][2] == BUDGET_SPENT
+    lines = table([("x", "max |diff|", "1", "")]).splitlines()
+    assert len(lines) == 3 and lines[-1] == "| x | max \\|diff\\| | 1 |  |"
+    assert parse_table(table([("x", "max |diff|", "1", "")]))[0] == ("x", "max |diff|", "1", "")
 
 
 # ---- (4) (6) (b) (c): the jobs -------------------------------------------------------------------------------------------
@@ -308,11 +412,25 @@ def test_job_rows_report_each_job_and_keep_going_past_failures():
     assert (on[0], off[0]) == ("10.00", "20.00") and "costs +100.0%" in off[1]
 
 
+def test_its_1b_configs_are_valid():
+    pytest.importorskip("torchtitan")
+    from titan_dmuon.integration import cpu
+
+    cpu.enable()
+    from benchmarks.gpu_configs import llama3_1b_adamw, llama3_1b_dmuon
+    from titan_dmuon.integration.validation import validate_dmuon
+
+    dmuon, adamw = llama3_1b_dmuon(), llama3_1b_adamw()
+    assert dmuon.optimizer.name == "dmuon" and dmuon.model_spec.flavor == "1B" == adamw.model_spec.flavor
+    validate_dmuon(dmuon, world_size=1)
+
+
 def test_every_job_parses_through_its_own_door(tmp_path):
     """Each job's command line, as run_job passes it, is accepted by the door it goes through: the
     TOML layer (titan_dmuon's entry point) or TorchTitan's own parser (tyro: booleans are flags,
     the dump folder is --dump_folder); the CUDA-graph jobs turn capture on and off. Whether the
     jobs train on a GPU (FlexAttention, compile, capture) only a GPU shows."""
+    pytest.importorskip("torchtitan")
     from titan_dmuon.integration import cpu
 
     cpu.enable()
@@ -339,7 +457,8 @@ def test_every_job_parses_through_its_own_door(tmp_path):
 def test_job_environments_and_the_plan_fits_eight_minutes(monkeypatch):
     """Each job gets its own door's variables and nothing of the caller's (a CONFIG_FILE left in the
     environment would make run_train.sh refuse a Python-config job); the planned time fits the
-    budget and every limit covers its estimate. The estimates are one H200's, unmeasured here."""
+    budget (with three Newton–Schulz methods, and the TorchTitan jobs) and every limit covers its
+    estimate. The estimates are one H200's, unmeasured here."""
     from benchmarks.gpu_check import BUDGET_S, JOBS, RUNTIME_RUNS, estimate_s
 
     monkeypatch.setenv("CONFIG_FILE", "stale.toml")
@@ -352,6 +471,6 @@ def test_job_environments_and_the_plan_fits_eight_minutes(monkeypatch):
     assert compiled["CONFIG_FILE"] == "train_configs/debug_model.toml" and "TITAN_DMUON_PRECHECK" not in compiled
     assert compiled["TORCH_LOGS"] == "recompiles,graph_breaks,dynamo" and compiled["TITAN_DMUON_SYNC_DEBUG_FROM_STEP"] == "3"
     assert by_key["adamw_graphs_on"].tokens_per_step == 512 and by_key["z3_eager"].tokens_per_step is None
-    assert estimate_s() <= BUDGET_S <= 480
+    assert estimate_s(jobs=False, methods=3) < estimate_s(jobs=True, methods=3) <= BUDGET_S <= 480
     assert all(job.timeout_s >= 2 * job.estimate_s for job in JOBS)
     assert all(limit >= 2 * estimate for _, _, limit, estimate in RUNTIME_RUNS)

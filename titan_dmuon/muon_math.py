@@ -79,6 +79,19 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 
 
+def exact_mode_refusal(adjust_lr_fn: str | None) -> str | None:
+    """Why ``ns_mode="exact"`` cannot run ``adjust_lr_fn`` on this torch, or None. The exact mode is
+    ``torch.optim.Muon``'s own update, whose learning-rate rule must be ``adjusted_lr``'s:
+    "spectral_unclamped" came in torch 2.14, and torch 2.11-2.13's functional update silently
+    scales by 1 for a name it does not know (checked by behaviour, not by version)."""
+    from torch.optim._muon import _adjust_lr
+
+    if _adjust_lr(1.0, adjust_lr_fn, torch.Size((4, 1))) == adjusted_lr(1.0, adjust_lr_fn, (4, 1)):
+        return None
+    return (f"one that torch {torch.__version__}'s torch.optim.Muon knows with ns_mode 'exact' "
+            f"({adjust_lr_fn!r} needs torch >= 2.14), or ns_mode 'batched'")
+
+
 def momentum_update(
     grad: torch.Tensor, momentum_buffer: torch.Tensor, *, momentum: float, nesterov: bool
 ) -> torch.Tensor:
@@ -204,6 +217,9 @@ def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, mo
     momentum a model with separate weights would give it."""
     from torch.optim._muon import muon as torch_muon
 
+    refusal = exact_mode_refusal(adjust_lr_fn)
+    if refusal is not None:
+        raise ValueError(f"adjust_lr_fn = {adjust_lr_fn!r}: expected {refusal}")
     count = 0
     for param, grad, buffer, param_blocks in zip(params, grads, momentum_buffers, blocks):
         for e in range(param.shape[0] if param.ndim == 3 else 1):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_MODES, NS_STEPS
+from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_MODES, NS_STEPS, exact_mode_refusal
 
 
 def _is_number(value) -> bool:
@@ -72,6 +72,8 @@ class DMuonOptions:
             raise OptionError("adjust_lr_fn", self.adjust_lr_fn, f"one of {ADJUST_LR_FNS}")
         if self.ns_mode not in NS_MODES:
             raise OptionError("ns_mode", self.ns_mode, f"one of {NS_MODES}")
+        if self.ns_mode == "exact" and exact_mode_refusal(self.adjust_lr_fn) is not None:
+            raise OptionError("adjust_lr_fn", self.adjust_lr_fn, exact_mode_refusal(self.adjust_lr_fn))
         if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
             raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
         if self.qk_clip_threshold is not None and (
