@@ -1,0 +1,182 @@
+"""Fault tolerance across replica groups, in-process (no TorchFT needed): the all-reduce hook.
+
+Under TorchFT every replica group dedicates on its own mesh and each owner's reduced gradient is
+averaged with the owners at the same coordinate of every other group (``set_all_reduce_hook``,
+as FSDP2's). Here 4 gloo ranks play 2 groups of 2: the hook all-reduces over the ranks with the
+same group rank, exactly where TorchFT's ``Manager.allreduce`` runs in a real job
+(``tests/test_fault_tolerance_e2e.py`` runs that, with a lighthouse, faults and healing).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from tests.helpers import (
+    TOLERANCE,
+    batches,
+    bitwise_equal,
+    distribute,
+    full_state,
+    global_loss,
+    max_diff,
+    reference_train,
+    toy_model,
+    train,
+)
+
+STEPS = 4
+GROUPS = 2
+
+
+def _two_groups_of_two(rank, world, max_norm):
+    """2 replica groups x FSDP 2 (DMuon-Z3 in each), gradients averaged across the groups by the
+    hooks, against one process on the whole batch (4 slices, summed as the groups sum them)."""
+    data = batches(STEPS)
+    model = toy_model()
+    ref, ref_losses, ref_norms = reference_train(model, data, max_norm=max_norm, slices=world)
+    grid = init_device_mesh("cpu", (GROUPS, world // GROUPS), mesh_dim_names=("group", "dp_shard"))
+    across = grid.get_group("group")  # (rank r of every group: what TorchFT's process group links)
+
+    def average_across_groups(tensor):
+        dist.all_reduce(tensor, group=across)
+        tensor.div_(GROUPS)
+
+    setup = distribute(model, "z3", world, mesh=grid["dp_shard"])
+    setup.handle.set_all_reduce_hook(average_across_groups)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(average_across_groups)
+    log = train(setup, data, rank, world, max_norm=max_norm)
+    ns = torch.tensor([n for _, _, n in log], dtype=torch.int64)
+    dist.all_reduce(ns)
+    state = full_state(setup)  # (within the group)
+    others = [None] * world
+    dist.all_gather_object(others, {k: v for k, v in state.items()})
+    return {
+        "diff": max_diff(state, ref),
+        "losses": global_loss([loss for loss, _, _ in log]),
+        "ref_losses": ref_losses,
+        "norms": [norm for _, norm, _ in log],
+        "ref_norms": ref_norms,
+        "ns_per_step": ns.tolist(),
+        "matrices": len(setup.handle.plan.entries),
+        "groups_identical": bitwise_equal(others[rank % 2], others[2 + rank % 2]),
+    }
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_replica_groups_train_as_one_batch(pool4, max_norm):
+    """The groups together train as one process on the union of their batches (to TOLERANCE: bf16
+    Newton-Schulz; the clip's global norm, within each group over the averaged gradients, to 1e-5
+    at step 1), the groups stay bitwise identical, and Newton-Schulz runs once per matrix per
+    group: the job's count per step is groups x matrices."""
+    for r in pool4.run(_two_groups_of_two, max_norm):
+        assert r["diff"] < TOLERANCE
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-4)
+        assert r["groups_identical"]
+        assert r["ns_per_step"] == [GROUPS * r["matrices"]] * STEPS
+        if max_norm is not None:
+            assert r["norms"][0] == pytest.approx(r["ref_norms"][0], rel=1e-5)
+            assert all(n > max_norm for n in r["ref_norms"])  # (clipping was active)
+
+
+def _hook_on_hsdp(rank, world):
+    setup = distribute(toy_model(), "hsdp", world)
+    with pytest.raises(NotImplementedError, match="global owner"):
+        setup.handle.set_all_reduce_hook(lambda t: None)
+    return True
+
+
+def test_hook_refused_under_hsdp(pool4):
+    """HSDP's gradient reaches one global owner only: no peer to average with."""
+    assert all(pool4.run(_hook_on_hsdp))
+
+
+# ---- the optimizer container's commit and the state TorchFT serves (a stand-in manager) -----------------
+class _Manager:
+    """What the container asks TorchFT's Manager: a quorum per zero_grad, a decision per step."""
+
+    def __init__(self):
+        self.quorums, self.commit = 0, True
+
+    def start_quorum(self):
+        self.quorums += 1
+
+    def should_commit(self):
+        return self.commit
+
+
+def _ft_container(model, manager, *, use_async_quorum=False):
+    from types import SimpleNamespace
+
+    from titan_dmuon.integration.fault_tolerance import DMuonFTOptimizersContainer
+
+    ft = SimpleNamespace(enabled=True, per_step=True, use_async_quorum=use_async_quorum, manager=manager)
+    config = DMuonFTOptimizersContainer.Config(name="dmuon", implementation="for-loop", lr=0.02)
+    return config.build(model_parts=[model], ft_manager=ft)
+
+
+def _local_tensors(model, container):
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    weights = {n: local(p) for n, p in model.named_parameters()}
+    state = {(id(p), k): local(v) for o in container.optimizers for p, s in o.state.items() for k, v in s.items()
+             if torch.is_tensor(v)}
+    return weights, state
+
+
+def _commit_and_served_state(rank, world):
+    from tests import titan_harness as th
+    from titan_dmuon.integration.trainer import dmuon_handles
+
+    dims = th.parallel_dims(world)
+    model, _ = th.build(th.tiny_llama3(), dims)
+    manager = _Manager()
+    container = _ft_container(model, manager)
+    owned = [m for h in dmuon_handles(container) for m in h.members if m.runs_ns]
+    out = {"momentum_at_construction": bool(owned) and all("momentum_buffer" in container.dmuon_optimizers()[0].state[m.param] for m in owned)}
+    container.init_cache_state_dict()  # (TorchFT's checkpoint manager does this once)
+    served = container.state_dict()
+    data = th.batches(2, world)
+    before = _local_tensors(model, container)
+    manager.commit = False
+    th.train(model, container, dims, data[:1])
+    after_discarded = _local_tensors(model, container)
+    out["discarded_changes_nothing"] = all(
+        torch.equal(before[i][k], after_discarded[i][k]) for i in (0, 1) for k in before[i])
+    manager.commit = True
+    th.train(model, container, dims, data[1:])
+    after = _local_tensors(model, container)
+    out["committed_changes"] = any(not torch.equal(before[0][k], after[0][k]) for k in before[0])
+    out["quorums"] = manager.quorums  # (one per zero_grad: each step's, after its optimizer step)
+    live = {(id(p), k): v for o in container.optimizers for p, s in o.state.items() for k, v in s.items()
+            if torch.is_tensor(v)}
+    served_tensors = [v for v in served.values() if torch.is_tensor(v)]
+    out["served_is_live"] = all(any(t is v for v in live.values()) for t in served_tensors)  # updated in place
+    for o in container.optimizers:
+        for group in o.param_groups:
+            group["lr"] = 0.123  # as the LR schedule does each step
+    out["served_lr"] = {v for k, v in container.state_dict().items() if k.endswith(".lr")}
+    with pytest.raises(NotImplementedError, match="asynchronous quorum"):
+        _ft_container(model, manager, use_async_quorum=True)
+    return out
+
+
+def test_commit_gate_and_the_state_torchft_serves(pool2):
+    """TorchTitan's model family on FSDP 2 with DMuon's fault-tolerant container: every owner's
+    momentum exists from construction; a step TorchFT does not commit changes no weight or
+    optimizer state; the state dict TorchFT serves to a joining group holds the live tensors (the
+    step updates them in place) and the learning rate as it is now (TorchTitan's cached copy kept
+    the first step's: a healed group then stepped with another LR than its peers); an
+    asynchronous quorum is refused."""
+    for r in pool2.run(_commit_and_served_state):
+        assert r["momentum_at_construction"]
+        assert r["discarded_changes_nothing"] and r["committed_changes"]
+        assert r["quorums"] == 2
+        assert r["served_is_live"]
+        assert r["served_lr"] == {0.123}
