@@ -7,6 +7,10 @@ same group rank, exactly where TorchFT's ``Manager.allreduce`` runs in a real jo
 (``tests/test_fault_tolerance_e2e.py`` runs that, with a lighthouse, faults and healing).
 """
 
+import dataclasses
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +30,7 @@ from tests.helpers import (
     train,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 GROUPS = 2
 
@@ -180,3 +185,149 @@ def test_commit_gate_and_the_state_torchft_serves(pool2):
         assert r["quorums"] == 2
         assert r["served_is_live"]
         assert r["served_lr"] == {0.123}
+
+
+# ---- semi-sync: weights TorchFT writes after DMuon's step reach the next forward -------------------
+def _forward_after_written_weights(rank, world, refresh):
+    from types import SimpleNamespace
+
+    from tests import titan_harness as th
+    from titan_dmuon.integration.fault_tolerance import drop_gathers_after_syncs
+    from titan_dmuon.integration.trainer import dmuon_handles
+
+    dims = th.parallel_dims(world)
+    model, container = th.build(th.tiny_llama3(), dims)
+    data = th.batches(2, world)
+    th.train(model, container, dims, data[:1])  # (its step starts the first layer's broadcast for the next forward)
+    handles = dmuon_handles(container)
+    with torch.no_grad():
+        for m in handles[0].members:
+            if m.holds_full:
+                m.param.data.copy_(torch.randn_like(m.param) * 0.02)  # as LocalSGD/DiLoCo write them
+    if refresh:
+        ft = SimpleNamespace(enabled=True, per_step=False, commit_decisions=1)
+        assert drop_gathers_after_syncs(ft, handles, 0) == 1
+    tokens = data[1][rank * 2 : (rank + 1) * 2]
+    with torch.no_grad():
+        first = model(tokens[:, :-1]).float()
+        second = model(tokens[:, :-1]).float()  # (gathers every layer anew)
+    return torch.equal(first, second)
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_forward_after_a_sync_sees_the_written_weights(pool2, refresh):
+    """LocalSGD and DiLoCo write the weights in the optimizer's step post-hook, after DMuon's step
+    broadcast the first layer for the next forward: that forward used the old first layer. After a
+    sync (a should_commit decision) the fault-tolerant trainer drops what was gathered ahead; without
+    it (refresh=False) the forward is not the one of the written weights."""
+    assert pool2.run(_forward_after_written_weights, refresh) == [refresh] * 2
+
+
+# ---- config doors and refusals (in-process, no torchft job) -----------------------------------------
+def _ft_job(**ft):
+    from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+    from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    base = llama3_debugmodel()
+    base.checkpoint.enable = True
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return FaultTolerantTrainer.Config(**values, fault_tolerance=FaultTolerance(enable=True, group_size=2, **ft))
+
+
+def _problem(config_fn, *args, **kwargs) -> str:
+    from titan_dmuon.integration.validation import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        config_fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_fault_tolerant_configs_from_both_doors(monkeypatch):
+    """TorchTitan's FaultTolerantTrainer.Config through with_dmuon, the registry's job and the TOML
+    file all become DMuon's fault-tolerant trainer config, setting for setting the same job;
+    --fault_tolerance.* on the command line applies (TorchTitan's keys)."""
+    monkeypatch.chdir(ROOT)
+    from titan_dmuon import with_dmuon
+    from titan_dmuon.config_registry import llama3_debugmodel_dmuon_ft
+    from titan_dmuon.integration.config import load_config
+    from titan_dmuon.integration.fault_tolerance import (
+        DMuonFaultTolerantTrainer,
+        DMuonFTCheckpointManager,
+        DMuonFTOptimizersContainer,
+        DMuonTorchFTManager,
+    )
+    from tests.test_titan_python_config import _comparable
+
+    config = with_dmuon(_ft_job())
+    assert isinstance(config, DMuonFaultTolerantTrainer.Config)
+    assert isinstance(config.optimizer, DMuonFTOptimizersContainer.Config) and config.optimizer.name == "dmuon"
+    assert isinstance(config.checkpoint, DMuonFTCheckpointManager.Config)
+    assert isinstance(config.fault_tolerance, DMuonTorchFTManager.Config) and config.fault_tolerance.group_size == 2
+    python = llama3_debugmodel_dmuon_ft()
+    toml = load_config("train_configs/debug_model_ft.toml", world_size=2)
+    assert type(python) is type(toml) and _comparable(python) == _comparable(toml)
+    cli = load_config("train_configs/debug_model_ft.toml", ["--fault_tolerance.replica_id", "1",
+                                                            "--fault_tolerance.semi_sync_method", "diloco"])
+    assert (cli.fault_tolerance.replica_id, cli.fault_tolerance.semi_sync_method) == (1, "diloco")
+    plain = load_config("train_configs/debug_model.toml", world_size=2)  # (no [fault_tolerance]: DMuon's own trainer)
+    assert type(plain).__qualname__ == "DMuonTrainer.Config" and not hasattr(plain, "fault_tolerance")
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(parallelism={"data_parallel_replicate_degree": 2}),
+     "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner"),
+    (dict(parallelism={"pipeline_parallel_degree": 2}), "pipeline_parallel_degree = 2 with fault_tolerance.enable = true"),
+    (dict(checkpoint={"enable": False}), "checkpoint.enable = false: TorchFT's state transfer"),
+    (dict(fault_tolerance={"semi_sync_method": "streaming"}), "semi_sync_method = 'streaming': expected unset"),
+    (dict(fault_tolerance={"replica_id": 2}), "replica_id = 2: expected this group's index, 0 to group_size - 1 = 1"),
+    (dict(fault_tolerance={"semi_sync_method": "diloco", "sync_steps": 3, "num_fragments": 2}),
+     "sync_steps = 3 with num_fragments = 2"),
+    (dict(optimizer={"qk_clip_threshold": 100.0}), "QK-clip's per-head max logit covers one group's batch only"),
+])
+def test_what_cannot_run_under_torchft_is_refused_by_name(change, expected):
+    from titan_dmuon import with_dmuon
+
+    config = _ft_job()
+    options = change.pop("optimizer", {})
+    for section, values in change.items():
+        for key, value in values.items():
+            setattr(getattr(config, section), key, value)
+    assert expected in _problem(with_dmuon, config, **options)
+
+
+def test_torchft_and_the_lighthouse_are_checked_before_the_job(monkeypatch):
+    """Without torchft: the extra to install. On this machine (the pre-launch check, each worker):
+    TORCHFT_LIGHTHOUSE unset, or nothing answering there, is one line with the command to start it
+    (TorchFT itself waited its 60 s connect timeout and failed deep in its Rust client)."""
+    from titan_dmuon import with_dmuon
+    from titan_dmuon.integration import fault_tolerance_checks
+    from titan_dmuon.integration.validation import validate_dmuon
+
+    config = with_dmuon(_ft_job())
+    monkeypatch.setattr(fault_tolerance_checks, "torchft_missing", lambda: True)
+    assert "needs TorchFT, which is not installed: pip install -e '.[ft]'" in _problem(validate_dmuon, config)
+    monkeypatch.undo()
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    assert "TORCHFT_LIGHTHOUSE is not set" in _problem(validate_dmuon, config, this_machine=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed again below: nothing listens there)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
+    monkeypatch.setenv("TORCHFT_CONNECT_TIMEOUT_SEC", "0.5")
+    message = _problem(validate_dmuon, config, this_machine=True)
+    assert message.startswith(f"no TorchFT lighthouse answers at http://localhost:{port}") and "torchft_lighthouse" in message
+    validate_dmuon(config)  # (a config may be checked anywhere: the lighthouse only where the job runs)
+
+
+def test_moe_with_load_balancing_is_refused():
+    """TorchTitan updates a MoE's expert bias from one group's token counts: the groups would drift."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from titan_dmuon import with_dmuon
+
+    base = qwen3_moe_debug()
+    job = _ft_job()
+    job.model_spec = base.model_spec
+    assert "load_balance_coeff" in _problem(with_dmuon, job)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_dmuon.integration.fault_tolerance import torchft_missing
+from titan_dmuon.integration.fault_tolerance_checks import torchft_missing
 
 pytestmark = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the test extra has it)")
 
@@ -196,3 +196,36 @@ def test_groups_killed_in_a_step_and_between_steps(tmp_path):
     print(f"\nkilled in step 3: group 0 ended that step (discarded) {discarded - kill_mid:.1f} s after the kill; "
           f"restarted group healed in {healed_at - healing:.2f} s (transfer), first step {rejoined[0]}; "
           f"killed between steps at {kill_between:.0f}: no step lost")
+
+
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method):
+    """DiLoCo and LocalSGD with DMuon as the inner optimizer (two groups of two ranks, a sync every 2
+    steps): DMuon runs inside each group only, so the groups' weights differ after the inner steps
+    (each trains on its own data) and are bitwise equal after every sync, on every rank (owners'
+    full weights, the other ranks' placeholders and FSDP2's shards alike); the job trains."""
+    with Job(tmp_path, ranks=2, steps=4, extra=("--fault_tolerance.semi_sync_method", method,
+                                                "--fault_tolerance.sync_steps", "2")) as job:
+        groups = [job.group(replica, f"g{replica}") for replica in (0, 1)]
+        for proc, log in groups:
+            _wait(f"group {log.stem} to finish", lambda p=proc: p.poll() is not None, logs=[log for _, log in groups])
+            assert proc.returncode == 0, log.read_text()[-5000:]
+    for r in range(2):
+        g0, g1 = ({rec["step"]: rec["weights"] for rec in job.read(replica, r)} for replica in (0, 1))
+        assert sorted(g0) == sorted(g1) == [1, 2, 3, 4]
+        assert [g0[k] == g1[k] for k in (1, 2, 3, 4)] == [False, True, False, True], (r, g0, g1)
+    losses = [float(x) for x in re.findall(r"step:\s+\d+\s+loss:\s+([\d.]+)", groups[0][1].read_text())]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+def test_lighthouse_unreachable_at_start_is_one_line(tmp_path):
+    """The README's group command with no lighthouse running: run_train.sh's check stops before
+    torchrun with one line, last, naming the address and how to start the lighthouse (exit 2)."""
+    env = {**os.environ, "CONFIG": "llama3_debugmodel_dmuon_ft", "NGPU": "1", "PYTHON": sys.executable,
+           "TORCHFT_LIGHTHOUSE": f"http://localhost:{_free_port()}", "TORCHFT_CONNECT_TIMEOUT_SEC": "1"}
+    result = subprocess.run(["./run_train.sh", "--fault_tolerance.replica_id", "0", "--dump_folder", str(tmp_path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"config error: no TorchFT lighthouse answers at {env['TORCHFT_LIGHTHOUSE']}"), last
+    assert "torchft_lighthouse --min_replicas 1" in last and "torchrun" not in result.stdout

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from titan_dmuon.integration import cpu
+from titan_dmuon.integration.fault_tolerance_checks import fault_tolerance_problem, moe_problem
 from titan_dmuon.integration.models import ModelNotSupported, check_model
 from titan_dmuon.integration.optimizer import (
     ADAMW_NAMES,
@@ -136,10 +137,9 @@ def validate_dmuon(
         _validate_adamw_switch(opt, names)
     _validate_training(config.training, names)
     _validate_parallelism(config.parallelism, world_size, names)
-    if _fault_tolerant(config):
-        from titan_dmuon.integration.fault_tolerance import check_fault_tolerance
-
-        check_fault_tolerance(config, names, this_machine=this_machine)
+    problem = fault_tolerance_problem(config, names, this_machine=this_machine) if _fault_tolerant(config) else None
+    if problem is not None:
+        raise ConfigError(problem)
     return _validate_against_model(config, world_size, names, this_machine=this_machine)
 
 
@@ -283,9 +283,7 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
     experts = routed_expert_counts(model)
     if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
                                                    for m in model.modules() if hasattr(m, "routed_experts")):
-        from titan_dmuon.integration.fault_tolerance import moe_refusal
-
-        raise ConfigError(moe_refusal(names))
+        raise ConfigError(moe_problem(names))
     if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
         raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
                           f"{tensor_parallel_moe_limit()}")
