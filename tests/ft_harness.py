@@ -4,7 +4,7 @@ that TorchTitan's entry point loads with it:
 
 * ``FT_TEST_RECORD=<folder>``: after every step each rank appends a line to
   ``<folder>/<replica>_<rank>.jsonl``: the trainer's step, TorchFT's committed steps, the
-  learning rates, a digest of every tensor this rank holds of the model and of the optimizer
+  learning rates, the trainable elements it holds, a digest of every tensor this rank holds of the model and of the optimizer
   state (bitwise: equal digests at the same rank of two groups mean equal weights, momentum and
   AdamW moments), and the wall-clock time;
 * ``FT_TEST_PAUSE=mid:<step>`` (in the forward of that step) or ``end:<step>`` (after that step,
@@ -54,8 +54,9 @@ def _state(trainer) -> dict:
             for name, p in zip(group["param_names"], group["params"]):
                 state += [(f"{name}.{k}", v) for k, v in sorted(optim.state.get(p, {}).items()) if torch.is_tensor(v)]
     ft = trainer.ft_manager
+    held = sum(_local(p).numel() for _, p in weights if p.requires_grad)  # (owners' full weights, FSDP2's shards)
     return {
-        "step": trainer.step, "commits": ft.manager.current_step() if ft.enabled else None,
+        "step": trainer.step, "held": held, "commits": ft.manager.current_step() if ft.enabled else None,
         "weights": _digest(weights), "state": _digest(state), "lrs": lrs, "time": time.time(),
     }
 

@@ -11,6 +11,7 @@ Skipped, with the reason, where torchft is not installed (the ``test`` extra ins
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,14 @@ def test_groups_killed_in_a_step_and_between_steps(tmp_path):
         for k in rejoined:
             assert (healed[r][k]["weights"], healed[r][k]["state"], healed[r][k]["lrs"]) == (
                 steps[k]["weights"], steps[k]["state"], steps[k]["lrs"]), (r, k)
+    # across the groups each rank all-reduces every gradient element it holds once per step (its owners'
+    # dedicated gradients and its FSDP2 shards): 2(G-1)/G of them moved, none while it is alone
+    figures = re.findall(r"TorchFT: (\d) groups, \d+ steps committed, averaged ([\d.]+)M elements/rank/step across "
+                         r"groups \(([\d.]+)M moved\)", run["logs"]["a"].read_text())
+    assert len(figures) == 9 and {g for g, _, _ in figures} == {"1", "2"}
+    for groups, averaged, moved in figures:
+        assert float(averaged) == round(survivor[0][1]["held"] / 1e6, 4)
+        assert float(moved) == (float(averaged) if groups == "2" else 0.0)
     assert "healing required" in run["logs"]["b2"].read_text()
     assert run["logs"]["a"].read_text().count("should_commit=False") == 1
 
@@ -56,19 +65,19 @@ def test_groups_killed_in_a_step_and_between_steps(tmp_path):
           f"{log_time(b2, 'Loaded state dict') - log_time(b2, 'healing required'):.2f} s")
 
 
-@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
-def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method):
-    """DiLoCo and LocalSGD with DMuon as the inner optimizer (two groups of two ranks, a sync every 2
-    steps): DMuon runs inside each group only, so the groups' weights differ after the inner steps
-    (each trains on its own data) and are bitwise equal after every sync, on every rank (owners'
-    full weights, the other ranks' placeholders and FSDP2's shards alike); the job trains."""
-    with Job(tmp_path, ranks=2, steps=4, extra=("--fault_tolerance.semi_sync_method", method,
+@pytest.mark.parametrize("method, ranks", [("diloco", 2), ("local_sgd", 1)])
+def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method, ranks):
+    """DiLoCo and LocalSGD with DMuon as the inner optimizer (two groups, of two ranks and of one; a
+    sync every 2 steps): DMuon runs inside each group only, so the groups' weights differ after the
+    inner steps (each trains on its own data) and are bitwise equal after every sync, on every rank
+    (owners' full weights, the other ranks' placeholders and FSDP2's shards alike); the job trains."""
+    with Job(tmp_path, ranks=ranks, steps=4, extra=("--fault_tolerance.semi_sync_method", method,
                                                 "--fault_tolerance.sync_steps", "2")) as job:
         groups = [job.group(replica, f"g{replica}") for replica in (0, 1)]
         for proc, log in groups:
             wait(f"group {log.stem} to finish", lambda p=proc: p.poll() is not None, logs=[log for _, log in groups])
             assert proc.returncode == 0, log.read_text()[-5000:]
-    for r in range(2):
+    for r in range(ranks):
         g0, g1 = ({rec["step"]: rec["weights"] for rec in job.read(replica, r)} for replica in (0, 1))
         assert sorted(g0) == sorted(g1) == [1, 2, 3, 4]
         assert [g0[k] == g1[k] for k in (1, 2, 3, 4)] == [False, True, False, True], (r, g0, g1)
