@@ -331,3 +331,17 @@ def test_moe_with_load_balancing_is_refused():
     job = _ft_job()
     job.model_spec = base.model_spec
     assert "load_balance_coeff" in _problem(with_dmuon, job)
+
+
+def test_a_groups_data_position_loads_in_its_group():
+    """Each TorchFT group saves the data position of its own ranks (dp ranks 2 and 3 of 4 for group 1):
+    DMuon's check before a load counted 2 saved positions against a degree of 4 and stopped the
+    restarted group ("saved with data-parallel degree 2 and this job has 4"). Per group it is 2 and 2."""
+    from types import SimpleNamespace
+
+    from titan_dmuon.integration.checkpoint import _data_parallel_change
+
+    saved = SimpleNamespace(state_dict_metadata={"dataloader.dp_rank_2": None, "dataloader.dp_rank_3": None})
+    loader = {"dataloader": SimpleNamespace(dp_world_size=4)}
+    assert _data_parallel_change(loader, saved, replica_groups=2) == []
+    assert "this job has 4" in _data_parallel_change(loader, saved)[0]

@@ -59,6 +59,7 @@ from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
 from titan_dmuon.integration.trainer import DMuonTrainer, _replaced, dmuon_handles
 from titan_dmuon.runtime import DedicatedParams
 
+
 class AcrossGroups:
     """The training log's figures of fault tolerance: the groups in the quorum, the steps TorchFT
     committed, and the per-step average across the groups, counted where the hooks issue it (each
