@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from titan_dmuon.integration.fault_tolerance_checks import torchft_missing
 from tests.helpers import (
     TOLERANCE,
     batches,
@@ -33,6 +34,8 @@ from tests.helpers import (
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 GROUPS = 2
+needs_torchft = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the "
+                                   "test extra has it): configs that enable fault tolerance are refused without it")
 
 
 def _two_groups_of_two(rank, world, max_norm):
@@ -244,6 +247,7 @@ def _problem(config_fn, *args, **kwargs) -> str:
     return str(info.value)
 
 
+@needs_torchft
 def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     """TorchTitan's FaultTolerantTrainer.Config through with_dmuon, the registry's job and the TOML
     file all become DMuon's fault-tolerant trainer config, setting for setting the same job;
@@ -275,6 +279,7 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     assert type(plain).__qualname__ == "DMuonTrainer.Config" and not hasattr(plain, "fault_tolerance")
 
 
+@needs_torchft
 @pytest.mark.parametrize("change, expected", [
     (dict(parallelism={"data_parallel_replicate_degree": 2}),
      "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner"),
@@ -297,18 +302,23 @@ def test_what_cannot_run_under_torchft_is_refused_by_name(change, expected):
     assert expected in _problem(with_dmuon, config, **options)
 
 
-def test_torchft_and_the_lighthouse_are_checked_before_the_job(monkeypatch):
-    """Without torchft: the extra to install. On this machine (the pre-launch check, each worker):
-    TORCHFT_LIGHTHOUSE unset, or nothing answering there, is one line with the command to start it
-    (TorchFT itself waited its 60 s connect timeout and failed deep in its Rust client)."""
+def test_without_torchft_enabling_fault_tolerance_names_the_extra(monkeypatch):
     from titan_dmuon import with_dmuon
     from titan_dmuon.integration import fault_tolerance_checks
+
+    monkeypatch.setattr(fault_tolerance_checks, "torchft_missing", lambda: True)
+    assert "needs TorchFT, which is not installed: pip install -e '.[ft]'" in _problem(with_dmuon, _ft_job())
+
+
+@needs_torchft
+def test_the_lighthouse_is_checked_before_the_job(monkeypatch):
+    """On this machine (the pre-launch check, each worker): TORCHFT_LIGHTHOUSE unset, or nothing
+    answering there, is one line with the command to start it (TorchFT itself waited its 60 s
+    connect timeout and failed deep in its Rust client)."""
+    from titan_dmuon import with_dmuon
     from titan_dmuon.integration.validation import validate_dmuon
 
     config = with_dmuon(_ft_job())
-    monkeypatch.setattr(fault_tolerance_checks, "torchft_missing", lambda: True)
-    assert "needs TorchFT, which is not installed: pip install -e '.[ft]'" in _problem(validate_dmuon, config)
-    monkeypatch.undo()
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     assert "TORCHFT_LIGHTHOUSE is not set" in _problem(validate_dmuon, config, this_machine=True)
     with socket.socket() as s:
@@ -321,6 +331,7 @@ def test_torchft_and_the_lighthouse_are_checked_before_the_job(monkeypatch):
     validate_dmuon(config)  # (a config may be checked anywhere: the lighthouse only where the job runs)
 
 
+@needs_torchft
 def test_moe_with_load_balancing_is_refused():
     """TorchTitan updates a MoE's expert bias from one group's token counts: the groups would drift."""
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
