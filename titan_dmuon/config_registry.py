@@ -17,6 +17,8 @@ callable here as a ``--config``.
 
 from __future__ import annotations
 
+import dataclasses as _dataclasses
+
 from titan_dmuon.integration import cpu as _cpu
 
 _cpu.enable()  # before anything below touches TorchTitan's device choice
@@ -62,6 +64,22 @@ def llama3_debugmodel_dmuon_pp():
     job = _debug_job(data_parallel_shard_degree=2, pipeline_parallel_degree=2,
                      pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1)
     return _with_dmuon(job, **_DEBUG_DMUON)
+
+
+def llama3_debugmodel_dmuon_ft():
+    """debug_model_ft.toml: the main job in TorchFT replica groups (2 groups; each run_train.sh is one,
+    --fault_tolerance.replica_id R). Requires torchft: pip install -e '.[ft]'."""
+    from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+    from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+
+    job = _debug_job()
+    _set(job.checkpoint, enable=True, interval=1000)  # TorchFT transfers what the checkpointer registers
+    config = FaultTolerantTrainer.Config(
+        **{f.name: getattr(job, f.name) for f in _dataclasses.fields(job)},
+        fault_tolerance=FaultTolerance(enable=True, group_size=2, replica_id=0, min_replica_size=1,
+                                       process_group="gloo", process_group_timeout_ms=10000),
+    )
+    return _with_dmuon(config, **_DEBUG_DMUON, reshard_after_forward=True)
 
 
 def llama3_8b_dmuon():

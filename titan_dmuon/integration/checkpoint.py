@@ -48,6 +48,8 @@ class DMuonCheckpointManager(CheckpointManager):
     class Config(CheckpointManager.Config):
         pass
 
+    replica_groups = 1  # the data position in a checkpoint covers the data-parallel ranks of one of these
+
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         """TorchTitan's save; an HF export (synchronous: TorchTitan's last save) then gets what
         ``transformers`` needs to load it as is (integration/hf_export.py), written by rank 0."""
@@ -61,12 +63,13 @@ class DMuonCheckpointManager(CheckpointManager):
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if not from_hf and not filesystem.is_remote(checkpoint_id):
-            state_dict = checked_state_dict(state_dict, checkpoint_id)
+            state_dict = checked_state_dict(state_dict, checkpoint_id, replica_groups=self.replica_groups)
         return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
 
-def checked_state_dict(state_dict: dict, checkpoint_id: str) -> dict:
-    """``state_dict`` ready for ``dcp.load``, or a CheckpointError raised on every rank."""
+def checked_state_dict(state_dict: dict, checkpoint_id: str, *, replica_groups: int = 1) -> dict:
+    """``state_dict`` ready for ``dcp.load``, or a CheckpointError raised on every rank.
+    ``replica_groups``: TorchFT groups, each saving the data position of its own ranks."""
     problems, metadata = [], None
     try:
         metadata = FileSystemReader(checkpoint_id).read_metadata()
@@ -78,7 +81,7 @@ def checked_state_dict(state_dict: dict, checkpoint_id: str) -> dict:
     if metadata is not None:
         problems += _incomplete_files(metadata, checkpoint_id)
         problems += _model_mismatches(state_dict, metadata)
-        problems += _data_parallel_change(state_dict, metadata)
+        problems += _data_parallel_change(state_dict, metadata, replica_groups=replica_groups)
     problems = _everywhere(problems)
     if problems:
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -132,11 +135,14 @@ def _model_mismatches(state_dict: dict, metadata) -> list[str]:
     return problems
 
 
-def _data_parallel_change(state_dict: dict, metadata) -> list[str]:
+def _data_parallel_change(state_dict: dict, metadata, *, replica_groups: int = 1) -> list[str]:
     """The dataloader state of another data-parallel degree cannot be loaded (TorchTitan fails with a
-    missing ``dataloader.dp_rank_N`` or an assertion, depending on the direction)."""
+    missing ``dataloader.dp_rank_N`` or an assertion, depending on the direction). Under TorchFT each
+    group saves its own ranks' positions (the degree counts every group's ranks)."""
     dataloader = state_dict.get(DATALOADER)
     current = getattr(dataloader, "dp_world_size", None)
+    if current is not None:
+        current //= replica_groups
     saved = {int(m.group(1)) for k in metadata.state_dict_metadata if (m := _DATALOADER_RANK_KEY.match(k))}
     if current is None or not saved or len(saved) == current:
         return []

@@ -7,6 +7,7 @@ A file in the classic TorchTitan layout::
     [optimizer]  name = "dmuon" | "AdamW" | "Adam", and its settings
     [training] [parallelism] [checkpoint] [metrics] [lr_scheduler] [dataloader]
     [activation_checkpoint] (mode = "selective" | "full" | "none") [validator] [compile] [comm] [debug] [profiler]
+    [fault_tolerance]  TorchFT (TorchTitan's keys: enable, replica_id, group_size, semi_sync_method, ...)
 
 starts from TorchTitan's own config for the model (``<name>_<flavor>`` in its
 config_registry), then each key overrides the field of the same name in the
@@ -58,6 +59,7 @@ TRAINER_SECTIONS = (  # TOML section == Trainer.Config attribute
     "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint", "metrics", "dataloader",
     "activation_checkpoint", "validator", "compile", "comm", "debug", "profiler",
 )
+FAULT_TOLERANCE = "fault_tolerance"  # TorchTitan's torchft section: only in fault-tolerant configs
 JOB_KEYS = {"dump_folder": str, "description": str}
 MODEL_KEYS = {"name": str, "flavor": str, "hf_assets_path": str}
 AC_MODES = ("selective", "full", "none")
@@ -81,16 +83,17 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
     settings = {section: dict(table) for section, table in from_file.items()}
     for section, key, setting in _parse_cli(cli_args):
         settings.setdefault(section, {})[key] = setting
-    unknown = set(settings) - {"job", "model", *TRAINER_SECTIONS}
+    sections = ["job", "model", *TRAINER_SECTIONS, FAULT_TOLERANCE]
+    unknown = set(settings) - set(sections)
     if unknown:
         section = sorted(unknown)[0]
         where = next(iter(settings[section].values())).source
         raise ConfigError(
-            f"{where}: unknown section [{section}]{_suggest(section, ['job', 'model', *TRAINER_SECTIONS])}; "
-            f"valid sections: {', '.join(['job', 'model', *TRAINER_SECTIONS])}"
+            f"{where}: unknown section [{section}]{_suggest(section, sections)}; valid sections: {', '.join(sections)}"
         )
 
-    config = dmuon_trainer_config(_base_config(settings.get("model", {})))
+    # a [fault_tolerance] section (or --fault_tolerance.* overrides): DMuon's fault-tolerant trainer (TorchFT)
+    config = dmuon_trainer_config(_base_config(settings.get("model", {})), fault_tolerant=FAULT_TOLERANCE in settings)
     file_optimizer = _file_optimizer_name(from_file, config.optimizer.name)
     for key, setting in settings.get("job", {}).items():
         value = _check_plain(setting, "job", key, JOB_KEYS)
@@ -120,7 +123,7 @@ def apply_command_line(config, cli_args: list[str]) -> Naming:
     kept, keep = [], False
     for arg in cli_args:
         if arg.startswith("--"):
-            keep = "." in arg.partition("=")[0] and arg[2:].split(".", 1)[0].replace("-", "_") in TRAINER_SECTIONS
+            keep = "." in arg.partition("=")[0] and arg[2:].split(".", 1)[0].replace("-", "_") in (*TRAINER_SECTIONS, FAULT_TOLERANCE)
         if keep:
             kept.append(arg)
     settings: dict[str, dict[str, _Setting]] = {}
@@ -132,8 +135,8 @@ def apply_command_line(config, cli_args: list[str]) -> Naming:
 
 def _apply_sections(config, settings: dict[str, dict[str, _Setting]]) -> None:
     _apply_activation_checkpoint(config, settings.get("activation_checkpoint", {}))
-    for section in TRAINER_SECTIONS:
-        if section == "activation_checkpoint":
+    for section in (*TRAINER_SECTIONS, FAULT_TOLERANCE):
+        if section == "activation_checkpoint" or section not in settings:
             continue
         target = getattr(config, section)
         for key, setting in settings.get(section, {}).items():

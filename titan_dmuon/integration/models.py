@@ -29,6 +29,11 @@ MULTIMODAL_REASON = (
 )
 
 
+# TorchTitan's torchft experiment registers llama3 as "torchft/llama3": the same model, with DiLoCo's
+# fragment function
+FAULT_TOLERANT_PREFIX = "torchft/"
+
+
 class ModelNotSupported(ValueError):
     """A TorchTitan model family DMuon refuses, with the reason."""
 
@@ -36,7 +41,8 @@ class ModelNotSupported(ValueError):
 def check_model(spec) -> None:
     """Raise ModelNotSupported (naming the family and why) unless DMuon supports this model."""
     name = spec.name
-    family = next((toml for toml, titan in SUPPORTED.items() if titan == name), name)
+    titan = name.removeprefix(FAULT_TOLERANT_PREFIX)
+    family = next((toml for toml, titan_name in SUPPORTED.items() if titan_name == titan), titan)
     if family in REFUSED:
         raise ModelNotSupported(f"model {name!r} is not supported with optimizer.name = 'dmuon': {REFUSED[family]}; use 'AdamW'")
     if family not in SUPPORTED:

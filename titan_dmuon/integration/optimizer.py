@@ -140,6 +140,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         with its all-reduce, would run twice.)"""
         if closure is not None:
             raise ValueError("OptimizersContainer does not support closures")
+        self.step_each()
+
+    def step_each(self) -> None:
+        """Each optimizer's step, timed (what ``step`` runs; a subclass's ``step`` calls this, not
+        ``super().step()``, for the same reason)."""
         with self._step_timer.timing():
             for optimizer in self.optimizers:
                 optimizer.step()

@@ -163,6 +163,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
         self.ledger = CommLedger() if config.count_all_comm else None
         self.microbatches_per_step = 1
         self.deferred_reduce = False  # pipelining: one reduce per schedule step, whatever its micro-batches
+        self.figure_sources: list = []  # more figures per step: objects with figures(steps) -> dict, describe(figures) -> str
         self._steps_since_figures = 0
         self._time_of_last_figures: float | None = None
 
@@ -199,6 +200,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"QK-clip: max logit {figures['dmuon/qk_max_logit']:.4f} before clipping, "
                 f"{figures['dmuon/qk_clipped_heads']:.0f} heads clipped"
             )
+        parts += [source.describe(figures) for source in self.figure_sources]
         logger.info("titan_dmuon: " + "  ".join(parts))
 
     def _last_stage_loss(self, *losses: float) -> list[float]:
@@ -230,6 +232,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
             "time/optimizer_step(s)": getattr(self.optimizers, "last_step_seconds", 0.0),
         }
         self._steps_since_figures, self._time_of_last_figures = 0, now
+        for source in self.figure_sources:
+            figures.update(source.figures(steps))
         if self.ledger is not None:
             figures["comm/elements_per_rank"] = float(self.ledger.elements()) / steps
             figures["comm/MB_per_rank"] = float(self.ledger.bytes()) / steps / 1e6

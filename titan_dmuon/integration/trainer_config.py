@@ -20,17 +20,30 @@ from titan_dmuon.integration.validation import ConfigError
 from titan_dmuon.options import ADAMW_KEYS
 
 
-def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False):
+def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tolerant: bool = False):
     """``config`` as a DMuonTrainer.Config with DMuon-aware optimizer, metrics and checkpoint configs
-    (``without_cuda_graphs``: and ``training.disable_cuda_graphs`` on, as finalize() sets it for DMuon)."""
-    if isinstance(config, DMuonTrainer.Config):
+    (``without_cuda_graphs``: and ``training.disable_cuda_graphs`` on, as finalize() sets it for DMuon).
+
+    A config with a ``fault_tolerance`` section (TorchTitan's FaultTolerantTrainer.Config, e.g. its
+    ``torchft.llama3`` registry), or ``fault_tolerant=True``, becomes DMuon's fault-tolerant one
+    (``integration/fault_tolerance.py``, imported only then)."""
+    names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    fault_tolerant = fault_tolerant or "fault_tolerance" in names
+    trainer, optimizer, checkpoint = DMuonTrainer.Config, DMuonOptimizersContainer.Config, DMuonCheckpointManager.Config
+    if fault_tolerant:
+        from titan_dmuon.integration import fault_tolerance as ft
+
+        trainer, optimizer, checkpoint = (ft.DMuonFaultTolerantTrainer.Config, ft.DMuonFTOptimizersContainer.Config,
+                                          ft.DMuonFTCheckpointManager.Config)
+    if isinstance(config, trainer):
         cls = type(config)
-    elif type(config) is Trainer.Config or _same_fields(config, Trainer.Config):
-        cls = DMuonTrainer.Config  # (e.g. the Kimi recipes' config class: only extra checks, no extra settings)
+    elif isinstance(config, Trainer.Config) and names <= {f.name for f in dataclasses.fields(trainer)}:
+        cls = trainer  # (e.g. the Kimi recipes' config class: only extra checks, no extra settings)
     elif isinstance(config, Trainer.Config):
         raise ConfigError(
             f"{type(config).__qualname__} is the config of another trainer; DMuon runs DMuonTrainer "
-            "(TorchTitan's Trainer with DMuon's clipping and metrics) and takes a Trainer.Config"
+            "(TorchTitan's Trainer with DMuon's clipping and metrics, or its FaultTolerantTrainer) and takes a "
+            "Trainer.Config"
         )
     else:
         raise ConfigError(f"expected a TorchTitan Trainer.Config, got {type(config).__qualname__}")
@@ -39,9 +52,13 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False):
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     if without_cuda_graphs:  # TorchTitan's checks of the new object refuse pipeline parallelism with them on
         values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
-    values["optimizer"] = _dmuon_optimizer_config(config.optimizer)
+    values["optimizer"] = _dmuon_optimizer_config(config.optimizer, optimizer)
     values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
-    values["checkpoint"] = _as_subclass(DMuonCheckpointManager.Config, config.checkpoint, "checkpoint")
+    values["checkpoint"] = _as_subclass(checkpoint, config.checkpoint, "checkpoint")
+    if fault_tolerant:
+        values["fault_tolerance"] = _as_subclass(
+            ft.DMuonTorchFTManager.Config, values.get("fault_tolerance") or ft.DMuonTorchFTManager.Config(), "fault_tolerance"
+        )
     return cls(**values)
 
 
@@ -49,7 +66,7 @@ def _same_fields(config, cls) -> bool:
     return isinstance(config, cls) and {f.name for f in dataclasses.fields(config)} == {f.name for f in dataclasses.fields(cls)}
 
 
-def _dmuon_optimizer_config(base):
+def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     """TorchTitan's optimizer config as DMuon's container config.
 
     Its AdamW/Adam param groups are kept for the parameters Muon does not take (e.g. no weight
@@ -57,9 +74,11 @@ def _dmuon_optimizer_config(base):
     flat keys, AdamW's ``lr``/``betas``/``eps``/``weight_decay`` and, for DMuon, the same as
     ``adamw_*`` (the TOML layer's flat [optimizer] keys). TorchTitan's own Muon groups
     (DistMuon, in its Kimi recipes) give way to DMuon."""
-    if isinstance(base, DMuonOptimizersContainer.Config):
+    if isinstance(base, cls):
         return base
-    if type(base) is not OptimizersContainer.Config:
+    if isinstance(base, DMuonOptimizersContainer.Config):  # (DMuon's, for a fault-tolerant job now)
+        return _as_subclass(cls, base, "optimizer")
+    if not _same_fields(base, OptimizersContainer.Config):  # (TorchTitan's, or TorchFT's: no settings of its own)
         raise ConfigError(
             f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
             "start from TorchTitan's OptimizersContainer.Config"
@@ -71,7 +90,7 @@ def _dmuon_optimizer_config(base):
         for k, v in (catch_all.optimizer_kwargs if catch_all else {}).items()
         if k in ADAMW_KEYS.values()
     }
-    return DMuonOptimizersContainer.Config(
+    return cls(
         name=catch_all.optimizer_name if catch_all else "AdamW",
         implementation=base.implementation,
         param_groups=[g for g in groups if g is not catch_all],

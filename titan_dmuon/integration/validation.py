@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from titan_dmuon.integration import cpu
+from titan_dmuon.integration.fault_tolerance_checks import fault_tolerance_problem, moe_problem
 from titan_dmuon.integration.models import ModelNotSupported, check_model
 from titan_dmuon.integration.optimizer import (
     ADAMW_NAMES,
@@ -143,7 +144,16 @@ def validate_dmuon(
     _validate_parallelism(config.parallelism, world_size, names)
     _validate_pipeline(config, names)
     _validate_sections(config, names)
+    problem = fault_tolerance_problem(config, names, this_machine=this_machine) if _fault_tolerant(config) else None
+    if problem is not None:
+        raise ConfigError(problem)
     return _validate_against_model(config, world_size, names, this_machine=this_machine)
+
+
+def _fault_tolerant(config) -> bool:
+    """TorchFT is on (a config with a fault_tolerance section: DMuon's fault-tolerant trainer)."""
+    ft = getattr(config, "fault_tolerance", None)
+    return ft is not None and ft.enable
 
 
 CONTEXT_PARALLEL_REASON = (
@@ -358,13 +368,16 @@ def _expert_region_ranks(p, world_size: int | None) -> int | None:
 def _validate_against_model(config, world_size: int | None, names: Naming, *, this_machine: bool) -> list[str]:
     opt, p = config.optimizer, config.parallelism
     muon = opt.name in MUON_FAMILY_NAMES
-    if not muon and p.expert_parallel_degree == 1:
+    if not muon and p.expert_parallel_degree == 1 and not _fault_tolerant(config):
         return []  # nothing below needs the model: do not build it
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
     if opt.name == "dmuon" and opt.qk_clip_threshold is not None:
         _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
+    if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
+                                                   for m in model.modules() if hasattr(m, "routed_experts")):
+        raise ConfigError(moe_problem(names))
     if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
         raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
                           f"{tensor_parallel_moe_limit()}")

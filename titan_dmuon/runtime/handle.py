@@ -419,6 +419,22 @@ class DedicatedParams:
         if held:
             self._ctx.reducer.finish()
 
+    def set_all_reduce_hook(self, hook) -> None:
+        """As FSDP2's method of the same name (``FSDPModule.set_all_reduce_hook``), for fault-tolerant
+        replica groups (TorchFT): ``hook(reduced)`` runs on each owner's reduced gradient buffer (one
+        per layer and owner, in the reduce dtype, changed in place) before it becomes ``.grad``, on
+        every owner at the same program point. Every replica group dedicates on its own mesh with
+        the same plan, so the owners at one coordinate of every group pass the same buffers in the
+        same order: a hook that all-reduces them across the groups (TorchFT's ``Manager.allreduce``)
+        averages each owner's gradient with its peers'. None removes it."""
+        if hook is not None and self.mode.mesh.hsdp:
+            raise NotImplementedError(
+                "set_all_reduce_hook on an HSDP handle: HSDP reduces each gradient to one global owner across "
+                "the replicate dim, so no other rank holds it to average with; dedicate on each replica group's "
+                "own 1-D mesh (every group then has an owner of every weight)"
+            )
+        self._ctx.reducer.all_reduce_hook = hook
+
     @property
     def holds_unreduced_gradients(self) -> bool:
         return any(u.holds_unreduced_grads for u in self._units)

@@ -20,6 +20,10 @@ shard stage it depends on. Collectives go out at the same points in the same
 order on every rank (gloo and NCCL match them by order; chaining "whenever a
 reduce completes" once deadlocked HSDP).
 
+With an all-reduce hook (``DedicatedParams.set_all_reduce_hook``, fault tolerance across replica
+groups) each owner's reduced bucket goes through the hook once its shard stage is done, at the
+same program point, before it becomes ``.grad``.
+
 Lifetimes, as FSDP2's reduce-scatter inputs: the flats live in the compute
 stream's memory and are held by reference until the compute stream has
 waited for the collective that reads them (at the next program point: at
@@ -64,6 +68,7 @@ class GradientReducer:
         self.stats = stats
         self.reduce_dtype = reduce_dtype
         self.divide_factor = divide_factor
+        self.all_reduce_hook = None  # (flat) -> None: across replica groups, on each owner's reduced bucket
         self._in_flight: list[_Flight] = []
         self._done: list[tuple[Bucket, torch.Tensor]] = []  # reduced buckets this rank owns
         self._missing_on_owner: list[Member] = []
@@ -151,8 +156,23 @@ class GradientReducer:
                 flight.in_flight.wait()  # compute, before the other flats' memory can be reused
                 self._in_flight.append(_Flight(Stage.REPLICATE, launch.in_flight, mine))
                 continue
+            if self.all_reduce_hook is not None and mine:
+                self._across_groups(flight, mine)
             flight.in_flight.wait()
             self._done += [(b, f) for b, f in mine if b.replicate_owner == mesh.replicate_rank]
+
+    def _across_groups(self, flight: _Flight, mine: list[tuple[Bucket, torch.Tensor]]) -> None:
+        """The all-reduce hook on each bucket this rank owns (fault tolerance: the owners at this
+        coordinate of every replica group average their reduced gradients), as FSDP2 runs its own
+        after the reduce-scatter: on a side stream (the replicate stream, unused without HSDP) that
+        waits for the shard stage; the compute stream waits for the hook's work."""
+        streams = self.streams
+        with streams.use(streams.replicate):
+            flight.in_flight.wait()
+            for _, flat in mine:
+                self.all_reduce_hook(flat)
+            done = streams.record()
+        streams.wait_event(None, done)
 
     @torch.no_grad()
     def finish(self) -> None:
