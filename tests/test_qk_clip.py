@@ -427,3 +427,73 @@ def test_no_host_sync_with_the_clip(pool2):
     at log time only); the clip was binding in the counted steps."""
     for syncs, clipped in pool2.run(_clip_host_syncs, "z3"):
         assert syncs == [] and clipped > 0
+
+
+# ---- activation checkpointing -------------------------------------------------------------------------
+def _checkpointed_capture(rank, world, ac):
+    """The toy model's blocks under activation checkpointing: as TorchTitan wraps them
+    (non-reentrant; ``ac`` "full", or "selective" with a policy that saves the matmuls, as
+    TorchTitan's does), "reentrant", or none. Pass 1 is a pipeline's metadata inference: forward
+    and backward (which recomputes the checkpointed forwards) with the capture paused. Pass 2 is
+    a training step."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    import titan_dmuon.qk_clip as qk_clip_module
+
+    forward_ops = []  # (pass, op) the selective policy was asked about in the checkpointed forwards
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+
+    def policy(ctx, func, *args, **kwargs):
+        if not ctx.is_recompute:
+            forward_ops.append((current[0], str(func)))
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = toy_model()
+    if ac is not None:
+        kwargs = {"full": {}, "reentrant": {"checkpoint_impl": CheckpointImpl.REENTRANT},
+                  "selective": {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}}[ac]
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+    setup = distribute(model, "z3", world)
+    opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
+                **{**MUON, **ADAMW, "qk_clip_threshold": TAU})
+    captures, real = [], qk_clip_module.max_logits
+    qk_clip_module.max_logits = lambda *a, **kw: (captures.append(current[0]), real(*a, **kw))[1]
+    current = [1]
+    try:
+        x, y = batches(1)[0]
+        with opt.qk_clip.paused():
+            loss_fn(setup.module(x), y).backward()
+        opt.zero_grad()
+        current[0] = 2
+        loss_fn(setup.module(x), y).backward()
+        opt.step()
+    finally:
+        qk_clip_module.max_logits = real
+    return {"captures": captures, "s": opt.qk_clip.max_logits_by_layer(),
+            "ops": [[op for p, op in forward_ops if p == n] for n in (1, 2)]}
+
+
+def test_capture_under_activation_checkpointing(pool1):
+    """Full and selective activation checkpointing (as TorchTitan applies them) and reentrant
+    checkpointing against none. Regressions: the capture ran again in each recompute (twice the
+    cost under full AC); its ops (q . k^T in chunks) ran inside selective AC's dispatch modes, so
+    a checkpointed region saved the capture's logits for backward (the policy saves matmul
+    outputs) and, when the forward's capture was paused (a pipeline's metadata inference) but its
+    recompute's was not, the recompute asked for ops the forward never recorded ("... not found
+    in storage"). Now: one capture per layer and forward (reentrant: in its recompute, its forward
+    runs under no_grad), none while paused; the checkpointed forward records exactly the ops it
+    records without the capture; and step 1's S per head equal the same job's without
+    checkpointing, bitwise (the same forward ops in one process)."""
+    straight = pool1.run(_checkpointed_capture, None)[0]
+    layers = len(straight["s"])
+    assert straight["captures"] == [2] * layers
+    for ac in ("full", "selective", "reentrant"):
+        r = pool1.run(_checkpointed_capture, ac)[0]
+        assert r["captures"] == [2] * layers, (ac, r["captures"])
+        assert r["s"].keys() == straight["s"].keys()
+        for name, s in r["s"].items():
+            assert torch.equal(s, straight["s"][name]), (ac, name)
+        if ac == "selective":
+            assert r["ops"][0] and r["ops"][1] == r["ops"][0]

@@ -170,40 +170,65 @@ def test_llama3_debug_trains_with_bounded_logits_and_resumes_bit_exactly(tmp_pat
 
 
 
-# ---- pipeline parallelism: each stage clips its own layers -------------------------------------------------------
+# ---- pipeline parallelism and activation checkpointing ----------------------------------------------------------
 PP_TAU = 0.05
 
 
-def _clip_without_pipeline(rank, world, state):
+def _clip_job(rank, world, state, schedule=None, ac="none", steps=3):
+    """tiny llama3 (2 layers) with the clip on 4 ranks: FSDP 4 (``schedule`` None), or pipelining
+    over 2 ranks (1F1B: 2 stages; Interleaved1F1B: 4, 2 per rank) x FSDP 2 (4 micro-batches of 1
+    sample per data-parallel rank), with TorchTitan's activation checkpointing ``ac``. Returns the losses, this rank's weights, each step's figures,
+    step 1's S per head by layer and the captures each step ran (``max_logits`` calls)."""
     from tests import titan_harness as th
     from tests.helpers import full_parameters
-
-    dims = th.parallel_dims(world)
-    model, container = th.build(th.tiny_llama3(), dims, state=state, lr=0.02, param_dtype="float32",
-                                qk_clip_threshold=PP_TAU)
-    (opt,) = container.dmuon_optimizers()
-    losses, stats = [], []
-    for batch in th.batches(3, 1, batch=8):
-        losses += th.train(model, container, dims, [batch])
-        stats.append(opt.last_step_stats)
-    return losses, full_parameters(model, opt.dedicated_handles()[0]), stats
-
-
-def _clip_with_pipeline(rank, world, state):
-    from tests import titan_harness as th
     from tests.test_pipeline import _pp_weights
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-    dims = th.pp_dims(world)
-    built = th.build_pp(th.tiny_llama3(), dims, schedule="1F1B", local_batch=4, state=state, lr=0.02,
-                        param_dtype="float32", qk_clip_threshold=PP_TAU)
-    container, losses, stats = built[-1], [], []
-    for batch in th.batches(3, 1, batch=8):
-        losses += th.train_pp(dims, built, [batch])
-        stats.append([opt.last_step_stats for opt in container.dmuon_optimizers()])
-    return losses, _pp_weights(built[1]), stats
+    import titan_dmuon.qk_clip as qk_clip_module
+
+    ac_config = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[ac]
+    kwargs = dict(state=state, lr=0.02, param_dtype="float32", qk_clip_threshold=PP_TAU, ac_config=ac_config)
+    if schedule is None:
+        dims = th.parallel_dims(world)
+        model, container = th.build(th.tiny_llama3(), dims, **kwargs)
+        parts = [model]
+        train = lambda batch: th.train(model, container, dims, [batch])  # noqa: E731
+    else:
+        dims = th.pp_dims(world)
+        built = th.build_pp(th.tiny_llama3(), dims, schedule=schedule, local_batch=4, **kwargs)
+        parts, container = built[1], built[-1]
+        train = lambda batch: th.train_pp(dims, built, [batch])  # noqa: E731
+    optimizers = container.dmuon_optimizers()
+    losses, stats, captures, by_layer = [], [], [], {}
+    real = qk_clip_module.max_logits
+    qk_clip_module.max_logits = lambda *a, **kw: (captures.__setitem__(-1, captures[-1] + 1), real(*a, **kw))[1]
+    try:
+        for step, batch in enumerate(th.batches(steps, 1, batch=8)):
+            captures.append(0)
+            losses += train(batch)
+            stats.append([opt.last_step_stats for opt in optimizers])
+            if step == 0:
+                by_layer = {k: v for opt in optimizers for k, v in opt.qk_clip.max_logits_by_layer().items()}
+    finally:
+        qk_clip_module.max_logits = real
+    if schedule is None:
+        weights = full_parameters(model, optimizers[0].dedicated_handles()[0])
+    else:
+        weights = _pp_weights(parts)
+    layers = sum(len(part.layers or {}) for part in parts)
+    return {"losses": losses, "weights": weights, "stats": stats, "s": by_layer, "captures": captures, "layers": layers}
 
 
-def test_pipeline_stages_clip_as_without_pipelining(pool4):
+@pytest.fixture(scope="module")
+def clip_jobs(pool4):
+    """The same job without pipelining and with 1F1B, neither checkpointed, 3 steps each."""
+    from tests import titan_harness as th
+
+    state = th.initial_state(th.tiny_llama3())
+    return state, pool4.run(_clip_job, state), pool4.run(_clip_job, state, "1F1B")
+
+
+def test_pipeline_stages_clip_as_without_pipelining(clip_jobs):
     """llama3 with 2 pipeline stages (one layer each, 1F1B) x 2 FSDP ranks against the same job on 4
     FSDP ranks. Regression: the pipeline's metadata inference at the first step runs the second
     stage's forward on uninitialised inputs, whose logits (NaN here) the capture took into step 1's
@@ -213,20 +238,57 @@ def test_pipeline_stages_clip_as_without_pipelining(pool4):
     bf16 Newton-Schulz). tau = 0.05 binds on every head at step 1 (checked on step 1's figures: the
     last step's count depends on how far the clip already pulled S down, which made a check of it
     flaky); a stage that did not clip would be off by about the q rows' size."""
-    from tests import titan_harness as th
     from tests.helpers import max_diff, merge_rank_states
 
-    state = th.initial_state(th.tiny_llama3())
-    straight = pool4.run(_clip_without_pipeline, state)
-    piped = pool4.run(_clip_with_pipeline, state)
+    _, straight, piped = clip_jobs
     # step 1 (the initial weights: every head's S is 0.08-0.12 here), every head of every stage binds
-    assert straight[0][2][0]["qk_clipped_heads"] == 8
-    for _, _, stats in piped:
-        assert len(stats[0]) == 1 and stats[0][0]["qk_clipped_heads"] == 4  # each stage clipped its own 4 heads
-    weights = merge_rank_states([w for _, w, _ in piped])
-    assert max_diff(weights, straight[0][1]) < 3e-3
-    last_stage = next(losses for losses, _, _ in piped if losses[0] is not None)
-    assert last_stage == pytest.approx(straight[0][0], rel=1e-4)
+    assert straight[0]["stats"][0][0]["qk_clipped_heads"] == 8
+    for r in piped:
+        assert len(r["stats"][0]) == 1 and r["stats"][0][0]["qk_clipped_heads"] == 4  # each stage clipped its own 4 heads
+    weights = merge_rank_states([r["weights"] for r in piped])
+    assert max_diff(weights, straight[0]["weights"]) < 3e-3
+    last_stage = next(r["losses"] for r in piped if r["losses"][0] is not None)
+    assert last_stage == pytest.approx(straight[0]["losses"], rel=1e-4)
+
+
+def _clip_matrix(rank, world, state, jobs):
+    return [_clip_job(rank, world, state, schedule, ac, steps=1) for schedule, ac in jobs]
+
+
+def test_clip_under_every_activation_checkpointing_with_and_without_pipelining(pool4, clip_jobs):
+    """QK-clip x TorchTitan's activation checkpointing {none, selective, full} x {no pipelining,
+    1F1B, Interleaved1F1B}: step 1's S of every head of every layer equals the job's without
+    pipelining and checkpointing, and each rank ran one capture per layer it holds and micro-batch
+    (4 with pipelining; none in a recompute or the metadata inference). Regressions: under
+    selective AC a pipelined job stopped at step 1 ("aten.transpose.int invocation index 4
+    encountered during backward but not found in storage"): the capture, paused in the metadata
+    inference's forward, ran in the recompute of its backward, inside selective AC's caching mode;
+    under full AC a later stage's recompute there captured the logits of uninitialised inputs (NaN
+    S at step 1, and Interleaved1F1B's first rank, whose second stage it was, logged the other
+    stage's figure). Without checkpointing the forwards are the same ops on the same data:
+    equal bitwise; with pipelining the micro-batches of 1 sample round the projections (fp32
+    GEMMs of other shapes) to a few ulps: 1e-5 relative (a wrong capture, NaN or uninitialised
+    memory, is off by far more)."""
+    from tests.helpers import merge_rank_states
+
+    state, straight, piped = clip_jobs
+    jobs = [(None, "selective"), (None, "full"), ("1F1B", "selective"), ("1F1B", "full"),
+            ("Interleaved1F1B", "none"), ("Interleaved1F1B", "selective"), ("Interleaved1F1B", "full")]
+    results = pool4.run(_clip_matrix, state, jobs)
+    reference = straight[0]["s"]
+    assert len(reference) == 2 and all(torch.isfinite(s).all() for s in reference.values())
+    runs = [((None, "none"), straight), (("1F1B", "none"), piped)]
+    runs += [(job, [per_rank[i] for per_rank in results]) for i, job in enumerate(jobs)]
+    for (schedule, ac), ranks in runs:
+        merged = merge_rank_states([r["s"] for r in ranks])  # (the ranks of a stage agree bitwise)
+        assert merged.keys() == reference.keys(), (schedule, ac)
+        for name, s in merged.items():
+            if schedule is None:
+                assert torch.equal(s, reference[name]), (ac, name)
+            else:
+                torch.testing.assert_close(s, reference[name], rtol=1e-5, atol=0, msg=f"{schedule} {ac} {name}")
+        for r in ranks:
+            assert r["captures"][0] == r["layers"] * (1 if schedule is None else 4), (schedule, ac, r["captures"])
 
 
 def test_deepseek_v3_debug_mla_trains_with_bounded_logits(tmp_path):
@@ -263,3 +325,19 @@ def test_deepseek_v3_debug_mla_trains_with_bounded_logits(tmp_path):
     assert all(s < free_s for (s, _), (free_s, _) in zip(qk[2:], free_qk[2:]))
     assert max(s for s, _ in qk) < 0.75 * max(s for s, _ in free_qk)
     assert loss[1] - loss[4] > 0.5 * (free_loss[1] - free_loss[4]) > 0
+
+
+def test_log_figure_shows_a_stage_s_nan():
+    """The log's max logit over a rank's pipeline stages. Regression: Python's max hid a stage's NaN
+    behind the other stage's figure (Interleaved1F1B's first rank logged 0.5953, a NaN stage unseen)."""
+    import math
+
+    from titan_dmuon.integration.trainer import qk_clip_figures
+
+    for stats in ([{"qk_max_logit": 0.6, "qk_clipped_heads": 2}, {"qk_max_logit": math.nan, "qk_clipped_heads": 0}],
+                  [{"qk_max_logit": math.nan, "qk_clipped_heads": 0}, {"qk_max_logit": 0.6, "qk_clipped_heads": 2}]):
+        figures = qk_clip_figures(stats)
+        assert math.isnan(figures["dmuon/qk_max_logit"]) and figures["dmuon/qk_clipped_heads"] == 2.0
+    assert qk_clip_figures([{"qk_max_logit": 0.6, "qk_clipped_heads": 1}, {"qk_max_logit": 0.7, "qk_clipped_heads": 3},
+                            {"ns_matrices": 4}]) == {"dmuon/qk_max_logit": 0.7, "dmuon/qk_clipped_heads": 4.0}
+    assert qk_clip_figures([{"ns_matrices": 4}]) == {}

@@ -124,10 +124,11 @@ def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
 
 def build(
     model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
-    param_dtype: str = "bfloat16", **optimizer_kwargs,
+    param_dtype: str = "bfloat16", ac_config=None, **optimizer_kwargs,
 ):
     """(model, optimizer container) as TorchTitan's Trainer would build them (``param_dtype``:
-    training.mixed_precision_param, FSDP2's compute dtype)."""
+    training.mixed_precision_param, FSDP2's compute dtype; ``ac_config``: TorchTitan's
+    activation checkpointing, e.g. ``SelectiveAC.Config()``)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
@@ -144,7 +145,7 @@ def build(
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
-        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=None, parallelism=parallelism,
+        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=ac_config, parallelism=parallelism,
         compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
     )
     if optimizer == "dmuon":
@@ -276,7 +277,7 @@ def pp_dims(world: int, *, pp: int = 2, replicate: int = 1):
 
 
 def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatch: int = 1, optimizer: str = "dmuon",
-             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", **optimizer_kwargs):
+             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", ac_config=None, **optimizer_kwargs):
     """(pipeline schedule, model parts, has first stage, has last stage, optimizer container), built as
     TorchTitan's trainer builds them with pipeline parallelism (its pipeline_llm splits the model
     and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize)."""
@@ -307,7 +308,7 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
 
     schedule_obj, parts, has_first, has_last = pipeline_llm(
         model, parallel_dims=dims, training=TrainingConfig(local_batch_size=local_batch, mixed_precision_param=param_dtype), parallelism=parallelism,
-        compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp", device=torch.device("cpu"),
+        compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
         model_config=model_config, parallelize_fn=parallelize, loss_fn=loss_fn,
     )
     torch.manual_seed(seed)
@@ -326,9 +327,9 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
                 if isinstance(current[k], DTensor) else state[k] for k in current
             })
     container = opt_config.build(model_parts=parts)
-    from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+    from titan_dmuon.integration.trainer import prepare_pipeline_schedule
 
-    pause_capture_in_metadata_inference(schedule_obj, container.dmuon_optimizers())  # as DMuonTrainer does
+    prepare_pipeline_schedule(schedule_obj, container)  # as DMuonTrainer does
     return schedule_obj, parts, has_first, has_last, container
 
 

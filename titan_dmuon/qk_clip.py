@@ -11,8 +11,11 @@ list to ``DMuon(..., qk_clip_threshold=tau, qk_clip_attention=[...])``.
 
 * capture: a forward hook on each ``capture`` module (eager, dynamo-disabled, under no_grad: the
   loss and gradients are untouched) folds the call's per-head max logit into a running
-  [layers x heads] max on the device, over every micro-batch of the step (an activation-
-  checkpoint recompute sees the same logits again: the max is unchanged);
+  [layers x heads] max on the device, over every micro-batch of the step. It runs once per
+  forward: not again in an activation-checkpoint recompute (the forward captured those logits;
+  a reentrant checkpoint's forward runs under no_grad, so its recompute is captured instead),
+  not under no_grad (evaluation), and outside the dispatch modes in effect, so that a
+  selectively checkpointed region records what it records without the clip;
 * step: at the start of ``DMuon.step`` one async MAX all-reduce per dedication handle of its
   [layers x heads] maxima over the handle's data-parallel ranks (HSDP: the shard group, then the
   replicate group; pipelining: each stage's own handle), waited before the first rescale;
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from titan_dmuon.qk_clip_math import clip_factors, max_logits, role_exponent, row_map, scale_rows
 
@@ -144,6 +148,7 @@ class _HandleClip:
     handle: object
     attentions: list[QKClipAttention]
     running: torch.Tensor  # [layers x heads], the step's running max (fp32, -inf: nothing seen)
+    captured: list[int] = dataclasses.field(default_factory=list)  # per layer: forwards captured, recompute not yet seen
     weights_by_unit: dict[int, list[_Weight]] = dataclasses.field(default_factory=dict)
     reduced: torch.Tensor | None = None
     work: object = None
@@ -181,9 +186,10 @@ class QKClip:
         for clip in self._clips:
             heads = max(a.n_heads for a in clip.attentions)
             clip.running = torch.full((len(clip.attentions), heads), float("-inf"), device=clip.handle.mode.mesh.device)
+            clip.captured = [0] * len(clip.attentions)
         for clip, slot, attention in placed:
             self._hooks.append(attention.capture.register_forward_hook(
-                functools.partial(_capture, self._capturing, clip.running, slot, attention), with_kwargs=True))
+                functools.partial(_capture, self._capturing, clip, slot, attention), with_kwargs=True))
             for param, parts in _parts_by_param(attention, self.alpha).items():
                 member = clip.handle.member_of(param)
                 if not member.runs_ns:
@@ -200,7 +206,8 @@ class QKClip:
         """Forwards inside are not the step's training batch and are not captured: e.g.
         torch.distributed.pipelining's metadata inference, which runs a later stage's forward on
         uninitialised tensors (``torch.empty``) at the first step (see
-        ``integration.qk_clip.pause_capture_in_metadata_inference``)."""
+        ``integration.qk_clip.pause_capture_in_metadata_inference``), and the backward of such a
+        forward (its recomputes of checkpointed blocks would count as a reentrant checkpoint's)."""
         previous, self._capturing[0] = self._capturing[0], False
         try:
             yield
@@ -217,6 +224,7 @@ class QKClip:
         for clip in self._clips:
             clip.reduced = clip.running.clone()
             clip.running.fill_(float("-inf"))
+            clip.captured = [0] * len(clip.attentions)
             clip.gamma = None
             mesh = clip.handle.mode.mesh
             clip.work = dist.all_reduce(clip.reduced, op=dist.ReduceOp.MAX, group=mesh.shard_group, async_op=True) \
@@ -266,6 +274,13 @@ class QKClip:
         self._max_logit = torch.stack(maxima).max()
         self._clipped = torch.stack(clipped).sum()
 
+    def max_logits_by_layer(self) -> dict[str, torch.Tensor]:
+        """The last step's S per query head before clipping, by attention name (copies on the
+        device; this rank's heads under tensor parallelism)."""
+        return {attention.name: clip.reduced[slot, : attention.n_heads].clone()
+                for clip in self._clips if clip.reduced is not None
+                for slot, attention in enumerate(clip.attentions)}
+
     def stats(self) -> dict[str, float]:
         """The last step's largest logit before clipping and heads clipped (reads the device)."""
         if self._max_logit is None:
@@ -294,21 +309,38 @@ def _parts_by_param(attention: QKClipAttention, alpha: float) -> dict:
     return out
 
 
+def _counts(clip: _HandleClip, slot: int) -> bool:
+    """Whether this call of layer ``slot``'s attention is captured: once per forward of the step's
+    training batch. Under no_grad it is evaluation, or a reentrant checkpoint's forward (whose
+    recompute, inside backward with grad enabled, is then the one captured). Inside backward it is
+    an activation-checkpoint recompute: of a forward captured already (non-reentrant, TorchTitan's:
+    skipped, so full AC costs one capture), or else of a reentrant checkpoint's."""
+    if not torch.is_grad_enabled():
+        return False
+    if torch._C._current_graph_task_id() == -1:
+        clip.captured[slot] += 1
+        return True
+    if clip.captured[slot] > 0:
+        clip.captured[slot] -= 1
+        return False
+    return True
+
+
 @torch._dynamo.disable(recursive=True, reason="DMuon's QK-clip capture runs eagerly")
-def _capture(capturing: list, running: torch.Tensor, slot: int, attention: QKClipAttention, module, args, kwargs,
+def _capture(capturing: list, clip: _HandleClip, slot: int, attention: QKClipAttention, module, args, kwargs,
              output) -> None:
-    if not capturing[0]:
+    if not capturing[0] or not _counts(clip, slot):
         return
-    if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-        return  # evaluation (no_grad): not part of the step's training batch
     q, k = (args[0], args[1]) if len(args) >= 2 else (kwargs.get("q", args[0] if args else None), kwargs.get("k"))
     if q is None or k is None:
         raise RuntimeError(f"QK-clip: the capture module of attention {attention.name!r} got no q and k positional arguments")
     scale = kwargs.get("scale")
     scale = attention.head_dim ** -0.5 if scale is None else float(scale)
-    with torch.no_grad():
+    # outside the dispatch modes in effect (selective activation checkpointing's caching mode): the
+    # checkpointed region records the model's ops only, not the capture's logits
+    with torch.no_grad(), _disable_current_modes():
         m = max_logits(_plain(q), _plain(k), scale=scale, causal=attention.causal, layout=attention.layout)
-        row = running[slot, : m.shape[0]]
+        row = clip.running[slot, : m.shape[0]]
         torch.maximum(row, m, out=row)
 
 

@@ -93,26 +93,28 @@ def clip_weights(descriptions: list[QKClipAttention]) -> list[nn.Parameter]:
     return out
 
 
-def pause_capture_in_metadata_inference(schedule, optimizers) -> None:
+def pause_capture_in_metadata_inference(stages, optimizers) -> None:
     """torch.distributed.pipelining infers each stage's input and output shapes at the first step
     (and after a train/eval switch) by running the stage's forward with grad enabled on
     ``torch.empty`` inputs (every stage after the first): the capture would take the logits of
     uninitialised memory (NaN or arbitrary values) into the step's S. Each stage's metadata
-    inference runs with the capture paused. (``_stages``/``_stage`` and ``_forward_metadata_inference``
-    are torch 2.14's; a schedule without them leaves nothing to pause.)"""
+    inference runs with the capture paused, and so does its backward (which recomputes
+    activation-checkpointed blocks on those inputs). ``stages``: a schedule's pipeline stages on
+    this rank; ``_forward_metadata_inference`` and ``_backward_metadata_inference`` are torch
+    2.14's (a stage without them leaves nothing to pause)."""
     clips = [opt.qk_clip for opt in optimizers if getattr(opt, "qk_clip", None) is not None]
-    stages = getattr(schedule, "_stages", None) or [s for s in [getattr(schedule, "_stage", None)] if s is not None]
     if not clips:
         return
     for stage in stages:
-        infer = getattr(stage, "_forward_metadata_inference", None)
-        if infer is None:
-            continue
+        for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+            infer = getattr(stage, name, None)
+            if infer is None:
+                continue
 
-        def paused(*args, _infer=infer, **kwargs):
-            with contextlib.ExitStack() as stack:
-                for clip in clips:
-                    stack.enter_context(clip.paused())
-                return _infer(*args, **kwargs)
+            def paused(*args, _infer=infer, **kwargs):
+                with contextlib.ExitStack() as stack:
+                    for clip in clips:
+                        stack.enter_context(clip.paused())
+                    return _infer(*args, **kwargs)
 
-        stage._forward_metadata_inference = paused
+            setattr(stage, name, paused)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -80,9 +81,7 @@ class DMuonTrainer(Trainer):
         self.metrics_processor.microbatches_per_step = self.gradient_accumulation_steps
         self.metrics_processor.deferred_reduce = self.parallel_dims.pp_enabled
         if self.parallel_dims.pp_enabled:
-            from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
-
-            pause_capture_in_metadata_inference(self.pp_schedule, self.optimizers.dmuon_optimizers())
+            prepare_pipeline_schedule(self.pp_schedule, self.optimizers)
 
     def train_step(self, data_iterator):
         self.metrics_processor.begin_step()
@@ -120,6 +119,16 @@ class DMuonTrainer(Trainer):
     def _sync_debug(self) -> bool:
         first = os.environ.get("TITAN_DMUON_SYNC_DEBUG_FROM_STEP")
         return first is not None and torch.cuda.is_available() and self.step >= int(first)
+
+
+def prepare_pipeline_schedule(schedule, optimizers) -> None:
+    """Adapt a torch.distributed.pipelining schedule to DMuon (DMuonTrainer does it once the
+    schedule is built): QK-clip's capture is paused in the metadata inference."""
+    from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+
+    # (torch 2.14's schedules hold this rank's stages as _stages, or _stage for single-stage ones)
+    stages = getattr(schedule, "_stages", None) or [s for s in [getattr(schedule, "_stage", None)] if s is not None]
+    pause_capture_in_metadata_inference(stages, optimizers.dmuon_optimizers())
 
 
 def _no_host_sync(fn):
@@ -272,8 +281,19 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 "dmuon/host_ms": 1e3 * (host / steps + sum(s.get("host_seconds", 0.0) for s in stats)),
                 "dmuon/first_layer_wait_ms": 1e3 * max(h.first_layer_wait_seconds for h in handles),
             })
-            clipped = [s for s in stats if "qk_max_logit" in s]
-            if clipped:  # QK-clip: the last step's largest logit before clipping, and heads clipped (this rank's stages)
-                figures["dmuon/qk_max_logit"] = max(s["qk_max_logit"] for s in clipped)
-                figures["dmuon/qk_clipped_heads"] = float(sum(s["qk_clipped_heads"] for s in clipped))
+            figures.update(qk_clip_figures(stats))
         return figures
+
+
+def qk_clip_figures(stats: list[dict]) -> dict[str, float]:
+    """QK-clip's figures over this rank's DMuon optimizers (pipeline stages): the last step's
+    largest logit before clipping (NaN if any stage saw one: Python's ``max`` would hide it
+    behind the other stages' figures) and the heads clipped."""
+    clipped = [s for s in stats if "qk_max_logit" in s]
+    if not clipped:
+        return {}
+    maxima = [s["qk_max_logit"] for s in clipped]
+    return {
+        "dmuon/qk_max_logit": math.nan if any(math.isnan(m) for m in maxima) else max(maxima),
+        "dmuon/qk_clipped_heads": float(sum(s["qk_clipped_heads"] for s in clipped)),
+    }
