@@ -74,18 +74,21 @@ def _with_pipeline(rank, world, state, schedule, microbatch=1):
     losses = th.train_pp(dims, built, _data()[:1], norms=norms, inf_norms=inf_norms)
     for h in handles:
         h.pop_comm_stats()
-    losses += th.train_pp(dims, built, _data()[1:], norms=norms, inf_norms=inf_norms)
     from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.ledger import CommLedger
 
+    with CommLedger() as ledger:
+        losses += th.train_pp(dims, built, _data()[1:], norms=norms, inf_norms=inf_norms)
     moved = sum(e for h in handles for e, _, _ in h.pop_comm_stats().values()) / (STEPS - 1)
+    counted = ledger.elements(source="dmuon") / (STEPS - 1)
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     without = [sorted(n for n, _ in part.named_parameters()) for part in parts if not _handles([part])]
     own_loads = [[sum(e.ns_flops for e in h.plan.entries if e.owner == r) for r in range(h.plan.world_size)]
                  for h in handles]  # each stage's Newton-Schulz FLOPs per data-parallel rank, its own matrices
     return {"losses": losses, "norms": norms, "inf_norms": inf_norms, "weights": _pp_weights(parts), "ns": ns,
-            "moved": moved, "design": design, "stages": len(parts), "handles": len(handles), "without_handle": without,
-            "own_loads": own_loads}
+            "moved": moved, "counted": counted, "design": design, "stages": len(parts), "handles": len(handles),
+            "without_handle": without, "own_loads": own_loads}
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +142,102 @@ def test_schedules_train_as_without_pipelining(pool4, straight, schedule):
 @pytest.mark.parametrize("microbatch", [1, 2, 4])
 def test_traffic_per_step_does_not_grow_with_micro_batches(pool4, microbatch):
     """With 4, 2 and 1 micro-batches per step each dedicated weight is broadcast once and its
-    gradient reduced once per step: 2(N-1)/N * P_M of each stage (the deferred design, Z3's
-    re-broadcast included: the weights stay gathered until the reduce), counted on the
-    collectives issued."""
+    gradient reduced once per step (in the stage's last backward): 2(N-1)/N * P_M of each stage
+    (the deferred design, Z3's re-broadcast included: the weights stay gathered until the
+    reduce), counted on the collectives issued (DMuon's own figures and the CommLedger's)."""
     state = th.initial_state(_model())
     results = pool4.run(_with_pipeline, state, "Interleaved1F1B", microbatch)
     for r in results:
+        assert r["moved"] == r["counted"] == r["design"] > 0, (r["moved"], r["counted"], r["design"])
+
+
+def _reduce_order(rank, world, schedule):
+    """Steps 2 and 3 of a 6-layer llama3 (1F1B: 2 stages of 3 layers, embedding and head with the
+    outer ones; Interleaved1F1B: 4 stages, layers 1-2 and 3-4 alone) on 2 pipeline x 2 FSDP ranks,
+    4 micro-batches: the events of this rank in order, each layer's backward start (a hook on
+    its output's gradient) and each unit's reduce to its owners (with the collectives the
+    CommLedger saw it issue), and DMuon's elements per step as the ledger counted them."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+
+    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.runtime.reducer import GradientReducer
+
+    dims = th.pp_dims(world)
+    built = th.build_pp(th.tiny_llama3(n_layers=6), dims, schedule=schedule, local_batch=LOCAL_BATCH, lr=0.02)
+    parts, container = built[1], built[4]
+    events, ledger = [], CommLedger()
+
+    def mark_backward(name):
+        def hook(module, args, output):
+            output.register_hook(lambda grad: events.append(("backward", name)))
+        return hook
+
+    stages = []
+    for part in parts:
+        stages.append([f"layers.{key}" for key in (part.layers or {})])
+        for key, layer in (part.layers or {}).items():
+            layer.register_forward_hook(mark_backward(f"layers.{key}"))
+    data = th.batches(3, 1, batch=2 * LOCAL_BATCH)
+    th.train_pp(dims, built, data[:1])  # step 1 records the layers' order
+    real = GradientReducer.reduce
+
+    def reduce(reducer, unit):
+        issued = len(ledger.records)
+        real(reducer, unit)
+        events.append(("reduce", canonical_fqn(unit.name), [r.kind for r in ledger.records[issued:]]))
+
+    events.clear()
+    GradientReducer.reduce = reduce
+    try:
+        with ledger:
+            for batch in data[1:]:
+                events.append(("step",))
+                th.train_pp(dims, built, [batch])
+    finally:
+        GradientReducer.reduce = real
+    handles = _handles(parts)
+    design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
+    return {"events": events, "stages": stages, "pp_rank": dims.get_mesh("pp").get_local_rank(),
+            "moved": ledger.elements(source="dmuon") / 2, "design": design}
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_each_stage_reduces_during_its_last_backward(pool4, schedule):
+    """Each stage's gradient sync is on for its last micro-batch's backward only (as
+    torch.distributed.pipelining's ``last_backward``): every layer's reduce is issued once per
+    step, by its post-backward hook, so the stage's last layer's reduce goes out before the
+    backward of the stage's first layer of that micro-batch starts (it overlaps the rest of the
+    backward); the order is the same on both ranks of a stage (NCCL matches collectives by
+    order); and DMuon's traffic, counted by the CommLedger, is the design's 2(N-1)/N x P_M of each
+    stage per step. Regression: the reduce ran after the whole schedule returned, every byte of it
+    exposed."""
+    results = pool4.run(_reduce_order, schedule)
+    for r in results:
         assert r["moved"] == r["design"] > 0, (r["moved"], r["design"])
+        steps = [[]]
+        for event in r["events"][1:]:
+            steps.append([]) if event == ("step",) else steps[-1].append(event)
+        assert len(steps) == 2
+        layers = [name for stage in r["stages"] for name in stage]
+        overlapped = 0
+        for events in steps:
+            reduces = [e[1] for e in events if e[0] == "reduce"]
+            assert sorted(reduces) == sorted(layers)  # once per step
+            assert all(e[2] and set(e[2]) == {"reduce"} for e in events if e[0] == "reduce")  # issued there
+            for stage in r["stages"]:
+                if len(stage) < 2:
+                    continue
+                first, last = stage[0], stage[-1]
+                kinds = [e[:2] for e in events]
+                last_backward_of_first = max(i for i, e in enumerate(kinds) if e == ("backward", first))
+                assert kinds.index(("reduce", last)) < last_backward_of_first, (stage, kinds)
+                overlapped += 1
+        assert overlapped >= 2  # every rank holds a stage of two layers or more
+    for a in results:
+        for b in results:
+            if a["pp_rank"] == b["pp_rank"]:
+                assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]]
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------

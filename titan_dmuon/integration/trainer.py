@@ -103,10 +103,10 @@ class DMuonTrainer(Trainer):
         return super().forward_backward_step(**kwargs)
 
     def pp_forward_backward_step(self, **kwargs):
-        """Gradient sync once per schedule step, as torch.distributed.pipelining drives FSDP2: the
-        micro-batches' backward passes (full, or split into input and weight passes) accumulate
-        every dedicated gradient on every rank, then each stage's handle reduces them to the owners
-        once (its layers' gradients, every member, at the same point on every rank of its group)."""
+        """Gradient sync once per schedule step: off over the micro-batches (each dedicated weight
+        is broadcast once and its gradients accumulate on every rank), on for each stage's last
+        backward (``prepare_pipeline_schedule``), which reduces them to the owners. Whatever a
+        stage still holds after the schedule (none with TorchTitan's schedules) is reduced here."""
         handles = dmuon_handles(self.optimizers)
         for handle in handles:
             handle.set_requires_gradient_sync(False)
@@ -123,12 +123,48 @@ class DMuonTrainer(Trainer):
 
 def prepare_pipeline_schedule(schedule, optimizers) -> None:
     """Adapt a torch.distributed.pipelining schedule to DMuon (DMuonTrainer does it once the
-    schedule is built): QK-clip's capture is paused in the metadata inference."""
+    schedule is built): each stage's dedicated gradients are reduced during its last
+    micro-batch's backward, and QK-clip's capture is paused in the metadata inference."""
     from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+    from titan_dmuon.runtime import DedicatedParams
 
     # (torch 2.14's schedules hold this rank's stages as _stages, or _stage for single-stage ones)
     stages = getattr(schedule, "_stages", None) or [s for s in [getattr(schedule, "_stage", None)] if s is not None]
+    for stage in stages:
+        handles = [h for module in stage.submod.modules() for h in DedicatedParams.of(module)]
+        if handles:
+            _reduce_in_last_backward(stage, handles)
     pause_capture_in_metadata_inference(stages, optimizers.dmuon_optimizers())
+
+
+def _reduce_in_last_backward(stage, handles) -> None:
+    """Every backward pass of a pipeline stage goes through ``stage.backward_maybe_with_nosync(
+    backward_type, bwd_kwargs, last_backward)``, where torch.distributed.pipelining adapts DDP and
+    FSDP2 to micro-batches (the schedule counts each stage's backward passes; ``last_backward``
+    marks the stage's last one). DMuon's gradient sync is on for a full last backward: each
+    layer's reduce is issued by its post-backward hook while the layers before it are still in
+    backward, the same program point on every rank of the stage. A split backward (zero-bubble
+    schedules) computes the weight gradients in the weight pass, all at once: the stage reduces
+    right after its last one. Elsewhere sync is off (gradients accumulate), as the forwards have
+    it (DMuonTrainer turns it off for the whole schedule)."""
+    backward = getattr(stage, "backward_maybe_with_nosync", None)
+    if backward is None or getattr(stage, "dw_builder", None) is not None:
+        # another torch.distributed.pipelining, or a custom weight-gradient function (run after
+        # this method returns): the reduce comes after the schedule (pp_forward_backward_step)
+        logger.warning("titan_dmuon: DMuon reduces this pipeline stage's gradients after the schedule, not in its last backward")
+        return
+
+    def with_dmuon_sync(backward_type, bwd_kwargs, last_backward=False):
+        for handle in handles:
+            handle.set_requires_gradient_sync(last_backward and backward_type == "full")
+        result = backward(backward_type, bwd_kwargs, last_backward=last_backward)
+        for handle in handles:
+            handle.set_requires_gradient_sync(False)
+            if last_backward:
+                handle.reduce_gradients()  # (the weight pass's; nothing left after a full backward)
+        return result
+
+    stage.backward_maybe_with_nosync = with_dmuon_sync
 
 
 def _no_host_sync(fn):
