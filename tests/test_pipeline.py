@@ -165,7 +165,7 @@ def _reduce_order(rank, world, schedule):
 
     dims = th.pp_dims(world)
     built = th.build_pp(th.tiny_llama3(n_layers=6), dims, schedule=schedule, local_batch=LOCAL_BATCH, lr=0.02)
-    parts, container = built[1], built[4]
+    parts = built[1]
     events, ledger = [], CommLedger()
 
     def mark_backward(name):

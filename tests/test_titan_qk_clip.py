@@ -177,8 +177,9 @@ PP_TAU = 0.05
 def _clip_job(rank, world, state, schedule=None, ac="none", steps=3):
     """tiny llama3 (2 layers) with the clip on 4 ranks: FSDP 4 (``schedule`` None), or pipelining
     over 2 ranks (1F1B: 2 stages; Interleaved1F1B: 4, 2 per rank) x FSDP 2 (4 micro-batches of 1
-    sample per data-parallel rank), with TorchTitan's activation checkpointing ``ac``. Returns the losses, this rank's weights, each step's figures,
-    step 1's S per head by layer and the captures each step ran (``max_logits`` calls)."""
+    sample per data-parallel rank), with TorchTitan's activation checkpointing ``ac``. Returns the
+    losses, this rank's weights, each step's figures, step 1's S per head by layer and the
+    captures each step ran (``max_logits`` calls)."""
     from tests import titan_harness as th
     from tests.helpers import full_parameters
     from tests.test_pipeline import _pp_weights
@@ -187,17 +188,17 @@ def _clip_job(rank, world, state, schedule=None, ac="none", steps=3):
     import titan_dmuon.qk_clip as qk_clip_module
 
     ac_config = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[ac]
-    kwargs = dict(state=state, lr=0.02, param_dtype="float32", qk_clip_threshold=PP_TAU, ac_config=ac_config)
+    kwargs = {"state": state, "lr": 0.02, "param_dtype": "float32", "qk_clip_threshold": PP_TAU, "ac_config": ac_config}
     if schedule is None:
         dims = th.parallel_dims(world)
         model, container = th.build(th.tiny_llama3(), dims, **kwargs)
         parts = [model]
-        train = lambda batch: th.train(model, container, dims, [batch])  # noqa: E731
+        train = lambda batch: th.train(model, container, dims, [batch])
     else:
         dims = th.pp_dims(world)
         built = th.build_pp(th.tiny_llama3(), dims, schedule=schedule, local_batch=4, **kwargs)
         parts, container = built[1], built[-1]
-        train = lambda batch: th.train_pp(dims, built, [batch])  # noqa: E731
+        train = lambda batch: th.train_pp(dims, built, [batch])
     optimizers = container.dmuon_optimizers()
     losses, stats, captures, by_layer = [], [], [], {}
     real = qk_clip_module.max_logits
@@ -244,7 +245,8 @@ def test_pipeline_stages_clip_as_without_pipelining(clip_jobs):
     # step 1 (the initial weights: every head's S is 0.08-0.12 here), every head of every stage binds
     assert straight[0]["stats"][0][0]["qk_clipped_heads"] == 8
     for r in piped:
-        assert len(r["stats"][0]) == 1 and r["stats"][0][0]["qk_clipped_heads"] == 4  # each stage clipped its own 4 heads
+        # each stage clipped its own 4 heads
+        assert len(r["stats"][0]) == 1 and r["stats"][0][0]["qk_clipped_heads"] == 4
     weights = merge_rank_states([r["weights"] for r in piped])
     assert max_diff(weights, straight[0]["weights"]) < 3e-3
     last_stage = next(r["losses"] for r in piped if r["losses"][0] is not None)

@@ -145,7 +145,8 @@ def build(
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
-        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=ac_config, parallelism=parallelism,
+        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=ac_config,
+        parallelism=parallelism,
         compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
     )
     if optimizer == "dmuon":
@@ -277,7 +278,8 @@ def pp_dims(world: int, *, pp: int = 2, replicate: int = 1):
 
 
 def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatch: int = 1, optimizer: str = "dmuon",
-             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", ac_config=None, **optimizer_kwargs):
+             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", ac_config=None,
+             **optimizer_kwargs):
     """(pipeline schedule, model parts, has first stage, has last stage, optimizer container), built as
     TorchTitan's trainer builds them with pipeline parallelism (its pipeline_llm splits the model
     and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize)."""

@@ -148,7 +148,8 @@ class _HandleClip:
     handle: object
     attentions: list[QKClipAttention]
     running: torch.Tensor  # [layers x heads], the step's running max (fp32, -inf: nothing seen)
-    captured: list[int] = dataclasses.field(default_factory=list)  # per layer: forwards captured, recompute not yet seen
+    # per layer: forwards captured whose activation-checkpoint recompute has not come yet
+    captured: list[int] = dataclasses.field(default_factory=list)
     weights_by_unit: dict[int, list[_Weight]] = dataclasses.field(default_factory=dict)
     reduced: torch.Tensor | None = None
     work: object = None

@@ -151,7 +151,9 @@ def _reduce_in_last_backward(stage, handles) -> None:
     if backward is None or getattr(stage, "dw_builder", None) is not None:
         # another torch.distributed.pipelining, or a custom weight-gradient function (run after
         # this method returns): the reduce comes after the schedule (pp_forward_backward_step)
-        logger.warning("titan_dmuon: DMuon reduces this pipeline stage's gradients after the schedule, not in its last backward")
+        logger.warning(
+            "titan_dmuon: DMuon reduces this pipeline stage's gradients after the schedule, not in its last backward"
+        )
         return
 
     def with_dmuon_sync(backward_type, bwd_kwargs, last_backward=False):
