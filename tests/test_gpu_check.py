@@ -106,25 +106,26 @@ TINY_LAYERS = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2
 
 
 def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch):
-    """Today (no ``muon_math.NS_METHODS``, no ``ns_method`` keyword) the rows are torch.optim.Muon's
-    per-matrix iteration and the batched "torch" method. With the methods API (stood in for here)
-    every method gets a row timed through ``orthogonalise(..., ns_method=m)`` with its own
-    ``ns_flops``; a non-finite output is a FAIL and an error a FAILED row, the others still run.
-    Only a GPU gives the times and shares of the peak that matter."""
+    """The rows are torch.optim.Muon's per-matrix iteration, then one per ``muon_math.NS_METHODS``
+    ("torch", "polar_express", "gram"), each timed through ``orthogonalise(..., ns_method=m)`` with its
+    own ``ns_flops``; a non-finite output is a FAIL and an error a FAILED row (stood in for below), the
+    others still run. Only a GPU gives the times and shares of the peak that matter."""
     from benchmarks import gpu_check
     from titan_dmuon import muon_math
 
-    monkeypatch.delattr(muon_math, "NS_METHODS", raising=False)
     shapes = gpu_check.layer_matrices(TINY_LAYERS["tiny"])
     assert shapes == [(16, 16), (4, 16), (4, 16), (40, 16), (16, 40)]
     rows = gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)
-    assert [(r[1], r[2].endswith(" ms")) for r in rows] == [
-        ("torch.optim.Muon's iteration, per matrix", True), ("ns_method 'torch', batched", True)]
-    flops = sum(muon_math.ns_flops(r, c) for r, c in shapes)
-    assert all(f"5 matrices, {flops / 1e12:.3g} TFLOP" in r[3] for r in rows), rows
+    assert [(r[1], r[2].endswith(" ms")) for r in rows] == [("torch.optim.Muon's iteration, per matrix", True)] + [
+        (f"ns_method {m!r}, batched", True) for m in muon_math.NS_METHODS]
+    for row, method in zip(rows, ("torch",) + muon_math.NS_METHODS):
+        flops = sum(muon_math.ns_flops(r, c, ns_method=method) for r, c in shapes)
+        assert f"5 matrices, {flops / 1e12:.3g} TFLOP" in row[3], row
     assert "x the time of torch.optim.Muon's iteration, per matrix" in rows[1][3]
+    assert "x the time of ns_method 'torch', batched" in rows[2][3]
 
     real_orthogonalise, real_flops, calls = muon_math.orthogonalise, muon_math.ns_flops, []
+    flops = sum(real_flops(r, c) for r, c in shapes)
 
     def orthogonalise(matrices, *, ns_mode="batched", ns_method="torch"):
         calls.append((ns_mode, ns_method))
@@ -147,8 +148,13 @@ def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch
     assert "x the time of ns_method 'torch', batched" in rows["ns_method 'half', batched"][3]
     assert rows["ns_method 'broken', batched"][2] == "FAIL: a non-finite output"
     assert rows["ns_method 'raises', batched"][2] == "FAILED: ValueError: no such method"
+
+    def ns_flops_before_methods(rows, cols, steps=muon_math.NS_STEPS):  # muon_math before ns_method
+        return real_flops(rows, cols, steps)
+
+    assert gpu_check.with_method(ns_flops_before_methods, "torch") is ns_flops_before_methods
     with pytest.raises(TypeError, match="takes no ns_method"):
-        gpu_check.with_method(real_flops, "half")
+        gpu_check.with_method(ns_flops_before_methods, "half")
 
 
 def test_the_dry_run_times_the_peak_and_newton_schulz(dry_run):

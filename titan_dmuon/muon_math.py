@@ -12,6 +12,20 @@ owner of each matrix); this module decides *what* they compute. Two modes:
   differently from the per-matrix one (oneDNN and cuBLAS pick kernels by batch
   size and shape): equal to ``torch.optim.Muon`` up to GEMM rounding, a few
   bf16 ulps of the Newton–Schulz output (``benchmarks/ns_deviation.py``).
+
+Three Newton–Schulz methods (``ns_method``; the exact mode runs only the first):
+
+* ``"torch"`` (the default): ``torch.optim.Muon``'s quintic, one coefficient triple for every step.
+* ``"polar_express"``: the Polar Express schedule (a minimax-optimal polynomial per step,
+  ``polar_express_schedule``), with its safety scaling; the same iteration as "torch" otherwise.
+* ``"gram"``: the same polynomials as "polar_express", computed by Gram Newton–Schulz (the
+  iteration carried on the small Gram matrix X Xᵀ, restarted every ``GRAM_RESTART_EVERY`` steps,
+  its symmetric products computed by blocks) on the matrices where that takes fewer FLOPs
+  (``uses_gram``), by the "polar_express" iteration on the others.
+
+Every method keeps ``torch.optim.Muon``'s conventions: bf16, the input divided by its Frobenius
+norm (clamped at ``eps``: a zero matrix gives a zero update), a tall matrix orthogonalised as its
+transpose.
 """
 
 from __future__ import annotations
@@ -26,6 +40,37 @@ NS_EPS = 1e-7
 NS_STEPS = 5
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NS_MODES = ("batched", "exact")
+NS_METHODS = ("torch", "polar_express", "gram")
+# Polar Express (Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
+# Application to the Muon Algorithm", arXiv 2505.16932, Algorithm 1): the degree-5 odd polynomials
+# a x + b x^3 + c x^5 whose composition is the minimax approximation of sign(x) on [1e-3, 1] (the paper's
+# lower bound for bf16 inputs, its Section 4.3), one per step. The last is the limit the list reaches,
+# (15, -10, 3) / 8: steps beyond the list repeat it, as the paper's code does.
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+# The paper's safety factor for bf16 (its Section 4.4 and Algorithm 1): every polynomial but the list's
+# last becomes p(x / 1.01), so a singular value that round-off pushed slightly above the interval cannot
+# grow step after step, and the input is divided by 1.01 times its Frobenius norm.
+POLAR_EXPRESS_SAFETY = 1.01
+# Gram Newton–Schulz (Zhang, Amsel, Chen, Dao, Dao-AILab/gram-newton-schulz, 2026) restarts its Gram
+# iteration (X <- Q X, R <- X Xᵀ, Q <- I) to stay stable in half precision; its default, one restart after
+# step 2 of 5, is tuned for float16. In bf16 (3 mantissa bits fewer) that left singular values up to 2 on
+# ill-conditioned and low-rank inputs (benchmarks/ns_accuracy.py, "gram, 1 restart"): a restart every 2
+# steps keeps them in the polynomials' own band.
+GRAM_RESTART_EVERY = 2
+# A symmetric product (X Xᵀ, or two polynomials in the same Gram matrix) computes its upper-left,
+# upper-right and lower-right blocks, the first and last recursively, while the blocks keep at least this
+# many rows: 3/4 of the GEMM FLOPs at one level, 5/8 at two; small matrices keep one GEMM.
+SYMMETRIC_MIN_BLOCK = 512
+SYMMETRIC_MAX_LEVELS = 2
 # Newton–Schulz batches stack at most this many bf16 bytes (the iteration needs ~3 such stacks of
 # workspace): big matrices go a few at a time, small ones all at once. The batch size changes the
 # result only through GEMM rounding (a kernel may pick another algorithm for another batch size).
@@ -38,8 +83,9 @@ def newton_schulz(
     steps: int = NS_STEPS,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
+    ns_method: str = "torch",
 ) -> torch.Tensor:
-    """Quintic Newton–Schulz orthogonalisation of a batch ``(B, rows, cols)``.
+    """Newton–Schulz orthogonalisation of a batch ``(B, rows, cols)`` by ``ns_method``.
 
     Runs in bf16 like ``torch.optim.Muon``; one batched call per shape instead
     of one call per matrix: the same operations, rounded as the batched GEMM
@@ -47,24 +93,136 @@ def newton_schulz(
     """
     if matrices.ndim != 3:
         raise ValueError(f"newton_schulz expects (batch, rows, cols), got {tuple(matrices.shape)}")
+    check_method(ns_method, coefficients)
     x = matrices.bfloat16()
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
-    x = _newton_schulz_wide_(x.clone() if x is matrices or x._base is matrices else x, steps, coefficients, eps)
+    x = x.clone() if x is matrices or x._base is matrices else x
+    x = _orthogonalise_wide_(x, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps)
     return x.mT if transposed else x
+
+
+def check_method(ns_method: str, coefficients=NS_COEFFICIENTS) -> None:
+    """ValueError unless ``ns_method`` is known and ``coefficients`` (torch's own) fit it."""
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+    if ns_method != "torch" and tuple(coefficients) != NS_COEFFICIENTS:
+        raise ValueError(f"ns_coefficients {tuple(coefficients)} apply to ns_method 'torch' only; "
+                         f"{ns_method!r} has its own per-step schedule")
+
+
+def polar_express_schedule(steps: int) -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) of each of ``steps`` Polar Express steps, safety-scaled as the paper's Algorithm 1
+    (all but the list's last polynomial: p(x / s) = a/s x + b/s^3 x^3 + c/s^5 x^5); steps beyond the
+    list repeat its last polynomial."""
+    s = POLAR_EXPRESS_SAFETY
+    scaled = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    scaled.append(POLAR_EXPRESS_COEFFICIENTS[-1])
+    return tuple(scaled[:steps]) + (scaled[-1],) * max(0, steps - len(scaled))
+
+
+def ns_schedule(ns_method: str, steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS) -> tuple[tuple[float, float, float], ...]:
+    """The polynomial (a, b, c) of each step of ``ns_method`` ("torch": ``coefficients`` every step)."""
+    check_method(ns_method, coefficients)
+    return (tuple(coefficients),) * steps if ns_method == "torch" else polar_express_schedule(steps)
+
+
+def ns_input_scale(ns_method: str) -> float:
+    """What the input's Frobenius norm is multiplied by before dividing by it (Polar Express: its safety)."""
+    return 1.0 if ns_method == "torch" else POLAR_EXPRESS_SAFETY
+
+
+def _orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float) -> torch.Tensor:
+    """``ns_method`` on a bf16 batch with rows <= cols, which it normalises in place."""
+    if ns_method == "torch":
+        return _newton_schulz_wide_(x, steps, coefficients, eps)
+    schedule = ns_schedule(ns_method, steps, coefficients)
+    _normalise_(x, eps, ns_input_scale(ns_method))
+    if ns_method == "gram" and uses_gram(x.size(-2), x.size(-1), steps):
+        return _gram_newton_schulz(x, schedule)
+    return _iterate(x, schedule)
 
 
 def _newton_schulz_wide_(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float) -> torch.Tensor:
     """Newton–Schulz on a bf16 batch with rows <= cols; normalises ``x`` in place (as torch.optim.Muon)."""
-    a, b, c = coefficients
-    norms = torch.linalg.vector_norm(x.flatten(1), dim=1).clamp(min=eps)
-    x.div_(norms[:, None, None])
-    for _ in range(steps):
+    _normalise_(x, eps)
+    return _iterate(x, (tuple(coefficients),) * steps)
+
+
+def _normalise_(x: torch.Tensor, eps: float, scale: float = 1.0) -> None:
+    """Each matrix divided by ``scale`` times its Frobenius norm, clamped at ``eps`` (zero stays zero)."""
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1)
+    if scale != 1.0:
+        norms = norms * scale
+    x.div_(norms.clamp(min=eps)[:, None, None])
+
+
+def _iterate(x: torch.Tensor, schedule) -> torch.Tensor:
+    """X <- a X + (b A + c A^2) X with A = X Xᵀ, one (a, b, c) per step."""
+    for a, b, c in schedule:
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
     return x
+
+
+def _gram_newton_schulz(x: torch.Tensor, schedule) -> torch.Tensor:
+    """The ``schedule``'s polynomials on a normalised bf16 batch with rows <= cols, by Gram Newton–Schulz.
+
+    A step of ``_iterate`` is X <- P X with P = a I + Z, Z = b R + c R², R = X Xᵀ. Between restarts
+    every P and R is a polynomial in the same Gram matrix, so they commute and each product of two of
+    them is symmetric: the iteration keeps Q (the product of the segment's P: a Q + Q Z) and
+    R <- P R P (a RZ + Z RZ with RZ = a R + R Z), all rows x rows, as the Gram Newton–Schulz authors
+    write it (P itself is never rounded to bf16 but at a segment's start), and forms Q X only at a
+    restart (then R = X Xᵀ afresh) and at the end. FLOPs: ``gram_flops``."""
+    levels = symmetric_levels(x.size(-2))
+    gram = _symmetric_matmul(x, x.mT, levels)
+    product = None  # Q
+    for step, (a, b, c) in enumerate(schedule):
+        if step > 0 and step % GRAM_RESTART_EVERY == 0:
+            x = product @ x
+            gram = _symmetric_matmul(x, x.mT, levels)
+            product = None
+        z = _symmetric_matmul(gram, gram, levels, add=gram, beta=b, alpha=c)
+        if product is None:
+            product = z.clone()
+            product.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            product = _symmetric_matmul(product, z, levels, add=product, beta=a)
+        if step + 1 < len(schedule) and (step + 1) % GRAM_RESTART_EVERY != 0:
+            rz = _symmetric_matmul(gram, z, levels, add=gram, beta=a)
+            gram = _symmetric_matmul(z, rz, levels, add=rz, beta=a)
+    return product @ x
+
+
+def symmetric_levels(rows: int) -> int:
+    """How many times a (rows x rows) symmetric product is split into 2 x 2 blocks."""
+    levels = 0
+    while levels < SYMMETRIC_MAX_LEVELS and rows >> (levels + 1) >= SYMMETRIC_MIN_BLOCK:
+        levels += 1
+    return levels
+
+
+def _symmetric_matmul(a: torch.Tensor, b: torch.Tensor, levels: int, *, add: torch.Tensor | None = None,
+                      beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+    """``beta * add + alpha * a @ b`` (batched, accumulated as one ``baddbmm``) for a result known to be
+    symmetric: its upper-left and lower-right blocks (symmetric too: recursively) and its upper-right
+    one; the lower-left is that one's transpose."""
+    if levels == 0:
+        if add is None:
+            return a @ b if alpha == 1.0 else torch.bmm(a, b).mul_(alpha)
+        return torch.baddbmm(add, a, b, beta=beta, alpha=alpha)
+    half = a.size(-2) // 2
+
+    def block(rows: slice, cols: slice):
+        return None if add is None else add[..., rows, cols]
+
+    top, low = slice(None, half), slice(half, None)
+    upper_left = _symmetric_matmul(a[..., top, :], b[..., :, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha)
+    upper_right = _symmetric_matmul(a[..., top, :], b[..., :, low], 0, add=block(top, low), beta=beta, alpha=alpha)
+    lower_right = _symmetric_matmul(a[..., low, :], b[..., :, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha)
+    return torch.cat([torch.cat([upper_left, upper_right], -1), torch.cat([upper_right.mT, lower_right], -1)], -2)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -159,6 +317,7 @@ def muon_step(
     eps: float = NS_EPS,
     adjust_lr_fn: str | None = None,
     ns_mode: str = "batched",
+    ns_method: str = "torch",
 ) -> int:
     """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
@@ -169,9 +328,13 @@ def muon_step(
     through ``torch.optim.Muon``'s functional update (bitwise torch.optim.Muon);
     ``"batched"`` lets blocks with the same shape up to transposition share one
     batched call, one shape group at a time, stacked straight into bf16, so at
-    most one group's stack is alive at once.
+    most one group's stack is alive at once, orthogonalised by ``ns_method``.
+    ``lr`` may be a 0-dim tensor, as torch.optim.Muon's (read as its value).
     """
+    check_method(ns_method, ns_coefficients)
     if ns_mode == "exact":
+        if ns_method != "torch":
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', got {ns_method!r}")
         return _exact_step(
             params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
@@ -180,6 +343,7 @@ def muon_step(
         raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
     if not params:
         return 0
+    lr = scalar(lr)
     torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - momentum)
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (short, long) -> (param, matrix, block)
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
@@ -190,20 +354,38 @@ def muon_step(
                 groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
     torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     for (short, long), group in groups.items():
-        for batch in _stack_batches(group, short, long):
+        for batch in _stack_batches(group, short, long, ns_method, ns_steps):
             _orthogonalise_batch(
                 batch, short, long, params, grads, momentum_buffers, blocks,
                 lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                eps=eps, adjust_lr_fn=adjust_lr_fn,
+                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method,
             )
     return sum(len(group) for group in groups.values())
 
 
-def _stack_batches(items: list, short: int, long: int) -> list[list]:
+def scalar(value):
+    """A hyperparameter as a Python number (a 0-dim tensor's value)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _stack_batches(items: list, short: int, long: int, ns_method: str = "torch", steps: int = NS_STEPS) -> list[list]:
     """``items`` (equally shaped (short, long) matrices) in batches whose bf16 stack is at most
-    MAX_STACK_BYTES (Newton–Schulz needs ~3 such stacks of workspace)."""
-    per_batch = max(1, MAX_STACK_BYTES // (short * long * 2))
+    MAX_STACK_BYTES (the standard iteration needs ~3 such stacks of workspace), fewer where the
+    method's workspace is larger (Gram Newton–Schulz: ``workspace_elements``), so no method needs
+    more memory than the standard iteration at the cap."""
+    per_batch = MAX_STACK_BYTES // (short * long * 2)
+    standard = workspace_elements(short, long, "torch", steps)
+    per_batch = max(1, per_batch * standard // workspace_elements(short, long, ns_method, steps))
     return [items[first : first + per_batch] for first in range(0, len(items), per_batch)]
+
+
+def workspace_elements(short: int, long: int, ns_method: str = "torch", steps: int = NS_STEPS) -> int:
+    """Elements one (short, long) matrix's Newton–Schulz holds at its peak: the standard iteration
+    X, its next value, X Xᵀ and the polynomial; Gram Newton–Schulz X and its next value at a
+    restart, and about six (short x short) matrices (R, P, Q, R P, the new R and its blocks)."""
+    if ns_method == "gram" and uses_gram(short, long, steps):
+        return 2 * short * long + 6 * short * short
+    return 2 * short * long + 2 * short * short
 
 
 def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
@@ -257,7 +439,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _orthogonalise_batch(
     members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
-    ns_coefficients, eps, adjust_lr_fn,
+    ns_coefficients, eps, adjust_lr_fn, ns_method,
 ) -> None:
     """One batch of equally shaped blocks: Nesterov input, bf16 stack, Newton–Schulz, update."""
     stack = torch.empty((len(members), short, long), dtype=torch.bfloat16, device=params[members[0][0]].device)
@@ -266,7 +448,7 @@ def _orthogonalise_batch(
         buffer = _take_rows(_matrix(momentum_buffers[i], e), blocks[i][b])
         update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
         stack[k].copy_(update.mT if update.shape[0] > update.shape[1] else update)
-    orthogonal = _newton_schulz_wide_(stack, ns_steps, ns_coefficients, eps)
+    orthogonal = _orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps)
     del stack
     for k, (i, e, b) in enumerate(members):
         param, block = _matrix(params[i], e), blocks[i][b]
@@ -283,11 +465,47 @@ def _matrix(tensor: torch.Tensor, index: int) -> torch.Tensor:
     return tensor[index] if tensor.ndim == 3 else tensor
 
 
-def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
-    """Multiply-add FLOPs of Newton–Schulz on one (rows, cols) matrix; the plan's cost."""
+def ns_flops(rows: int, cols: int, steps: int = NS_STEPS, *, ns_method: str = "torch") -> int:
+    """Multiply-add FLOPs of ``ns_method``'s Newton–Schulz on one (rows, cols) matrix; the plan's cost
+    (with "torch"'s)."""
     small, large = min(rows, cols), max(rows, cols)
     # per step: X X^T (s*s*l), poly = b A + c A A (s^3), poly X (s*s*l); x2 for multiply-add
-    return 2 * steps * (2 * small * small * large + small**3)
+    standard = 2 * steps * (2 * small * small * large + small**3)
+    if ns_method == "gram" and uses_gram(small, large, steps):
+        return gram_flops(small, large, steps)
+    return standard
+
+
+def gram_flops(short: int, long: int, steps: int = NS_STEPS) -> int:
+    """FLOPs of ``_gram_newton_schulz`` on one (short, long) matrix.
+
+    With r = (steps - 1) // GRAM_RESTART_EVERY restarts (r + 1 segments): X Xᵀ and Q X r + 1 times
+    each (short² long), and steps + 3 (steps - r - 1) products of two (short x short) matrices (R² in
+    every step; Q P in each step that does not start a segment, R P and P (R P) in each that does not
+    end one). All but Q X are symmetric (``symmetric_flops``: a fraction f of a full GEMM). For 5 steps:
+    2 (3 (1 + f) short² long + 11 f short³), against the standard iteration's 2 (10 short² long + 5 short³)."""
+    restarts = (steps - 1) // GRAM_RESTART_EVERY
+    levels = symmetric_levels(short)
+    cubes = steps + 3 * (steps - restarts - 1)
+    return ((restarts + 1) * (symmetric_flops(short, long, levels) + 2 * short * short * long)
+            + cubes * symmetric_flops(short, short, levels))
+
+
+def symmetric_flops(rows: int, inner: int, levels: int) -> int:
+    """FLOPs of ``_symmetric_matmul`` of (rows, inner) by (inner, rows) split ``levels`` times."""
+    if levels == 0:
+        return 2 * rows * rows * inner
+    half = rows // 2
+    return (symmetric_flops(half, inner, levels - 1) + 2 * half * (rows - half) * inner
+            + symmetric_flops(rows - half, inner, levels - 1))
+
+
+def uses_gram(short: int, long: int, steps: int = NS_STEPS) -> bool:
+    """Whether ``ns_method="gram"`` runs Gram Newton–Schulz on a (short, long) matrix: where that takes
+    fewer FLOPs than the standard iteration (``gram_flops``). For 5 steps: where one GEMM does each
+    product (short < 2 * SYMMETRIC_MIN_BLOCK = 1024; f = 1) when 12 short² long + 22 short³ <
+    20 short² long + 10 short³, i.e. long > 1.5 short; every matrix with short >= 1024 (f <= 3/4)."""
+    return gram_flops(short, long, steps) < ns_flops(short, long, steps)
 
 
 def orthogonalise(
@@ -297,13 +515,18 @@ def orthogonalise(
     steps: int = NS_STEPS,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
+    ns_method: str = "torch",
 ) -> list[torch.Tensor]:
     """Newton–Schulz of whole bf16 2-D matrices (e.g. assembled from tensor-parallel shards), in bf16.
 
     ``"exact"``: each through ``torch.optim.Muon``'s own Newton–Schulz, which casts its input to bf16
     first, so a matrix given as the bf16 of Muon's input gets bitwise Muon's result. ``"batched"``:
-    equally shaped matrices (up to transposition) share batched calls. The inputs may be overwritten."""
+    equally shaped matrices (up to transposition) share batched calls, by ``ns_method``. The inputs
+    may be overwritten."""
+    check_method(ns_method, coefficients)
     if ns_mode == "exact":
+        if ns_method != "torch":
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', got {ns_method!r}")
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]
@@ -314,10 +537,10 @@ def orthogonalise(
     for i, m in enumerate(matrices):
         groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
     for (short, long), group in groups.items():
-        for chosen in _stack_batches(group, short, long):
+        for chosen in _stack_batches(group, short, long, ns_method, steps):
             stack = torch.stack([matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i]
                                  for i in chosen]).bfloat16()
-            result = _newton_schulz_wide_(stack, steps, coefficients, eps)
+            result = _orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps)
             for k, i in enumerate(chosen):
                 out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
     return out

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise
+from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise, scalar
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
@@ -257,6 +257,7 @@ class DMuon(torch.optim.Optimizer):
                 lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
+                ns_method=group["ns_method"],
             )
 
     # ---- tensor-parallel shards: three stages, pipelined over the step's chunks ----------------------
@@ -276,7 +277,7 @@ class DMuon(torch.optim.Optimizer):
         """Newton–Schulz of the matrices homed here (assembled from their shards); results sent back."""
         def orthogonalise_fn(matrices):
             return orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
-                                 coefficients=group["ns_coefficients"], eps=group["eps"])
+                                 coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=group["ns_method"])
 
         if self._ns_timer is None:
             self._ns_timer = DeviceTimer(sent.sent.device)
@@ -290,7 +291,7 @@ class DMuon(torch.optim.Optimizer):
         then the chunk's units are sent on."""
         tp_rank = handle.mode.tp.rank
         for group, items, exchange in back:
-            lr = group["lr"]
+            lr = scalar(group["lr"])
             for (p, member), update in zip(items, handle.tensor_parallel_ns.received(exchange)):
                 entry = member.entry
                 p.mul_(1 - lr * group["weight_decay"])
@@ -331,7 +332,7 @@ class DMuon(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=scalar(group["lr"]), weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False, decoupled_weight_decay=True,
         )
 

@@ -11,11 +11,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titan_dmuon.muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_MODES, NS_STEPS, exact_mode_refusal
+import torch
+
+from titan_dmuon.muon_math import (
+    ADJUST_LR_FNS,
+    NS_COEFFICIENTS,
+    NS_EPS,
+    NS_METHODS,
+    NS_MODES,
+    NS_STEPS,
+    exact_mode_refusal,
+)
+
+LR_KEYS = ("lr", "adamw_lr")  # may be a 1-element tensor, as torch.optim.Muon's and AdamW's lr
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_lr(value) -> bool:
+    """A number, or a 1-element floating-point tensor (torch.optim.Muon takes one for compiled steps)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return _is_number(value)
 
 
 class OptionError(ValueError):
@@ -44,6 +63,10 @@ class DMuonOptions:
     ns_mode: str = "batched"
     """"batched": equally shaped matrices share one Newton–Schulz call (fast; torch.optim.Muon up to
     GEMM rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise on any kernel)."""
+    ns_method: str = "torch"
+    """Newton–Schulz method: "torch" (torch.optim.Muon's coefficients), "polar_express" (the Polar Express
+    per-step schedule) or "gram" (the same, by Gram Newton–Schulz where that takes fewer FLOPs); see
+    ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only."""
     adamw_lr: float = 1e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -57,7 +80,10 @@ class DMuonOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ns_coefficients", tuple(self.ns_coefficients))
         object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
-        for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "eps"):
+        for key in LR_KEYS:
+            if not _is_lr(getattr(self, key)) or getattr(self, key) < 0:
+                raise OptionError(key, getattr(self, key), "a number >= 0 (or a 1-element tensor)")
+        for key in ("weight_decay", "adamw_weight_decay", "adamw_eps", "eps"):
             if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
                 raise OptionError(key, getattr(self, key), "a number >= 0")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
@@ -74,6 +100,15 @@ class DMuonOptions:
             raise OptionError("ns_mode", self.ns_mode, f"one of {NS_MODES}")
         if self.ns_mode == "exact" and exact_mode_refusal(self.adjust_lr_fn) is not None:
             raise OptionError("adjust_lr_fn", self.adjust_lr_fn, exact_mode_refusal(self.adjust_lr_fn))
+        if self.ns_method not in NS_METHODS:
+            raise OptionError("ns_method", self.ns_method, f"one of {NS_METHODS}")
+        if self.ns_mode == "exact" and self.ns_method != "torch":
+            raise OptionError("ns_method", self.ns_method,
+                              "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
+        if self.ns_method != "torch" and self.ns_coefficients != NS_COEFFICIENTS:
+            raise OptionError("ns_coefficients", self.ns_coefficients,
+                              f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own per-step "
+                              "schedule), or ns_method 'torch'")
         if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
             raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
         if self.qk_clip_threshold is not None and (

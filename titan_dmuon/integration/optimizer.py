@@ -24,6 +24,7 @@ from torchtitan.tools.logging import logger
 
 from titan_dmuon.testing.baselines import NaiveFSDPMuon
 from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.muon_math import NS_METHODS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
 from titan_dmuon.options import DEFAULTS, JOB_KEYS, MUON_KEYS, OPTION_NAMES
 from titan_dmuon.runtime import DedicatedParams
@@ -65,6 +66,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         ns_mode: Literal["batched", "exact"] = DEFAULTS.ns_mode
         """"batched": equally shaped matrices share one Newton–Schulz call (torch.optim.Muon up to GEMM
         rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise, slower)."""
+        ns_method: Literal[NS_METHODS] = DEFAULTS.ns_method
+        """Newton–Schulz method (muon_math.NS_METHODS): "torch" (torch.optim.Muon's coefficients),
+        "polar_express" (the Polar Express per-step schedule), "gram" (the same, by Gram Newton–Schulz
+        where that takes fewer FLOPs). ns_mode "exact" runs "torch" only."""
         adamw_lr: float = DEFAULTS.adamw_lr
         """AdamW learning rate of the catch-all param group (pattern ".*"), for the non-Muon
         parameters (embeddings, norms, head); other param groups keep their own settings."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_dmuon.muon_math import adjusted_lr, momentum_update, newton_schulz
+from titan_dmuon.muon_math import adjusted_lr, momentum_update, newton_schulz, scalar
 from titan_dmuon.optimizer import DMuon
 
 
@@ -45,9 +45,11 @@ class NaiveFSDPMuon(DMuon):
             full = update.full_tensor()  # the step's all-gather
             stack = full if full.ndim == 3 else full[None]  # 3-D: MoE experts, one matrix each
             orthogonal = newton_schulz(
-                stack, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"]
+                stack, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
+                ns_method=group["ns_method"],
             ).reshape(full.shape)
             mine = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(mine, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape[-2:]))
+            lr = scalar(group["lr"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(mine, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
             self._ns_matrices += stack.shape[0]
