@@ -248,9 +248,13 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
 
 
 def reference_train(
-    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1, before_slice=None
+    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1, before_slice=None,
+    ns_method: str = "torch",
 ):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
+
+    ``ns_method`` other than "torch": torch.optim.Muon with that method's Newton–Schulz as written in
+    ``reference_newton_schulz`` (independently of titan_dmuon).
 
     ``slices``: the global batch is processed as that many equal slices (one per data-parallel
     rank) whose gradients are averaged as a pairwise tree, ((g0 + g1) + (g2 + g3)) / 4, which is
@@ -293,7 +297,8 @@ def reference_train(
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         for p, e, leaf in experts:
             leaf.grad = p.grad[e].clone()
-        opt_muon.step()
+        with torch_muon_newton_schulz(None if ns_method == "torch" else reference_newton_schulz(ns_method)):
+            opt_muon.step()
         with torch.no_grad():
             for p, e, leaf in experts:
                 p[e].copy_(leaf)
@@ -377,3 +382,77 @@ def allocation_peak(fn) -> int:
         now += event.nbytes()
         peak = max(peak, now)
     return peak
+
+
+# ---- Newton–Schulz methods, written here independently of titan_dmuon.muon_math ---------------------------------
+# Polar Express (arXiv 2505.16932, Algorithm 1): the degree-5 polynomial of each step, the last one repeated.
+PAPER_POLAR_EXPRESS = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+PAPER_SAFETY = 1.01  # every polynomial but the last is p(x / 1.01); the input is divided by 1.01 ||X||_F
+
+
+def paper_schedule(steps: int) -> list[tuple[float, float, float]]:
+    """The Polar Express (a, b, c) of each of ``steps`` steps, as the paper's Algorithm 1 builds them."""
+    s = PAPER_SAFETY
+    scaled = [(a / s, b / s**3, c / s**5) for a, b, c in PAPER_POLAR_EXPRESS[:-1]] + [PAPER_POLAR_EXPRESS[-1]]
+    return scaled[:steps] + [scaled[-1]] * max(0, steps - len(scaled))
+
+
+def reference_newton_schulz(method: str):
+    """``torch.optim._muon._zeropower_via_newtonschulz``'s signature, one 2-D matrix, for ``method``: the
+    iteration written as torch.optim.Muon writes its own (bf16, fused ``addmm``s), with the Polar Express
+    schedule ("polar_express"), or as Gram Newton–Schulz ("gram": Q and R = X Xᵀ carried between restarts
+    before every odd step, as Dao-AILab/gram-newton-schulz writes it) where the wide matrix's long side is
+    more than 1.5 times its short side (the FLOP rule for 5 steps and matrices under 1024 rows)."""
+
+    def orthogonalise(grad, ns_coefficients, ns_steps, eps):
+        x = grad.bfloat16()
+        transposed = grad.size(0) > grad.size(1)
+        if transposed:
+            x = x.T
+        scale = 1.0 if method == "torch" else PAPER_SAFETY
+        x = x / (x.norm() * scale).clamp(min=eps)
+        schedule = [tuple(ns_coefficients)] * ns_steps if method == "torch" else paper_schedule(ns_steps)
+        short, long = x.shape
+        if method == "gram" and 2 * long > 3 * short:
+            assert short < 1024, "the reference has no rule for blocked symmetric products"
+            gram, product = x @ x.T, None
+            for step, (a, b, c) in enumerate(schedule):
+                if step % 2 == 1:  # restart
+                    x = product @ x
+                    gram, product = x @ x.T, None
+                z = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+                product = z + a * torch.eye(short, dtype=z.dtype) if product is None else torch.addmm(product, product, z, beta=a)
+                if step + 1 < ns_steps and (step + 1) % 2 == 0:
+                    rz = torch.addmm(gram, gram, z, beta=a)
+                    gram = torch.addmm(rz, z, rz, beta=a)
+            x = product @ x
+        else:
+            for a, b, c in schedule:
+                gram = x @ x.T
+                x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if transposed else x
+
+    return orthogonalise
+
+
+@contextlib.contextmanager
+def torch_muon_newton_schulz(orthogonalise):
+    """torch.optim.Muon with its Newton–Schulz replaced by ``orthogonalise`` (None: its own)."""
+    from torch.optim import _muon
+
+    original = _muon._zeropower_via_newtonschulz
+    if orthogonalise is not None:
+        _muon._zeropower_via_newtonschulz = orthogonalise
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original

@@ -29,14 +29,16 @@ from titan_dmuon.testing.toy_model import loss_fn  # noqa: E402
 STEPS = 6
 
 
-def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False):
+def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False,
+         ns_method="torch"):
     """A toy model made distributed as in TorchTitan, with its container, schedule and checkpointer."""
     model = toy_model(**(dims or {}))
     if optimizer == "dmuon":
         setup = distribute(model, mode, world)
     else:  # TorchTitan's own AdamW on FSDP2
         setup = baseline(model, "fsdp_adamw", world, mesh=make_mesh(mode, world))
-    kwargs = dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"]) if optimizer == "dmuon" else dict(lr=1e-2)
+    kwargs = dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"], ns_method=ns_method) if (
+        optimizer == "dmuon") else dict(lr=1e-2)
     setup.opt = DMuonOptimizersContainer(DMuonOptimizersContainer.Config(name=optimizer, **kwargs), model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)
     counter = Counter()
@@ -116,6 +118,49 @@ def test_resume_is_bit_exact(pool2, pool4, tmp_path, mode, world):
     a, b = merge_rank_states(s for _, s in straight), merge_rank_states(s for _, s in second)
     assert a.keys() == b.keys() and any(k.startswith("momentum_buffer/") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+def _switch_straight(rank, world, folder, before, after):
+    """``before``'s Newton–Schulz for half the steps, then ``after``'s, in one process."""
+    setup, schedule, counter, _ = _job(rank, world, "z3", folder, ns_method=before)
+    losses = _train(setup, schedule, counter, rank, world, STEPS // 2)
+    for optimizer in setup.opt.dmuon_optimizers():
+        optimizer.ns_method = after
+    return losses + _train(setup, schedule, counter, rank, world, STEPS), _state(setup)
+
+
+def _switch_first_half(rank, world, folder, before):
+    setup, schedule, counter, manager = _job(rank, world, "z3", folder, ns_method=before)
+    losses = _train(setup, schedule, counter, rank, world, STEPS // 2)
+    manager.save(counter.step)
+    manager.close()
+    return losses
+
+
+def _switch_second_half(rank, world, folder, after):
+    setup, schedule, counter, manager = _job(rank, world, "z3", folder, ns_method=after)
+    assert manager.load()
+    methods = {optimizer.ns_method for optimizer in setup.opt.dmuon_optimizers()}
+    keys = [k for optimizer in setup.opt.dmuon_optimizers() for g in optimizer.state_dict()["param_groups"] for k in g]
+    return _train(setup, schedule, counter, rank, world, STEPS), _state(setup), (methods, keys)
+
+
+@pytest.mark.parametrize("before, after", [("torch", "gram"), ("gram", "polar_express")])
+def test_the_newton_schulz_method_can_change_across_a_resume(pool2, tmp_path, before, after):
+    """A checkpoint holds the momentum, which no method changes, and not the method (a job-wide option,
+    outside the param groups that DCP saves and restores): a job saved with one ns_method resumes with the
+    config's, bit for bit the job that switched in-process. (As a param-group option it came back as the
+    checkpoint's method, and a checkpoint saved before ns_method existed could not be loaded.)"""
+    straight = pool2.run(_switch_straight, str(tmp_path / "a"), before, after)
+    first = pool2.run(_switch_first_half, str(tmp_path / "b"), before)
+    pool2.restart()
+    second = pool2.run(_switch_second_half, str(tmp_path / "b"), after)
+    for rank in range(2):
+        methods, keys = second[rank][2]
+        assert methods == {after} and keys and "ns_method" not in keys
+        assert first[rank] + second[rank][0] == straight[rank][0]
+    a, b = merge_rank_states(s for _, s in straight), merge_rank_states(s for _, s, _ in second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _save_then_report(rank, world, mode, folder):

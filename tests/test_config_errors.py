@@ -213,6 +213,19 @@ def test_bad_values_are_the_same_line_in_both_doors(capsys, monkeypatch, args, w
             check([*door, *args, "--checkpoint.last_save_model_only"], world_size=world)
 
 
+def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors(capsys, monkeypatch):
+    """ns_mode "exact" is torch.optim.Muon's own update: any other ns_method is one line naming both keys,
+    before launch, whichever door (the Python door names settings as optimizer.key)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"
+    args = ["--optimizer.ns_method", "gram", "--optimizer.ns_mode", "exact"]
+    for door, prefix in ((TOML_DOOR, "command line: [optimizer] "), (PYTHON_DOOR, "optimizer.")):
+        assert main([*door, *args]) == 2
+        err = capsys.readouterr().err
+        assert err == f"config error: {prefix}{line}\n", err
+        assert main([*door, "--optimizer.ns_method", "gram"]) == 0
+
+
 @pytest.mark.parametrize("args, world, line", [
     (["--parallelism.pipeline_parallel_degree", "8"], 8,
      "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' (2 stages per pipeline "

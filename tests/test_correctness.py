@@ -37,11 +37,11 @@ from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, mu
 STEPS = 5
 
 
-def _vs_reference(rank, world, mode, max_norm=None, accumulate=1):
+def _vs_reference(rank, world, mode, max_norm=None, accumulate=1, ns_method="torch", slices=1):
     data = batches(STEPS)
     model = toy_model()
-    ref, ref_losses, ref_norms = reference_train(model, data, max_norm=max_norm)
-    setup = distribute(model, mode, world)
+    ref, ref_losses, ref_norms = reference_train(model, data, max_norm=max_norm, ns_method=ns_method, slices=slices)
+    setup = distribute(model, mode, world, opt_kwargs={"ns_method": ns_method})
     log = train(setup, data, rank, world, max_norm=max_norm, accumulate=accumulate)
     ns_total = torch.tensor([ns for _, _, ns in log], dtype=torch.int64)
     dist.all_reduce(ns_total)
@@ -84,6 +84,46 @@ def test_four_ranks_match_reference(pool4, mode):
     reduce completed", so ranks interleaved it differently with FSDP2's collectives
     on the shared replicate process group. It is now issued at fixed program points."""
     _check(pool4.run(_vs_reference, mode))
+
+
+@pytest.mark.parametrize("ns_method", ["polar_express", "gram"])
+def test_each_newton_schulz_method_matches_its_reference(pool2, ns_method):
+    """torch.optim.Muon with the method's Newton–Schulz written independently (tests.helpers.
+    reference_newton_schulz) is the reference; the toy model's k/v projections (16 x 32) run Gram
+    Newton–Schulz under "gram", its other matrices (ratio <= 1.5) the Polar Express iteration. Every mode
+    shares the path the method changes (muon_step's Newton–Schulz), so one mode. The reference sums the
+    two ranks' gradients as they do (``slices=2``: bitwise the same gradients), so what remains is the
+    batched GEMMs' rounding, within TOLERANCE; Gram Newton–Schulz turns a last-bit gradient difference
+    into a larger update difference than the standard iteration (its products of polynomials are rounded
+    as one matrix), so the reference's own gradient order (slices=1) would leave ~1e-3."""
+    from titan_dmuon.muon_math import uses_gram
+
+    assert uses_gram(16, 32) and not uses_gram(32, 48)
+    _check(pool2.run(_vs_reference, "z3", None, 1, ns_method, 2))
+
+
+def _tensor_lr(rank, world):
+    """lr and adamw_lr as 1-element tensors, as torch.optim.Muon and AdamW take them (and an LR scheduler
+    updates them in place): the same steps as their values as numbers."""
+    data = batches(3)
+    runs = []
+    for as_tensor in (True, False):
+        lr, adamw_lr = torch.tensor(0.02), torch.tensor(1e-2)
+        options = {"lr": lr, "adamw_lr": adamw_lr} if as_tensor else {"lr": lr.item(), "adamw_lr": adamw_lr.item()}
+        setup = distribute(toy_model(), "z3", world, opt_kwargs=options)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(setup.opt, lambda step: 1.0 / (1 + step))
+        train(setup, data[:1], rank, world)
+        scheduler.step()
+        train(setup, data[1:], rank, world)
+        runs.append(full_state(setup))
+    return bitwise_equal(*runs)
+
+
+def test_a_tensor_lr_is_its_value(pool2):
+    """``DMuon(..., lr=torch.tensor(1e-3))`` raised OptionError ("expected a number >= 0"): DMuonOptions
+    checked lr as a Python number only. torch.optim.Muon takes a 1-element tensor (for compiled and
+    capturable steps); DMuon now does too, for lr and adamw_lr, and steps with its value."""
+    assert all(pool2.run(_tensor_lr))
 
 
 @pytest.mark.parametrize("mode", ["z3", "ddp"])

@@ -99,6 +99,13 @@ def _bad_optimizer(rank, world, options):
         ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn = 'spectral': expected one of"),
         ({"adamw_betas": (0.9,)}, "adamw_betas = (0.9,): expected two numbers"),
         ({"nesterov": "yes"}, "nesterov = 'yes': expected true or false"),
+        ({"ns_method": "newton"}, "ns_method = 'newton': expected one of ('torch', 'polar_express', 'gram')"),
+        ({"ns_method": "gram", "ns_mode": "exact"},
+         "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"),
+        ({"ns_method": "polar_express", "ns_coefficients": (3.0, -4.0, 2.0)},
+         "ns_coefficients = (3.0, -4.0, 2.0): expected torch.optim.Muon's (3.4445, -4.775, 2.0315) with ns_method "
+         "'polar_express' (its own per-step schedule), or ns_method 'torch'"),
+        ({"lr": torch.tensor([1e-3, 2e-3])}, "expected a number >= 0 (or a 1-element tensor)"),
     ],
 )
 def test_bad_optimizer_options(pool2, options, phrase):

@@ -19,11 +19,12 @@ from tests.helpers import TOLERANCE, batches, distribute, full_state, global_los
 STEPS = 4
 
 
-def _moe_vs_reference(rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact"):
+def _moe_vs_reference(rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact", ns_method="torch"):
     data = batches(STEPS)
     model = toy_model(num_experts=experts, routed_experts=routed)
-    ref, ref_losses, _ = reference_train(model, data, slices=world)
-    setup = distribute(model, mode, world, expert_sharding=expert_sharding, opt_kwargs={"ns_mode": ns_mode})
+    ref, ref_losses, _ = reference_train(model, data, slices=world, ns_method=ns_method)
+    setup = distribute(model, mode, world, expert_sharding=expert_sharding,
+                       opt_kwargs={"ns_mode": ns_mode, "ns_method": ns_method})
     log = train(setup, data, rank, world)
     ns = torch.tensor([n for _, _, n in log], dtype=torch.int64)
     dist.all_reduce(ns)
@@ -70,6 +71,18 @@ def test_batched_experts_match_within_tolerance(pool2):
     within helpers.TOLERANCE, not bitwise (a batched GEMM may round differently on another CPU)."""
     results = pool2.run(_moe_vs_reference, "z3", 4, None, "auto", "batched")
     _check(results, local=6, dedicated_3d=0, ns_per_step=_ns(4), bitwise=False)
+
+
+@pytest.mark.parametrize("expert_sharding", ["auto", "dedicated"])
+def test_experts_take_the_newton_schulz_method(pool2, expert_sharding):
+    """ns_method "gram" on experts kept on their rank ("auto": batched per rank) and dedicated to one
+    owner each: the reference's experts are torch.optim.Muon leaves with the method's Newton–Schulz
+    written independently (tests.helpers.reference_newton_schulz); the toy experts (48 x 32) run the Polar
+    Express iteration, the k/v projections (16 x 32) Gram Newton–Schulz. Within TOLERANCE (the batched
+    GEMMs' rounding, as test_batched_experts_match_within_tolerance)."""
+    results = pool2.run(_moe_vs_reference, "z3", 4, None, expert_sharding, "batched", "gram")
+    dedicated = expert_sharding == "dedicated"
+    _check(results, local=0 if dedicated else 6, dedicated_3d=6 if dedicated else 0, ns_per_step=_ns(4), bitwise=False)
 
 
 def test_fewer_experts_than_ranks_are_dedicated(pool4):

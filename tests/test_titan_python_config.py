@@ -123,6 +123,7 @@ SAME_ERRORS = [
     (dict(momentum="0.9"), None, "[optimizer]\nname = \"dmuon\"\nmomentum = \"0.9\"\n"),
     (dict(adamw_betas=[0.9]), None, "[optimizer]\nname = \"dmuon\"\nadamw_betas = [0.9]\n"),
     (dict(adjust_lr_fn="rms"), None, "[optimizer]\nname = \"dmuon\"\nadjust_lr_fn = \"rms\"\n"),
+    (dict(ns_method="gram", ns_mode="exact"), None, "[optimizer]\nname = \"dmuon\"\nns_method = \"gram\"\nns_mode = \"exact\"\n"),
     (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
     ({}, ("parallelism", "context_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_degree = 2\n"),
     ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),

@@ -19,7 +19,7 @@ Three Newton–Schulz methods (``ns_method``; the exact mode runs only the first
 * ``"polar_express"``: the Polar Express schedule (a minimax-optimal polynomial per step,
   ``polar_express_schedule``), with its safety scaling; the same iteration as "torch" otherwise.
 * ``"gram"``: the same polynomials as "polar_express", computed by Gram Newton–Schulz (the
-  iteration carried on the small Gram matrix X Xᵀ, restarted every ``GRAM_RESTART_EVERY`` steps,
+  iteration carried on the small Gram matrix X Xᵀ, restarted before every odd step,
   its symmetric products computed by blocks) on the matrices where that takes fewer FLOPs
   (``uses_gram``), by the "polar_express" iteration on the others.
 
@@ -61,11 +61,13 @@ POLAR_EXPRESS_COEFFICIENTS = (
 # grow step after step, and the input is divided by 1.01 times its Frobenius norm.
 POLAR_EXPRESS_SAFETY = 1.01
 # Gram Newton–Schulz (Zhang, Amsel, Chen, Dao, Dao-AILab/gram-newton-schulz, 2026) restarts its Gram
-# iteration (X <- Q X, R <- X Xᵀ, Q <- I) to stay stable in half precision; its default, one restart after
-# step 2 of 5, is tuned for float16. In bf16 (3 mantissa bits fewer) that left singular values up to 2 on
-# ill-conditioned and low-rank inputs (benchmarks/ns_accuracy.py, "gram, 1 restart"): a restart every 2
-# steps keeps them in the polynomials' own band.
-GRAM_RESTART_EVERY = 2
+# iteration (X <- Q X, R <- X Xᵀ, Q <- I) to stay stable in half precision; its default, one restart before
+# step 2 of 5 (counting from 0), is tuned for float16. In bf16 (3 mantissa bits fewer) that left singular
+# values up to 2 on ill-conditioned and low-rank inputs (benchmarks/ns_accuracy.py, the "restarts" rows);
+# restarts before every odd step (``gram_restarts``: segments [0], [1, 2], [3, 4], ...; a segment's product
+# of polynomials is rounded to bf16 relative to its largest entries, and the first polynomial alone spans a
+# factor ~8 between singular values) keep them within a few bf16 ulps of the polynomials' band, closer
+# than restarts before steps 2 and 4, which cost the same FLOPs.
 # A symmetric product (X Xᵀ, or two polynomials in the same Gram matrix) computes its upper-left,
 # upper-right and lower-right blocks, the first and last recursively, while the blocks keep at least this
 # many rows: 3/4 of the GEMM FLOPs at one level, 5/8 at two; small matrices keep one GEMM.
@@ -167,7 +169,7 @@ def _iterate(x: torch.Tensor, schedule) -> torch.Tensor:
     return x
 
 
-def _gram_newton_schulz(x: torch.Tensor, schedule) -> torch.Tensor:
+def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | None = None) -> torch.Tensor:
     """The ``schedule``'s polynomials on a normalised bf16 batch with rows <= cols, by Gram Newton–Schulz.
 
     A step of ``_iterate`` is X <- P X with P = a I + Z, Z = b R + c R², R = X Xᵀ. Between restarts
@@ -175,12 +177,14 @@ def _gram_newton_schulz(x: torch.Tensor, schedule) -> torch.Tensor:
     them is symmetric: the iteration keeps Q (the product of the segment's P: a Q + Q Z) and
     R <- P R P (a RZ + Z RZ with RZ = a R + R Z), all rows x rows, as the Gram Newton–Schulz authors
     write it (P itself is never rounded to bf16 but at a segment's start), and forms Q X only at a
-    restart (then R = X Xᵀ afresh) and at the end. FLOPs: ``gram_flops``."""
+    restart (then R = X Xᵀ afresh; before the steps ``restarts``, default ``gram_restarts``) and at the
+    end. FLOPs: ``gram_flops``."""
+    restarts = set(gram_restarts(len(schedule)) if restarts is None else restarts)
     levels = symmetric_levels(x.size(-2))
     gram = _symmetric_matmul(x, x.mT, levels)
     product = None  # Q
     for step, (a, b, c) in enumerate(schedule):
-        if step > 0 and step % GRAM_RESTART_EVERY == 0:
+        if step in restarts:
             x = product @ x
             gram = _symmetric_matmul(x, x.mT, levels)
             product = None
@@ -190,10 +194,15 @@ def _gram_newton_schulz(x: torch.Tensor, schedule) -> torch.Tensor:
             product.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             product = _symmetric_matmul(product, z, levels, add=product, beta=a)
-        if step + 1 < len(schedule) and (step + 1) % GRAM_RESTART_EVERY != 0:
+        if step + 1 < len(schedule) and step + 1 not in restarts:
             rz = _symmetric_matmul(gram, z, levels, add=gram, beta=a)
             gram = _symmetric_matmul(z, rz, levels, add=rz, beta=a)
     return product @ x
+
+
+def gram_restarts(steps: int) -> tuple[int, ...]:
+    """The steps (counting from 0) Gram Newton–Schulz restarts before: every odd one."""
+    return tuple(range(1, steps, 2))
 
 
 def symmetric_levels(rows: int) -> int:
@@ -479,12 +488,12 @@ def ns_flops(rows: int, cols: int, steps: int = NS_STEPS, *, ns_method: str = "t
 def gram_flops(short: int, long: int, steps: int = NS_STEPS) -> int:
     """FLOPs of ``_gram_newton_schulz`` on one (short, long) matrix.
 
-    With r = (steps - 1) // GRAM_RESTART_EVERY restarts (r + 1 segments): X Xᵀ and Q X r + 1 times
+    With r = steps // 2 restarts (before each odd step; r + 1 segments): X Xᵀ and Q X r + 1 times
     each (short² long), and steps + 3 (steps - r - 1) products of two (short x short) matrices (R² in
     every step; Q P in each step that does not start a segment, R P and P (R P) in each that does not
     end one). All but Q X are symmetric (``symmetric_flops``: a fraction f of a full GEMM). For 5 steps:
     2 (3 (1 + f) short² long + 11 f short³), against the standard iteration's 2 (10 short² long + 5 short³)."""
-    restarts = (steps - 1) // GRAM_RESTART_EVERY
+    restarts = len(gram_restarts(steps))
     levels = symmetric_levels(short)
     cubes = steps + 3 * (steps - restarts - 1)
     return ((restarts + 1) * (symmetric_flops(short, long, levels) + 2 * short * short * long)

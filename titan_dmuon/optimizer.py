@@ -82,6 +82,7 @@ class DMuon(torch.optim.Optimizer):
         self._ns_timer: DeviceTimer | None = None
         self._ns_matrices = 0
         self._host_seconds = 0.0
+        self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)
         self.qk_clip = None
         if defaults.qk_clip_threshold is not None:
             from titan_dmuon.qk_clip import QKClip
@@ -257,7 +258,7 @@ class DMuon(torch.optim.Optimizer):
                 lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
-                ns_method=group["ns_method"],
+                ns_method=self.ns_method,
             )
 
     # ---- tensor-parallel shards: three stages, pipelined over the step's chunks ----------------------
@@ -277,7 +278,7 @@ class DMuon(torch.optim.Optimizer):
         """Newton–Schulz of the matrices homed here (assembled from their shards); results sent back."""
         def orthogonalise_fn(matrices):
             return orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
-                                 coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=group["ns_method"])
+                                 coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=self.ns_method)
 
         if self._ns_timer is None:
             self._ns_timer = DeviceTimer(sent.sent.device)

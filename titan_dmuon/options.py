@@ -66,7 +66,8 @@ class DMuonOptions:
     ns_method: str = "torch"
     """Newton–Schulz method: "torch" (torch.optim.Muon's coefficients), "polar_express" (the Polar Express
     per-step schedule) or "gram" (the same, by Gram Newton–Schulz where that takes fewer FLOPs); see
-    ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only."""
+    ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
+    in checkpoints)."""
     adamw_lr: float = 1e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -129,6 +130,8 @@ class DMuonOptions:
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DMuonOptions))
 ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
-JOB_KEYS = ("qk_clip_threshold", "qk_clip_alpha")  # one value for the whole optimizer, not per param group
+# One value for the whole optimizer, not per param group, kept out of the param groups and so out of
+# checkpoints: ns_method is how the step computes, not training state (a job may resume with another).
+JOB_KEYS = ("ns_method", "qk_clip_threshold", "qk_clip_alpha")
 MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS and name not in JOB_KEYS)
 DEFAULTS = DMuonOptions()

@@ -90,11 +90,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self._muon_kwargs = None
         self._part_handles: list = []
         self._part_attention: list = []
-        self._qk_clip = {k: getattr(config, k) for k in JOB_KEYS}
+        self._job_options = {k: getattr(config, k) for k in JOB_KEYS}
         if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
             config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
-            config.optimizer_factory_kwargs_by_name = {"NaiveFSDPMuon": {"muon_patterns": list(config.muon_params)}}
+            config.optimizer_factory_kwargs_by_name = {
+                "NaiveFSDPMuon": {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
         else:
             config.param_groups = param_groups_with_catch_all(config)
             if config.name == "dmuon":
@@ -105,8 +106,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def _resolve_optimizer_factory(self, name: str):
         if name == "DMuon":  # (the model part whose groups were just built: TorchTitan goes part by part)
-            handles, attention, clip = self._part_handles, self._part_attention, self._qk_clip
-            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **clip, **kwargs)
+            handles, attention, job = self._part_handles, self._part_attention, self._job_options
+            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job, **kwargs)
         if name == "NaiveFSDPMuon":
             return _naive_muon
         return OptimizersContainer._resolve_optimizer_factory(name)
@@ -117,7 +118,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         self._part_handles = handles = DedicatedParams.of(model)
-        if self._qk_clip["qk_clip_threshold"] is not None:
+        if self._job_options["qk_clip_threshold"] is not None:
             from titan_dmuon.integration.qk_clip import attention_descriptions
 
             tp = next((h.mode.tp.size for h in handles if h.mode.tp is not None), 1)
@@ -190,10 +191,10 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     return specific + [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})]
 
 
-def _naive_muon(param_groups, *, muon_patterns):
+def _naive_muon(param_groups, *, muon_patterns, ns_method):
     patterns = [re.compile(p) for p in muon_patterns]
     targets = [
         p for group in param_groups for p, name in zip(group["params"], group["param_names"])
         if any(pattern.search(name) for pattern in patterns)
     ]
-    return NaiveFSDPMuon(param_groups, muon_params=targets)
+    return NaiveFSDPMuon(param_groups, muon_params=targets, ns_method=ns_method)

@@ -46,7 +46,7 @@ class NaiveFSDPMuon(DMuon):
             stack = full if full.ndim == 3 else full[None]  # 3-D: MoE experts, one matrix each
             orthogonal = newton_schulz(
                 stack, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
-                ns_method=group["ns_method"],
+                ns_method=self.ns_method,
             ).reshape(full.shape)
             mine = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None)
             lr = scalar(group["lr"])
