@@ -1,6 +1,7 @@
 """Side by side on this machine: DMuon-Z2/Z3 vs FSDP2+AdamW vs naive FSDP2+Muon.
 
     python benchmarks/bench_debug_model.py [--steps 10] [--rounds 2] [--ngpu 2] [--out bench_out]
+                                           [--ns-methods torch polar_express gram] [--no-naive]
                                            [--seed-checkpoint] [--from-raw bench_out/debug_model_raw.json]
 
 Trains TorchTitan's llama3 debug model with each configuration through
@@ -17,7 +18,8 @@ group's broadcasts/reduces one by one). Memory: the rank's peak RSS (CPU; peak d
 packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3. DMuon's host time per
 step (its hooks and optimizer step; on a CPU this includes the work itself and gloo's waits) and how
 long the next forward's first layer waited for its weights (its broadcast starts in the step, as
-soon as that layer is updated) come from DMuon's log line.
+soon as that layer is updated) come from DMuon's log line. ``--ns-methods``: one DMuon-Z3 and one
+DMuon-Z2 row per Newton–Schulz method (``[optimizer] ns_method``; default "torch" only).
 
 Needs matplotlib for the plot (pip install -e '.[bench]').
 """
@@ -35,15 +37,30 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-CONFIGS = {  # name -> ([optimizer] table, fsdp_reshard_after_forward)
-    "FSDP2+AdamW Z3": ('name = "AdamW"\nlr = 8e-4', "always"),
-    "naive FSDP2+Muon Z3": ('name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4', "always"),
-    "DMuon Z3": ('name = "dmuon"\nlr = 0.05\nadamw_lr = 8e-4', "always"),
-    "FSDP2+AdamW Z2": ('name = "AdamW"\nlr = 8e-4', "never"),
-    "naive FSDP2+Muon Z2": ('name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4', "never"),
-    "DMuon Z2": ('name = "dmuon"\nlr = 0.05\nadamw_lr = 8e-4', "never"),
-}
+from titan_dmuon.muon_math import NS_METHODS  # noqa: E402
+
+ADAMW = 'name = "AdamW"\nlr = 8e-4'
+NAIVE = 'name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4'
+DMUON = 'name = "dmuon"\nlr = 0.05\nadamw_lr = 8e-4'
+
+
+def configurations(ns_methods=("torch",), naive: bool = True) -> dict[str, tuple[str, str]]:
+    """name -> ([optimizer] table, fsdp_reshard_after_forward), Z3 then Z2: AdamW, naive, DMuon per method
+    ("DMuon Z3" is "torch"'s; "DMuon Z3 gram" another method's)."""
+    out = {}
+    for mode, reshard in (("Z3", "always"), ("Z2", "never")):
+        out[f"FSDP2+AdamW {mode}"] = (ADAMW, reshard)
+        if naive:
+            out[f"naive FSDP2+Muon {mode}"] = (NAIVE, reshard)
+        for method in ns_methods:
+            name = f"DMuon {mode}" if method == "torch" else f"DMuon {mode} {method}"
+            out[name] = (DMUON if method == "torch" else DMUON + f'\nns_method = "{method}"', reshard)
+    return out
+
+
+CONFIGS = configurations()
 
 TEMPLATE = """
 [job]
@@ -109,8 +126,8 @@ def train_args(workdir: str, seed: str | None, tag: str) -> list[str]:
     return args
 
 
-def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None) -> list[dict]:
-    optimizer, reshard = CONFIGS[name]
+def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None, configs=CONFIGS) -> list[dict]:
+    optimizer, reshard = configs[name]
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
@@ -145,6 +162,9 @@ def main() -> None:
         help="start every run from one TorchTitan seed checkpoint (the same [debug] seed gives the same weights too)",
     )
     parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's debug_model_raw.json")
+    parser.add_argument("--ns-methods", nargs="+", default=["torch"], choices=list(NS_METHODS),
+                        help="a DMuon-Z3 and a DMuon-Z2 row per Newton–Schulz method")
+    parser.add_argument("--no-naive", action="store_true", help="leave out the naive FSDP2+Muon rows")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:
@@ -169,19 +189,21 @@ def main() -> None:
 
 def measure(args) -> dict[str, list[dict]]:
     """Every configuration, round after round; rows of steps 3+ tagged with their round."""
-    rows: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    configs = configurations(args.ns_methods, naive=not args.no_naive)
+    rows: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as workdir:
         seed = None
         if args.seed_checkpoint:
             print("seed checkpoint ...", flush=True)
             path = os.path.join(workdir, "seed.toml")
             with open(path, "w") as f:
-                f.write(TEMPLATE.format(optimizer=CONFIGS["FSDP2+AdamW Z3"][0], reshard="always", steps=args.steps))
+                f.write(TEMPLATE.format(optimizer=ADAMW, reshard="always", steps=args.steps))
             seed = seed_checkpoint(path, workdir)
         for r in range(args.rounds):
-            for name in CONFIGS:
+            for name in configs:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                rows[name] += [{**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir, seed) if row["step"] > 2]
+                rows[name] += [{**row, "round": r}
+                               for row in run(name, args.steps, args.ngpu, workdir, seed, configs) if row["step"] > 2]
     return rows
 
 
@@ -208,7 +230,7 @@ def summarize(data: list[dict], steps: int) -> dict:
 
 
 def _base(summary: dict, name: str) -> dict:
-    return summary["FSDP2+AdamW " + name[-2:]]
+    return summary["FSDP2+AdamW " + re.search(r"Z[23]", name)[0]]
 
 
 def _fmt(value, spec: str) -> str:
@@ -217,7 +239,7 @@ def _fmt(value, spec: str) -> str:
 
 def text_table(summary: dict, title: str) -> str:
     header = (
-        f"{'configuration':<22}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
+        f"{'configuration':<30}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
         f"{'comm MB':>9}{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'vs AdamW':>9}"
         f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}{'p10 step':>10}{'vs AdamW':>9}   rounds' step-time medians"
     )
@@ -226,7 +248,7 @@ def text_table(summary: dict, title: str) -> str:
         base = _base(summary, name)
         ratio = s["launches"] / base["launches"]
         lines.append(
-            f"{name:<22}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
+            f"{name:<30}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
             f"{s['launches']:>9.0f}{_fmt(s['launch_dmuon'], '.0f'):>8}{ratio:>9.2f}"
             f"{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
@@ -246,7 +268,9 @@ def markdown_table(summary: dict, steps: int) -> str:
         base = _base(summary, name)
         bold = name.startswith("DMuon")
         label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
-        label = f"**{label.replace('DMuon ', 'DMuon-')}**" if bold else label
+        if bold:  # "DMuon Z3 gram" -> "DMuon-Z3, ns_method gram"
+            label = "**" + re.sub(r"^DMuon (Z[23])(?: (\w+))?$",
+                                  lambda m: f"DMuon-{m[1]}" + (f", ns_method {m[2]}" if m[2] else ""), name) + "**"
         ratio = s["launches"] / base["launches"]
         buffers = f"{s['buffers_mb']:.2f} MB" if s["buffers_mb"] else "–"
         lines.append(

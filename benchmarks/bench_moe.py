@@ -1,6 +1,7 @@
 """Side by side on this machine: TorchTitan's qwen3 MoE debug model with DMuon vs FSDP2+AdamW vs naive FSDP2+Muon.
 
     python benchmarks/bench_moe.py [--steps 4] [--seq 64] [--batch 2] [--ngpu 2] [--out bench_out]
+                                   [--ns-methods torch polar_express gram] [--only FSDP2+AdamW DMuon]
 
 TorchTitan's own ``qwen3_moe_debug`` (8 MoE layers, 64 experts of [768, 256],
 top-8; 316M parameters) trains through run_train.sh with each optimizer, one
@@ -21,7 +22,8 @@ bench_out/moe.png. By default each configuration initialises its own weights
 from ``[debug] seed``: TorchTitan's AdamW and naive_muon start alike, DMuon
 from other weights (step-1 loss 7.669 vs 7.660); ``--seed-checkpoint``
 starts all three from one TorchTitan seed checkpoint (costs a ~1.3 GB write
-and a load per run).
+and a load per run). ``--ns-methods``: one DMuon row per Newton–Schulz method ("DMuon" is "torch"'s,
+"DMuon gram" ``ns_method = "gram"``'s).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import LINE, ROOT, bar_panels, seed_checkpoint, train_args  # noqa: E402
+from bench_debug_model import LINE, NS_METHODS, ROOT, bar_panels, seed_checkpoint, train_args  # noqa: E402
 
 CONFIGS = {  # name -> [optimizer] table
     "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
@@ -77,10 +79,18 @@ seed = 0
 DMUON_LINE = re.compile(r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms")
 
 
+def optimizer_table(name: str) -> str:
+    """The [optimizer] table of a configuration: CONFIGS', "DMuon <method>" with its ns_method."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    method = name.removeprefix("DMuon ")
+    return CONFIGS["DMuon"] + f'\nns_method = "{method}"'
+
+
 def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[dict], str]:
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
-        f.write(TEMPLATE.format(optimizer=CONFIGS[name], steps=args.steps, seq=args.seq, batch=args.batch))
+        f.write(TEMPLATE.format(optimizer=optimizer_table(name), steps=args.steps, seq=args.seq, batch=args.batch))
     env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
@@ -128,7 +138,7 @@ def _f(value, spec: str) -> str:
 def tables(summary: dict, title: str) -> tuple[str, str]:
     base = summary["FSDP2+AdamW"]
     text = [title, (
-        f"{'configuration':<18}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
+        f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
         f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'loss':>8}"
     )]
     md = [
@@ -138,12 +148,12 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
     ]
     for name, s in summary.items():
         text.append(
-            f"{name:<18}{s['step_s']:>9.2f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
+            f"{name:<24}{s['step_s']:>9.2f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>10.2f}{s['comm_mb'] / base['comm_mb']:>9.4f}"
             f"{_f(s['launches'], '.0f'):>9}{_f(s['launch_dmuon'], '.0f'):>8}"
             f"{s['rss_gib']:>13.2f}{s['loss']:>8.3f}"
         )
-        label = f"**{name}**" if name == "DMuon" else name
+        label = f"**{name.replace('DMuon ', 'DMuon, ns_method ')}**" if name.startswith("DMuon") else name
         md.append(
             f"| {label} | {s['step_s']:.2f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB ({s['comm_m']:.4f}M elements) | {s['comm_mb'] / base['comm_mb']:.4f} "
@@ -171,6 +181,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run only these configurations")
+    parser.add_argument("--ns-methods", nargs="+", default=["torch"], choices=list(NS_METHODS),
+                        help="a DMuon row per Newton–Schulz method")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
         "--seed-checkpoint", action="store_true",
@@ -182,6 +194,9 @@ def main() -> None:
     names = args.only or list(CONFIGS)
     if "FSDP2+AdamW" not in names:
         names = ["FSDP2+AdamW"] + names
+    if "DMuon" in names:  # one DMuon row per method, "DMuon" being "torch"'s
+        at = names.index("DMuon")
+        names[at : at + 1] = ["DMuon" if m == "torch" else f"DMuon {m}" for m in args.ns_methods]
     summary = {}
     with tempfile.TemporaryDirectory() as workdir:
         seed = None
@@ -189,7 +204,8 @@ def main() -> None:
             print("seed checkpoint ...", flush=True)
             path = os.path.join(workdir, "seed.toml")
             with open(path, "w") as f:
-                f.write(TEMPLATE.format(optimizer=CONFIGS["FSDP2+AdamW"], steps=args.steps, seq=args.seq, batch=args.batch))
+                f.write(TEMPLATE.format(optimizer=optimizer_table("FSDP2+AdamW"), steps=args.steps, seq=args.seq,
+                                        batch=args.batch))
             seed = seed_checkpoint(path, workdir)
         for name in names:
             print(f"{name} ...", flush=True)

@@ -2,6 +2,7 @@
 
     python benchmarks/memory_table.py [--dim 256] [--layers 4] [--steps 3] [--seq 64] [--no-hsdp]
                                       [--only z2 z3 hsdp] [--gloo]
+    python benchmarks/memory_table.py --moe [--steps 3] [--seq 64]   # TorchTitan's qwen3 moe_debug
 
 The toy transformer (titan_dmuon/toy_model.py) with TorchTitan's mixed
 precision (bf16 compute, fp32 master weights and gradient reduction) trains
@@ -39,15 +40,24 @@ so the figures there come out 0-1.4 MB too high at random.
 Every figure is the maximum over ranks (owners differ per rank: the rank that
 holds the larger share of the dedicated weights), with the mean over ranks
 in brackets where it differs.
+
+``--moe`` also gives each rank's resident peak: the process's peak RSS after the
+last step (what TorchTitan's ``memory:`` figure shows on a CPU), each rank run
+again without the profiler in a fresh process, so it also counts what the C
+allocator keeps after frees.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import multiprocessing
 import os
+import resource
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -200,21 +210,7 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
     gc.disable()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, container = th.build((spec.model, spec), th.parallel_dims(world), optimizer=optimizer, lr=0.02)
-        data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
-        for i, tokens in enumerate(data):
-            last = i == len(data) - 1
-            if last:
-                gc.collect()
-            container.zero_grad()
-            b = tokens.shape[0] // world
-            local = tokens[rank * b : (rank + 1) * b]
-            with record_function("bench::fwd_bwd" if last else "bench::warmup"):
-                logits = model(local[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
-                (loss / tokens[:, 1:].numel()).backward()
-                del logits, loss
-            with record_function("bench::step" if last else "bench::warmup_step"):
-                container.step()
+        _moe_steps(rank, world, model, container, steps, seq, record_function)
         gc.collect()
         with record_function("bench::end"):
             pass
@@ -238,6 +234,49 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
     del model, container
     gc.collect()
     return result
+
+
+def _moe_steps(rank: int, world: int, model, container, steps: int, seq: int, mark) -> None:
+    """``steps`` training steps of the moe_debug job on this rank's slice of a global batch of 2 x world
+    sequences; ``mark(name)`` wraps the phases (the last step's "bench::fwd_bwd" and "bench::step")."""
+    data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    for i, tokens in enumerate(data):
+        last = i == len(data) - 1
+        if last:
+            gc.collect()
+        container.zero_grad()
+        b = tokens.shape[0] // world
+        local = tokens[rank * b : (rank + 1) * b]
+        with mark("bench::fwd_bwd" if last else "bench::warmup"):
+            logits = model(local[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+            (loss / tokens[:, 1:].numel()).backward()
+            del logits, loss
+        with mark("bench::step" if last else "bench::warmup_step"):
+            container.step()
+
+
+def _resident_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) -> int:
+    """Peak RSS (bytes) of one rank of the moe_debug job after ``steps`` steps: run in a fresh process
+    (``_in_fresh_process``) on the fake process group, without the profiler."""
+    import torchtitan.models.qwen3 as qwen3
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests import titan_harness as th
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        spec = qwen3.model_registry("debugmodel_moe")
+        model, container = th.build((spec.model, spec), th.parallel_dims(world), optimizer=optimizer, lr=0.02)
+        _moe_steps(rank, world, model, container, steps, seq, lambda name: contextlib.nullcontext())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux)
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_fresh_process(fn, *args):
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int, measure=None) -> dict:
@@ -334,20 +373,25 @@ def _moe_table(args) -> None:
     for label, optimizer in (("FSDP2 + AdamW (TorchTitan's container)", "AdamW"), ("DMuon-Z3", "dmuon")):
         print(f"measuring {label} on qwen3 moe_debug: 2 ranks simulated one by one on the fake process group ...", flush=True)
         results[label] = [_on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)]
-    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water"]
-    base = {k: max(r[k] for r in results["FSDP2 + AdamW (TorchTitan's container)"]) for k in PHASES}
+        for rank, result in enumerate(results[label]):
+            result["resident"] = _in_fresh_process(_resident_moe, rank, 2, optimizer, args.steps, args.seq)
+    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water",
+            "resident"]
+    base = {k: max(r[k] for r in results["FSDP2 + AdamW (TorchTitan's container)"]) for k in (*PHASES, "resident")}
     print(f"TorchTitan qwen3 moe_debug (316M parameters; 64 experts of [768, 256] in 8 layers), 2 ranks, local batch "
           f"2 x seq {args.seq}, bf16 compute / fp32 reduce; MB = 1e6 bytes per rank, max over ranks\n")
     print("| configuration | params | grads | optimizer state | DMuon buffers | other | **persistent** | vs AdamW "
-          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW |")
-    print("|---" * 14 + "|")
+          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW | resident peak (RSS) "
+          "| vs AdamW |")
+    print("|---" * 16 + "|")
     for label, per_rank in results.items():
         cell = {k: max(r[k] for r in per_rank) for k in keys}
-        ratio = {k: f"{cell[k] / base[k]:.2f}" for k in PHASES}
+        ratio = {k: f"{cell[k] / base[k]:.3f}" if k == "resident" else f"{cell[k] / base[k]:.2f}" for k in (*PHASES, "resident")}
         print(f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
               f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
               f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "
-              f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} |")
+              f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} | {cell['resident'] / 2**30:.2f} GiB "
+              f"| {ratio['resident']} |")
 
 
 if __name__ == "__main__":

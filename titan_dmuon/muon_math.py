@@ -178,9 +178,15 @@ def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | Non
     R <- P R P (a RZ + Z RZ with RZ = a R + R Z), all rows x rows, as the Gram Newton–Schulz authors
     write it (P itself is never rounded to bf16 but at a segment's start), and forms Q X only at a
     restart (then R = X Xᵀ afresh; before the steps ``restarts``, default ``gram_restarts``) and at the
-    end. FLOPs: ``gram_flops``."""
+    end. FLOPs: ``gram_flops``. Matrices large enough for blocked symmetric products go one at a time,
+    as 2-D GEMMs (a batched GEMM copies the blocks it is given; such batches hold a few matrices)."""
     restarts = set(gram_restarts(len(schedule)) if restarts is None else restarts)
     levels = symmetric_levels(x.size(-2))
+    if levels > 0 and x.ndim == 3:
+        out = torch.empty_like(x)
+        for i in range(x.size(0)):
+            out[i] = _gram_newton_schulz(x[i], schedule, restarts)
+        return out
     gram = _symmetric_matmul(x, x.mT, levels)
     product = None  # Q
     for step, (a, b, c) in enumerate(schedule):
@@ -215,23 +221,23 @@ def symmetric_levels(rows: int) -> int:
 
 def _symmetric_matmul(a: torch.Tensor, b: torch.Tensor, levels: int, *, add: torch.Tensor | None = None,
                       beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
-    """``beta * add + alpha * a @ b`` (batched, accumulated as one ``baddbmm``) for a result known to be
-    symmetric: its upper-left and lower-right blocks (symmetric too: recursively) and its upper-right
-    one; the lower-left is that one's transpose."""
+    """``beta * add + alpha * a @ b`` (accumulated as one ``addmm``/``baddbmm``) for a result known to be
+    symmetric: split ``levels`` times (2-D matrices only), its upper-left and lower-right blocks
+    (symmetric too: recursively) and its upper-right one; the lower-left is that one's transpose."""
     if levels == 0:
         if add is None:
-            return a @ b if alpha == 1.0 else torch.bmm(a, b).mul_(alpha)
-        return torch.baddbmm(add, a, b, beta=beta, alpha=alpha)
-    half = a.size(-2) // 2
+            return a @ b if alpha == 1.0 else (a @ b).mul_(alpha)
+        return (torch.baddbmm if a.ndim == 3 else torch.addmm)(add, a, b, beta=beta, alpha=alpha)
+    half = a.size(0) // 2
+    top, low = slice(None, half), slice(half, None)
 
     def block(rows: slice, cols: slice):
-        return None if add is None else add[..., rows, cols]
+        return None if add is None else add[rows, cols]
 
-    top, low = slice(None, half), slice(half, None)
-    upper_left = _symmetric_matmul(a[..., top, :], b[..., :, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha)
-    upper_right = _symmetric_matmul(a[..., top, :], b[..., :, low], 0, add=block(top, low), beta=beta, alpha=alpha)
-    lower_right = _symmetric_matmul(a[..., low, :], b[..., :, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha)
-    return torch.cat([torch.cat([upper_left, upper_right], -1), torch.cat([upper_right.mT, lower_right], -1)], -2)
+    upper_left = _symmetric_matmul(a[top], b[:, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha)
+    upper_right = _symmetric_matmul(a[top], b[:, low], 0, add=block(top, low), beta=beta, alpha=alpha)
+    lower_right = _symmetric_matmul(a[low], b[:, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha)
+    return torch.cat([torch.cat([upper_left, upper_right], 1), torch.cat([upper_right.T, lower_right], 1)], 0)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:

@@ -1,0 +1,157 @@
+"""Training with each Newton–Schulz method: llama3 debug loss curves, AdamW vs DMuon per ``ns_method``.
+
+    python benchmarks/convergence.py [--steps 200] [--ngpu 2] [--last 20] [--out bench_out]
+    python benchmarks/convergence.py --from-raw bench_out/convergence_raw.json   # tables and PNG again
+
+TorchTitan's llama3 debug model trains through run_train.sh on the bundled dataset (local batch 2 x 256
+tokens per rank, ``[debug] seed = 0``, the same data order for every run) with FSDP2 + AdamW and with
+DMuon-Z3 for each ``muon_math.NS_METHODS`` method, plus DMuon with the default method from another seed
+(``seed = 1``: other initial weights), so the table shows how far two runs of one method land apart
+beside how far the methods do. Prints the mean loss over the last ``--last`` steps per run (and its
+markdown), and writes one PNG of the loss curves (raw, faint; and a moving average of ``--last`` steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_debug_model import ADAMW, DMUON, NS_METHODS, ROOT, train_args  # noqa: E402
+
+TEMPLATE = """
+[job]
+description = "convergence"
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./assets/debug/tokenizer"
+[optimizer]
+{optimizer}
+[lr_scheduler]
+warmup_steps = 10
+[training]
+local_batch_size = 2
+seq_len = 256
+steps = {steps}
+max_norm = 1.0
+[dataloader]
+dataset_path = "./assets/debug/text"
+[parallelism]
+fsdp_reshard_after_forward = "always"
+[activation_checkpoint]
+mode = "none"
+[metrics]
+log_freq = 1
+disable_color_printing = true
+[debug]
+seed = {seed}
+"""
+
+LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)")
+
+
+def runs() -> dict[str, tuple[str, int]]:
+    """name -> ([optimizer] table, seed)."""
+    out = {"FSDP2+AdamW": (ADAMW, 0)}
+    for method in NS_METHODS:
+        out[f"DMuon, ns_method {method}"] = (DMUON + f'\nns_method = "{method}"', 0)
+    out[f"DMuon, ns_method {NS_METHODS[0]}, seed 1"] = (DMUON + f'\nns_method = "{NS_METHODS[0]}"', 1)
+    return out
+
+
+def train(name: str, optimizer: str, seed: int, args, workdir: str) -> list[float]:
+    tag = re.sub(r"\W+", "_", name)
+    path = os.path.join(workdir, tag + ".toml")
+    with open(path, "w") as f:
+        f.write(TEMPLATE.format(optimizer=optimizer, steps=args.steps, seed=seed))
+    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
+    out = subprocess.run(["./run_train.sh", *train_args(workdir, None, tag)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=6 * 3600)
+    if out.returncode != 0:
+        sys.exit(f"{name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    losses = {int(m[1]): float(m[2]) for m in LOSS.finditer(out.stdout + out.stderr)}
+    if sorted(losses) != list(range(1, args.steps + 1)):
+        sys.exit(f"{name}: expected a loss for each of steps 1..{args.steps}, got {sorted(losses)[:5]}...")
+    return [losses[s] for s in range(1, args.steps + 1)]
+
+
+def table(curves: dict[str, list[float]], last: int) -> tuple[str, str]:
+    base = statistics.fmean(curves["FSDP2+AdamW"][-last:])
+    text = [f"{'run':<38}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"]
+    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {len(next(iter(curves.values())))} |",
+          "|---|---|---|---|"]
+    for name, losses in curves.items():
+        mean = statistics.fmean(losses[-last:])
+        text.append(f"{name:<38}{mean:>22.4f}{mean - base:>+10.4f}{losses[-1]:>12.4f}")
+        md.append(f"| {name} | {mean:.4f} | {mean - base:+.4f} | {losses[-1]:.4f} |")
+    seeds = [statistics.fmean(curves[n][-last:]) for n in curves if n.startswith(f"DMuon, ns_method {NS_METHODS[0]}")]
+    note = f"two seeds of ns_method {NS_METHODS[0]!r}: {abs(seeds[0] - seeds[1]):.4f} apart (the noise between runs)"
+    return "\n".join(text + [note]), "\n".join(md + ["", note])
+
+
+def plot(curves: dict[str, list[float]], last: int, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    for name, losses in curves.items():
+        steps = range(1, len(losses) + 1)
+        (line,) = ax.plot(steps, losses, alpha=0.25, linewidth=0.8)
+        window = [statistics.fmean(losses[max(0, i - last + 1) : i + 1]) for i in range(len(losses))]
+        ax.plot(steps, window, color=line.get_color(), linewidth=1.8, label=name,
+                linestyle="--" if "seed 1" in name else "-")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (faint: per step; bold: mean of the last {last})")
+    ax.set_ylim(top=min(max(c[min(5, len(c) - 1)] for c in curves.values()) * 1.05, ax.get_ylim()[1]))
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--ngpu", type=int, default=2)
+    parser.add_argument("--last", type=int, default=20, help="the table's mean is over this many last steps")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
+    parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's raw file")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.from_raw:
+        with open(args.from_raw) as f:
+            curves = json.load(f)
+        args.steps = len(next(iter(curves.values())))
+    else:
+        curves = {}
+        with tempfile.TemporaryDirectory() as workdir:
+            for name, (optimizer, seed) in runs().items():
+                print(f"{name} ...", flush=True)
+                curves[name] = train(name, optimizer, seed, args, workdir)
+        with open(os.path.join(args.out, "convergence_raw.json"), "w") as f:
+            json.dump(curves, f, indent=1)
+    title = f"llama3 debug model, {args.ngpu} ranks, {args.steps} steps: AdamW vs DMuon-Z3 per ns_method"
+    text, md = table(curves, min(args.last, args.steps))
+    print(title)
+    print(text)
+    print()
+    print(md)
+    with open(os.path.join(args.out, "convergence.txt"), "w") as f:
+        f.write(title + "\n" + text + "\n\n" + md + "\n")
+    plot(curves, min(args.last, args.steps), os.path.join(args.out, "convergence.png"), title)
+
+
+if __name__ == "__main__":
+    main()
