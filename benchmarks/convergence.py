@@ -86,7 +86,8 @@ def train(name: str, optimizer: str, seed: int, args, workdir: str) -> list[floa
 def table(curves: dict[str, list[float]], last: int) -> tuple[str, str]:
     base = statistics.fmean(curves["FSDP2+AdamW"][-last:])
     text = [f"{'run':<38}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"]
-    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {len(next(iter(curves.values())))} |",
+    steps = len(next(iter(curves.values())))
+    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {steps} |",
           "|---|---|---|---|"]
     for name, losses in curves.items():
         mean = statistics.fmean(losses[-last:])
@@ -127,7 +128,8 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--last", type=int, default=20, help="the table's mean is over this many last steps")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
-    parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's raw file")
+    parser.add_argument("--from-raw", metavar="JSON",
+                        help="only print the tables (and PNG) of an earlier run's raw file")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:

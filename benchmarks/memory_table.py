@@ -239,7 +239,8 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
 def _moe_steps(rank: int, world: int, model, container, steps: int, seq: int, mark) -> None:
     """``steps`` training steps of the moe_debug job on this rank's slice of a global batch of 2 x world
     sequences; ``mark(name)`` wraps the phases (the last step's "bench::fwd_bwd" and "bench::step")."""
-    data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i))
+            for i in range(steps)]
     for i, tokens in enumerate(data):
         last = i == len(data) - 1
         if last:
@@ -249,7 +250,8 @@ def _moe_steps(rank: int, world: int, model, container, steps: int, seq: int, ma
         local = tokens[rank * b : (rank + 1) * b]
         with mark("bench::fwd_bwd" if last else "bench::warmup"):
             logits = model(local[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(),
+                                                     reduction="sum")
             (loss / tokens[:, 1:].numel()).backward()
             del logits, loss
         with mark("bench::step" if last else "bench::warmup_step"):
@@ -381,12 +383,12 @@ def _moe_table(args) -> None:
     print(f"TorchTitan qwen3 moe_debug (316M parameters; 64 experts of [768, 256] in 8 layers), 2 ranks, local batch "
           f"2 x seq {args.seq}, bf16 compute / fp32 reduce; MB = 1e6 bytes per rank, max over ranks\n")
     print("| configuration | params | grads | optimizer state | DMuon buffers | other | **persistent** | vs AdamW "
-          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW | resident peak (RSS) "
-          "| vs AdamW |")
+          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW "
+          "| resident peak (RSS) | vs AdamW |")
     print("|---" * 16 + "|")
     for label, per_rank in results.items():
         cell = {k: max(r[k] for r in per_rank) for k in keys}
-        ratio = {k: f"{cell[k] / base[k]:.3f}" if k == "resident" else f"{cell[k] / base[k]:.2f}" for k in (*PHASES, "resident")}
+        ratio = {k: f"{cell[k] / base[k]:.{3 if k == 'resident' else 2}f}" for k in (*PHASES, "resident")}
         print(f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
               f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
               f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "

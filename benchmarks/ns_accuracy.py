@@ -41,7 +41,7 @@ SHAPES = {
 INPUTS = ("gaussian", "real", "rank 16", "condition 1e6", "zero", "one entry")
 
 
-def constructed(short: int, long: int, singular_values: torch.Tensor, generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+def constructed(short: int, long: int, singular_values: torch.Tensor, generator, device):
     """(M, its polar factor U_r V_rᵀ): random orthonormal U (short x r), V (long x r), M = U diag(s) Vᵀ."""
     r = len(singular_values)
     u, _ = torch.linalg.qr(torch.randn(short, r, generator=generator, dtype=torch.float64).to(device))
@@ -166,10 +166,14 @@ def measure(short, long, kind, generator, device, real, restarts) -> list[tuple]
         output = fn(x.clone())[0].double()
         finite = bool(torch.isfinite(output).all())
         if rank == 0:
-            rows.append((label, 0.0, float(output.abs().max()), 0.0 if finite and not output.any() else float("nan"), finite))
+            zero = 0.0 if finite and not output.any() else float("nan")
+            rows.append((label, 0.0, float(output.abs().max()), zero, finite))
             continue
         gram = output @ output.T
-        singular = torch.linalg.eigvalsh(gram).clamp(min=0).sqrt().flip(0)[:rank] if finite else torch.full((1,), float("nan"))
+        if finite:
+            singular = torch.linalg.eigvalsh(gram).clamp(min=0).sqrt().flip(0)[:rank]
+        else:
+            singular = torch.full((1,), float("nan"))
         distance = float((output - polar).norm() / polar.norm())
         rows.append((label, float(singular.min()), float(singular.max()), distance, finite))
     return rows
@@ -188,7 +192,8 @@ def main() -> None:
     real = debug_model_momenta() if any(s in SHAPES["debug"] for s in shapes) else []
     labels = [label for label, _ in runs(*max(shapes, key=lambda s: muon_math.uses_gram(*s)), args.restarts)]
     print(f"Newton–Schulz (5 steps, bf16) vs the exact polar factor U Vᵀ, {device.type}, torch {torch.__version__}: "
-          "per method, the output's smallest–largest singular value (over the input's rank) / ‖X − U Vᵀ‖_F / ‖U Vᵀ‖_F")
+          "per method, the output's smallest–largest singular value (over the input's rank) / "
+          "‖X − U Vᵀ‖_F / ‖U Vᵀ‖_F")
     print("| shape | input | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
     bad = []
@@ -196,7 +201,8 @@ def main() -> None:
         generator = torch.Generator().manual_seed(args.seed)
         for kind in INPUTS:
             cells = {}
-            for label, low, high, distance, finite in measure(short, long, kind, generator, device, real, args.restarts):
+            rows = measure(short, long, kind, generator, device, real, args.restarts)
+            for label, low, high, distance, finite in rows:
                 cells[label] = f"{low:.3f}–{high:.3f} / {distance:.3f}" if finite else "NOT FINITE"
                 if not finite or (kind == "zero" and distance != 0.0):
                     bad.append((short, long, kind, label))

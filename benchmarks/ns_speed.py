@@ -77,8 +77,8 @@ def main() -> None:
             speedup = statistics.median(t / o for t, o in zip(times["torch"], times[m]))
             flops = muon_math.ns_flops(short, long) / muon_math.ns_flops(short, long, ns_method=m)
             cells.append(f"{speedup:.2f}x ({flops:.2f}x)")
-        print(f"| {short} x {long} | {batch_size(short, long)} | {'yes' if muon_math.uses_gram(short, long) else 'no'} | "
-              + " | ".join(cells) + " |", flush=True)
+        gram = "yes" if muon_math.uses_gram(short, long) else "no"
+        print(f"| {short} x {long} | {batch_size(short, long)} | {gram} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

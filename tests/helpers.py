@@ -248,8 +248,8 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
 
 
 def reference_train(
-    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1, before_slice=None,
-    ns_method: str = "torch",
+    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1,
+    before_slice=None, ns_method: str = "torch",
 ):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
 
@@ -430,7 +430,10 @@ def reference_newton_schulz(method: str):
                     x = product @ x
                     gram, product = x @ x.T, None
                 z = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-                product = z + a * torch.eye(short, dtype=z.dtype) if product is None else torch.addmm(product, product, z, beta=a)
+                if product is None:
+                    product = z + a * torch.eye(short, dtype=z.dtype)
+                else:
+                    product = torch.addmm(product, product, z, beta=a)
                 if step + 1 < ns_steps and (step + 1) % 2 == 0:
                     rz = torch.addmm(gram, gram, z, beta=a)
                     gram = torch.addmm(rz, z, rz, beta=a)

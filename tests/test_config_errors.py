@@ -217,7 +217,8 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
     """ns_mode "exact" is torch.optim.Muon's own update: any other ns_method is one line naming both keys,
     before launch, whichever door (the Python door names settings as optimizer.key)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    line = "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"
+    line = ("ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
+            "or ns_mode 'batched'")
     args = ["--optimizer.ns_method", "gram", "--optimizer.ns_mode", "exact"]
     for door, prefix in ((TOML_DOOR, "command line: [optimizer] "), (PYTHON_DOOR, "optimizer.")):
         assert main([*door, *args]) == 2

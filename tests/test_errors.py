@@ -101,7 +101,8 @@ def _bad_optimizer(rank, world, options):
         ({"nesterov": "yes"}, "nesterov = 'yes': expected true or false"),
         ({"ns_method": "newton"}, "ns_method = 'newton': expected one of ('torch', 'polar_express', 'gram')"),
         ({"ns_method": "gram", "ns_mode": "exact"},
-         "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"),
+         "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
+         "or ns_mode 'batched'"),
         ({"ns_method": "polar_express", "ns_coefficients": (3.0, -4.0, 2.0)},
          "ns_coefficients = (3.0, -4.0, 2.0): expected torch.optim.Muon's (3.4445, -4.775, 2.0315) with ns_method "
          "'polar_express' (its own per-step schedule), or ns_method 'torch'"),

@@ -19,7 +19,8 @@ from tests.helpers import TOLERANCE, batches, distribute, full_state, global_los
 STEPS = 4
 
 
-def _moe_vs_reference(rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact", ns_method="torch"):
+def _moe_vs_reference(rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact",
+                      ns_method="torch"):
     data = batches(STEPS)
     model = toy_model(num_experts=experts, routed_experts=routed)
     ref, ref_losses, _ = reference_train(model, data, slices=world, ns_method=ns_method)

@@ -74,9 +74,11 @@ def test_the_bound_catches_a_wrong_schedule_or_restart():
     torch.manual_seed(0)
     gaussian = torch.randn(4, 16, 48)
     g = torch.Generator().manual_seed(0)
-    graded = torch.stack([spectrum(64, 192, torch.logspace(0, -3, 64, dtype=torch.float64), g) for _ in range(2)]).float()
+    graded = torch.stack([spectrum(64, 192, torch.logspace(0, -3, 64, dtype=torch.float64), g)
+                          for _ in range(2)]).float()
     for method, stack in (("polar_express", gaussian), ("gram", gaussian), ("gram", graded)):
-        expected = torch.stack([reference_newton_schulz(method)(m, NS_COEFFICIENTS, STEPS, 1e-7) for m in stack]).float()
+        reference = reference_newton_schulz(method)
+        expected = torch.stack([reference(m, NS_COEFFICIENTS, STEPS, 1e-7) for m in stack]).float()
         assert scale_ulps(newton_schulz(stack, ns_method=method).float() - expected, expected) <= BATCHED_ULPS
         x = stack.bfloat16()
         x = x / (x.flatten(1).norm(dim=1) * PAPER_SAFETY)[:, None, None]
@@ -89,7 +91,8 @@ def test_the_bound_catches_a_wrong_schedule_or_restart():
             assert scale_ulps(output.float() - expected, expected) > 4 * BATCHED_ULPS
 
 
-@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (24, 32), (1024, 1024), (1030, 3001), (2048, 2048), (4096, 14336)])
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (24, 32), (1024, 1024), (1030, 3001), (2048, 2048),
+                                   (4096, 14336)])
 @pytest.mark.parametrize("method", NS_METHODS)
 def test_ns_flops_are_the_flops_run(shape, method):
     """Counted on meta tensors (no arithmetic): every matmul of the iteration each method runs on this

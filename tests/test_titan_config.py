@@ -72,7 +72,8 @@ def test_ns_method_from_toml_and_command_line(tmp_path):
     assert load_config(_write(tmp_path, MINIMAL), world_size=2).optimizer.ns_method == "torch"
     path = _write(tmp_path, MINIMAL + 'ns_method = "gram"\n', "b.toml")
     assert load_config(path, world_size=2).optimizer.ns_method == "gram"
-    assert load_config(path, ["--optimizer.ns_method", "polar_express"], world_size=2).optimizer.ns_method == "polar_express"
+    overridden = load_config(path, ["--optimizer.ns_method", "polar_express"], world_size=2)
+    assert overridden.optimizer.ns_method == "polar_express"
 
 
 def test_activation_checkpoint_modes(tmp_path):
@@ -98,9 +99,11 @@ ERRORS = [
     (MINIMAL + "betas = [0.9, 0.99]\n", [], 2, ["[optimizer] betas applies to name = \"AdamW\" only", "adamw_betas"]),
     ("[optimizer]\nname = \"AdamW\"\nmomentum = 0.9\n", [], 2, ["[optimizer] momentum applies to name = \"dmuon\" (or \"naive_muon\") only, not 'AdamW'"]),
     (MINIMAL + "adamw_betas = [0.9]\n", [], 2, ["[optimizer] adamw_betas = [0.9]", "a list of 2"]),
-    (MINIMAL + "ns_method = \"newton\"\n", [], 2, ["[optimizer] ns_method = 'newton'", "one of 'torch', 'polar_express', 'gram'"]),
+    (MINIMAL + "ns_method = \"newton\"\n", [], 2,
+     ["[optimizer] ns_method = 'newton'", "one of 'torch', 'polar_express', 'gram'"]),
     (MINIMAL + "ns_method = \"gram\"\nns_mode = \"exact\"\n", [], 2,
-     ["[optimizer] ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"]),
+     ["[optimizer] ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
+      "or ns_mode 'batched'"]),
     (MINIMAL + "ns_method = \"polar_express\"\n", ["--optimizer.ns_mode", "exact"], 2,
      ["ns_method = 'polar_express': expected 'torch' with ns_mode 'exact'"]),
     (MINIMAL + "muon_params = [\"(\"]\n", [], 2, ["muon_params: bad regex '('"]),

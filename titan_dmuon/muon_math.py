@@ -124,7 +124,7 @@ def polar_express_schedule(steps: int) -> tuple[tuple[float, float, float], ...]
     return tuple(scaled[:steps]) + (scaled[-1],) * max(0, steps - len(scaled))
 
 
-def ns_schedule(ns_method: str, steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS) -> tuple[tuple[float, float, float], ...]:
+def ns_schedule(ns_method: str, steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS) -> tuple[tuple[float, ...], ...]:
     """The polynomial (a, b, c) of each step of ``ns_method`` ("torch": ``coefficients`` every step)."""
     check_method(ns_method, coefficients)
     return (tuple(coefficients),) * steps if ns_method == "torch" else polar_express_schedule(steps)
@@ -349,7 +349,8 @@ def muon_step(
     check_method(ns_method, ns_coefficients)
     if ns_mode == "exact":
         if ns_method != "torch":
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', got {ns_method!r}")
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
+                             f"got {ns_method!r}")
         return _exact_step(
             params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
@@ -541,7 +542,8 @@ def orthogonalise(
     check_method(ns_method, coefficients)
     if ns_mode == "exact":
         if ns_method != "torch":
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', got {ns_method!r}")
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
+                             f"got {ns_method!r}")
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]

@@ -108,8 +108,8 @@ class DMuonOptions:
                               "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
         if self.ns_method != "torch" and self.ns_coefficients != NS_COEFFICIENTS:
             raise OptionError("ns_coefficients", self.ns_coefficients,
-                              f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own per-step "
-                              "schedule), or ns_method 'torch'")
+                              f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own "
+                              "per-step schedule), or ns_method 'torch'")
         if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
             raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
         if self.qk_clip_threshold is not None and (

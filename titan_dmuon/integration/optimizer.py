@@ -107,7 +107,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def _resolve_optimizer_factory(self, name: str):
         if name == "DMuon":  # (the model part whose groups were just built: TorchTitan goes part by part)
             handles, attention, job = self._part_handles, self._part_attention, self._job_options
-            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job, **kwargs)
+            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job,
+                                                  **kwargs)
         if name == "NaiveFSDPMuon":
             return _naive_muon
         return OptimizersContainer._resolve_optimizer_factory(name)

@@ -26,7 +26,7 @@ def with_dmuon(config, **options):
 
     The keywords are the TOML ``[optimizer]`` keys of ``name = "dmuon"`` (``lr``,
     ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``, ``adjust_lr_fn``,
-    ``ns_mode``, ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
+    ``ns_mode``, ``ns_method``, ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
     ``muon_params``, ``reshard_after_forward``), with the same meaning and checks.
     One left out keeps the config's value; on a plain TorchTitan config that is
     what TOML gives an unset key: ``lr`` and ``weight_decay`` from its AdamW, the
