@@ -13,6 +13,7 @@ the full weight ("shard owner") and broadcasts it in forward.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from collections.abc import Sequence
@@ -139,9 +140,11 @@ class OwnershipPlan:
             f"mesh replicate={self.replicate_size} x shard={self.shard_size}, "
             f"NS FLOPs max/mean={self.imbalance:.3f}"
         ]
+        owned = [0] * self.world_size
+        for e in self.entries:
+            owned[e.owner] += 1
         for rank in range(self.world_size):
-            owned = [e.fqn for e in self.entries if e.owner == rank]
-            lines.append(f"  rank {rank}: {len(owned)} matrices, {load[rank]:.3e} NS FLOPs")
+            lines.append(f"  rank {rank}: {owned[rank]} matrices, {load[rank]:.3e} NS FLOPs")
         return "\n".join(lines)
 
 
@@ -159,16 +162,22 @@ def build_plan(
     the rank that holds them), so dedicated weights even out the total. Ties go
     to the lowest rank and the specs are visited in a fixed order (cost, then
     position), so the result depends only on names and shapes.
+
+    The least-loaded rank comes off a heap of ``(load, rank)``: its smallest tuple is the lowest
+    load, then the lowest rank, the rank a scan of every rank picks, in O(log R) instead of O(R)
+    per weight (46,848 experts on 8192 ranks: a scan took half a minute).
     """
     costs = [s.ns_flops(ns_steps) for s in specs]
     load = list(initial_load) if initial_load is not None else [0] * (replicate_size * shard_size)
     if len(load) != replicate_size * shard_size:
         raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
     owners = [0] * len(specs)
+    least_loaded = [(rank_load, rank) for rank, rank_load in enumerate(load)]
+    heapq.heapify(least_loaded)
     for i in sorted(range(len(specs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        rank_load, rank = least_loaded[0]
         owners[i] = rank
-        load[rank] += costs[i]
+        heapq.heapreplace(least_loaded, (rank_load + costs[i], rank))
     homes = _tp_homes(specs, owners, costs)
     entries = tuple(
         PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
