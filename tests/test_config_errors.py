@@ -228,12 +228,13 @@ def test_bad_values_are_the_same_line_in_both_doors(capsys, monkeypatch, args, w
 def test_parallelism_errors_before_launch_name_the_command_line(args, world, line):
     """PP degree 8 on 8 ranks and a misspelt schedule passed the check and failed after launch in
     TorchTitan's pipeline_llm (231 / 166 lines); a TP degree from the command line was blamed on
-    the TOML file. Each is one line now, naming where the value came from (the Python door names
-    settings as optimizer.key: no source)."""
+    the TOML file. Each is one line now, naming where the value came from, in both doors (the
+    Python door gave no source: the pre-launch check did not know which settings the command line
+    had changed)."""
     toml = _one_line_error(check, [*TOML_DOOR, *args], world_size=world)
     assert toml.startswith("command line: ") and toml.endswith(line), toml
     python = _one_line_error(check, [*PYTHON_DOOR, *args], world_size=world)
-    assert python.endswith(line), python
+    assert python.startswith("command line: ") and python.endswith(line), python
     fixed = ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "2"]
     check([*TOML_DOOR, *fixed], world_size=8)  # the advice works (4 x 2 stages of the 8 layers)
 
