@@ -124,11 +124,11 @@ def test_tensor_parallel_homes_balance_each_layer_over_the_tp_ranks():
     assert plan == build_plan(specs, replicate_size=1, shard_size=1)
     assert specs[0].full_shape == (16, 16) and plan.entries[0].ns_flops == ns_flops(16, 16)
     for unit in range(2):
-        homes = [e.tp_home for e in plan.entries if e.unit == unit]
+        homes = [e.tp_homes[0] for e in plan.entries if e.unit == unit]
         assert sorted(set(homes)) == [0, 1]
     load = [0, 0]
     for e in plan.entries:
-        load[e.tp_home] += e.ns_flops
+        load[e.tp_homes[0]] += e.ns_flops
     assert max(load) / (sum(load) / 2) < 1.2
     moved = build_plan([dataclasses.replace(s, tp_size=4) for s in specs], replicate_size=1, shard_size=1)
     assert moved.digest() != plan.digest()

@@ -338,7 +338,7 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
     specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),),
                         tp_dim=d, tp_size=tp_size) for i, (s, d) in enumerate(shapes)]
     plan = build_plan(specs, replicate_size=1, shard_size=1)
-    moved, launches, homes = [], [], [e.tp_home for e in plan.entries]
+    moved, launches, homes = [], [], [e.tp_homes[0] for e in plan.entries]
     for rank in range(tp_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp_size)
         try:
@@ -346,7 +346,7 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
             stats = CommStats()
             exchange = TensorParallelNewtonSchulz(tp, stats, Streams(torch.device("cpu")))
             shards = [torch.zeros(e.shape, dtype=torch.bfloat16) for e in plan.entries]
-            _, count = exchange.orthogonalise(list(plan.entries), shards, lambda ms: ms)
+            _, count = exchange.orthogonalise([m for e in plan.entries for m in e.tp_matrices()], shards, lambda ms: ms)
             popped = stats.pop()
             moved.append(sum(e for e, _, _ in popped.values()))
             launches.append((sum(n for _, _, n in popped.values()), count))
