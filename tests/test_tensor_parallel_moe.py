@@ -325,7 +325,9 @@ CHECKPOINT_EXPERTS = 2
 def _train_and_keep(rank, world, folder, state, tp, until, hf=False):
     job = _Job(world, folder, tp=tp, state=state, hf=hf)
     losses = job.train(until)
-    expected = th.hf_export_expected(full_parameters(job.parts[0], job.handle()), job.parts, job.adapter) if hf else None
+    expected = None
+    if hf:
+        expected = th.hf_export_expected(full_parameters(job.parts[0], job.handle()), job.parts, job.adapter)
     return losses, *job.state(), expected
 
 

@@ -13,6 +13,7 @@ the full weight ("shard owner") and broadcasts it in forward.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from collections.abc import Sequence
@@ -206,9 +207,11 @@ class OwnershipPlan:
             f"mesh replicate={self.replicate_size} x shard={self.shard_size}, "
             f"NS FLOPs max/mean={self.imbalance:.3f}"
         ]
+        owned = [0] * self.world_size
+        for e in self.entries:
+            owned[e.owner] += 1
         for rank in range(self.world_size):
-            owned = [e.fqn for e in self.entries if e.owner == rank]
-            lines.append(f"  rank {rank}: {len(owned)} matrices, {load[rank]:.3e} NS FLOPs")
+            lines.append(f"  rank {rank}: {owned[rank]} matrices, {load[rank]:.3e} NS FLOPs")
         return "\n".join(lines)
 
 
@@ -228,6 +231,10 @@ def build_plan(
     to the lowest rank and the specs are visited in a fixed order (cost, then
     position), so the result depends only on names and shapes.
 
+    The least-loaded rank comes off a heap of ``(load, rank)``: its smallest tuple is the lowest
+    load, then the lowest rank, the rank a scan of every rank picks, in O(log R) instead of O(R)
+    per weight (46,848 experts on 8192 ranks: a scan took half a minute).
+
     ``local_tp_specs``: TP-split 3-D expert weights that stay where FSDP2 shards them on dim 0
     (ceil(E/N) whole experts per shard index, in every replica): each data-parallel rank's experts
     get NS homes in its TP group, balanced with the dedicated matrices that rank owns.
@@ -237,17 +244,20 @@ def build_plan(
     if len(load) != replicate_size * shard_size:
         raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
     owners = [0] * len(specs)
+    least_loaded = [(rank_load, rank) for rank, rank_load in enumerate(load)]
+    heapq.heapify(least_loaded)
     for i in sorted(range(len(specs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        rank_load, rank = least_loaded[0]
         owners[i] = rank
-        load[rank] += costs[i]
-    # every matrix of the TP exchange, per data-parallel rank: (rank, unit, cost, key); key: where its home goes
+        heapq.heapreplace(least_loaded, (rank_load + costs[i], rank))
+    # every matrix of the TP exchange: (data-parallel rank, unit, cost, key: where its home goes, tp size)
     matrices = []
     for i, s in enumerate(specs):
         if s.tp_replicated:  # one home for the whole weight: it alone gets the summed gradient and keeps momentum
-            matrices.append((owners[i], s.unit, costs[i], ("dedicated", i, 0)))
+            matrices.append((owners[i], s.unit, costs[i], ("dedicated", i, 0), s.tp_size))
         elif s.tensor_parallel:
-            matrices += [(owners[i], s.unit, costs[i] // s.matrices, ("dedicated", i, e)) for e in range(s.matrices)]
+            cost = costs[i] // s.matrices
+            matrices += [(owners[i], s.unit, cost, ("dedicated", i, e), s.tp_size) for e in range(s.matrices)]
     local_chunks = []
     for j, s in enumerate(local_tp_specs):
         experts, per_rank = s.shape[0], -(-s.shape[0] // shard_size)  # FSDP2's dim-0 chunks (torch.chunk)
@@ -255,9 +265,9 @@ def build_plan(
             first = (rank % shard_size) * per_rank
             count = max(0, min(per_rank, experts - first))
             local_chunks.append((j, rank, first, count))
-            matrices += [(rank, s.unit, s.ns_flops(ns_steps) // experts, ("local", len(local_chunks) - 1, e))
+            matrices += [(rank, s.unit, s.ns_flops(ns_steps) // experts, ("local", len(local_chunks) - 1, e), s.tp_size)
                          for e in range(count)]
-    homes = _tp_homes(matrices, max([s.tp_size for s in [*specs, *local_tp_specs]], default=1))
+    homes = _tp_homes(matrices)
     entries = tuple(
         PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
                   owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes))
@@ -281,16 +291,16 @@ def _entry_homes(spec: MatrixSpec, index: int, homes: dict[tuple, int]) -> tuple
     return tuple(homes["dedicated", index, 0 if spec.tp_replicated else e] for e in range(spec.matrices))
 
 
-def _tp_homes(matrices: list[tuple[int, int, int, tuple]], tp_size: int) -> dict[tuple, int]:
-    """Per matrix of the TP exchange (``(data-parallel rank, unit, NS FLOPs, key)``; an expert counts
-    as one matrix), the tp rank that runs its Newton–Schulz: within each data-parallel rank's
+def _tp_homes(matrices: list[tuple[int, int, int, tuple, int]]) -> dict[tuple, int]:
+    """Per matrix of the TP exchange (``(data-parallel rank, unit, NS FLOPs, key, tp size)``; an expert
+    counts as one matrix), the tp rank that runs its Newton–Schulz: within each data-parallel rank's
     matrices, layer by layer, longest first to the least-loaded tp rank (the load carried over the
     layers), so each step chunk's and the whole step's NS are balanced over the TP group."""
     homes: dict[tuple, int] = {}
     load: dict[int, list[int]] = {}
-    for rank, _, cost, key in sorted(matrices, key=lambda m: (m[1], -m[2], m[0], m[3])):
+    for rank, _, cost, key, tp_size in sorted(matrices, key=lambda m: (m[1], -m[2], m[0], m[3])):
         ranks = load.setdefault(rank, [0] * tp_size)
-        homes[key] = min(range(tp_size), key=lambda t: (ranks[t], t))
+        homes[key] = min(range(len(ranks)), key=lambda t: (ranks[t], t))
         ranks[homes[key]] += cost
     return homes
 
