@@ -246,9 +246,7 @@ class DMuon(torch.optim.Optimizer):
         layers in forward order (as the dedicated units), as jobs of ``_run_pipelined``."""
         if handle.mode.tp is None:
             return []
-        mesh = handle.mode.mesh
-        dp_rank = mesh.replicate_rank * mesh.shard_size + mesh.shard_rank
-        planned = {x.fqn: x for x in handle.plan.local_tp_experts_of(dp_rank)}
+        planned = handle.local_tp_experts
         by_layer: dict[int, dict] = {}
         for group in groups:
             for p in group["params"]:
