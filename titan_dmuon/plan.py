@@ -73,7 +73,8 @@ class MatrixSpec:
     """Tensor parallelism: the tensor dim that the tp ranks split (0/1 of a matrix, 1/2 of an expert
     stack); ``shape`` is then this rank's TP-local shard, what DMuon broadcasts and reduces;
     ``blocks`` are rows of the full matrix, which Newton–Schulz orthogonalises. None with
-    ``tp_size`` > 1: replicated, every tp rank holds the whole weight (and the same gradient)."""
+    ``tp_size`` > 1: replicated, every tp rank holds the whole weight and a partial sum of its
+    gradient."""
     tp_size: int = 1
 
     @property

@@ -76,7 +76,9 @@ def dedicate_params(
             of the full weights, ``tp_shard_dims[p]`` the tensor dim the ``tp_mesh`` ranks split (a
             matrix: 0 column-wise parallel, 1 row-wise; an expert stack ``(E, rows, cols)``: 1 or 2,
             each expert split alike), or None for a weight every tp rank holds whole (replicated,
-            e.g. a router, with the same gradient on every tp rank), given for every dedicated weight
+            e.g. a router) and of whose gradient each tp rank computes a partial sum (TorchTitan's
+            spmd_types: a weight typed R, its gradient P; DMuon sums it over the TP group on the
+            weight's NS home at the end of backward), given for every dedicated weight
             (3-D weights left to FSDP2: only when TP splits their experts); ``split_rows`` then
             names rows of the full matrix. Each weight has one data-parallel owner coordinate, whose
             T tp ranks hold its T shards (or copies); in the Muon step each matrix (each expert) is
