@@ -59,7 +59,7 @@ def reference_build_plan(
     homes = reference_tp_homes(specs, owners, costs)
     entries = tuple(
         PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
-                  owner=owner, ns_flops=cost, tp_home=home)
+                  owner=owner, ns_flops=cost, tp_homes=(home,) if s.tp_dim is not None else ())
         for s, owner, cost, home in zip(specs, owners, costs, homes)
     )
     return OwnershipPlan(replicate_size=replicate_size, shard_size=shard_size, entries=entries,

@@ -126,14 +126,38 @@ def test_tensor_parallel_homes_balance_each_layer_over_the_tp_ranks():
     assert plan == build_plan(specs, replicate_size=1, shard_size=1)
     assert specs[0].full_shape == (16, 16) and plan.entries[0].ns_flops == ns_flops(16, 16)
     for unit in range(2):
-        homes = [e.tp_home for e in plan.entries if e.unit == unit]
+        homes = [e.tp_homes[0] for e in plan.entries if e.unit == unit]
         assert sorted(set(homes)) == [0, 1]
     load = [0, 0]
     for e in plan.entries:
-        load[e.tp_home] += e.ns_flops
+        load[e.tp_homes[0]] += e.ns_flops
     assert max(load) / (sum(load) / 2) < 1.2
     moved = build_plan([dataclasses.replace(s, tp_size=4) for s in specs], replicate_size=1, shard_size=1)
     assert moved.digest() != plan.digest()
+
+
+def test_tensor_parallel_homes_of_experts_and_replicated_weights():
+    """Under TP each expert is one matrix of the exchange: a dedicated stack's experts get homes of their
+    own, and so do the experts FSDP2 keeps on each data-parallel rank (ceil(E/N) whole experts from
+    rank s * ceil(E/N), in every replica), balanced in that rank's TP group with the matrices it owns;
+    a replicated weight (every tp rank holds it) has one home. All of it is in the digest."""
+    experts = MatrixSpec(fqn="l0.experts", shape=(4, 8, 16), unit=0, blocks=(((0, 16),),), tp_dim=1, tp_size=2)
+    router = MatrixSpec(fqn="l0.router", shape=(4, 16), unit=0, blocks=(((0, 4),),), tp_dim=None, tp_size=2)
+    dense = MatrixSpec(fqn="l0.wo", shape=(16, 8), unit=0, blocks=(((0, 16),),), tp_dim=1, tp_size=2)
+    kept = MatrixSpec(fqn="l1.experts", shape=(3, 8, 16), unit=1, blocks=(((0, 16),),), tp_dim=1, tp_size=2)
+    plan = build_plan([experts, router, dense], replicate_size=2, shard_size=2, local_tp_specs=[kept])
+    by_name = {e.fqn: e for e in plan.entries}
+    assert len(by_name["l0.experts"].tp_homes) == 4 and set(by_name["l0.experts"].tp_homes) == {0, 1}
+    assert by_name["l0.router"].tp_replicated and len(by_name["l0.router"].tp_homes) == 1
+    # 3 experts over 2 shard indices: 2 on index 0, 1 on index 1, on both replicas (global ranks r * 2 + s)
+    assert [(x.rank, x.first, len(x.tp_homes)) for x in plan.local_tp_experts] == [(0, 0, 2), (1, 2, 1), (2, 0, 2),
+                                                                                      (3, 2, 1)]
+    assert set(plan.local_tp_experts_of(0)[0].tp_homes) == {0, 1}  # one expert per TP rank
+    assert plan.local_tp_numel == 2 * 3 * 8 * 16  # each replica's experts
+    assert plan.digest() != build_plan([experts, router, dense], replicate_size=2, shard_size=2).digest()
+    moved = dataclasses.replace(kept, shape=(4, 8, 16))
+    assert plan.digest() != build_plan([experts, router, dense], replicate_size=2, shard_size=2,
+                                       local_tp_specs=[moved]).digest()
 
 
 # ---- the heap assigns as the scan of every rank did ----------------------------------------------

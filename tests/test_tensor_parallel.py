@@ -345,36 +345,46 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
               ((16, 16), 1)]
     specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),),
                         tp_dim=d, tp_size=tp_size) for i, (s, d) in enumerate(shapes)]
+    # a stack of 3 experts split on their rows, each expert homed on its own; a replicated matrix (a router)
+    specs += [MatrixSpec(fqn="experts", shape=(3, 8, 16), unit=0, blocks=(((0, 8 * tp_size),),), tp_dim=1,
+                         tp_size=tp_size),
+              MatrixSpec(fqn="router", shape=(8, 24), unit=0, blocks=(((0, 8),),), tp_dim=None, tp_size=tp_size)]
     plan = build_plan(specs, replicate_size=1, shard_size=1)
-    moved, launches, homes = [], [], [e.tp_home for e in plan.entries]
+    matrices = [m for e in plan.entries for m in e.tp_matrices()]
+    moved, launches, homes = [], [], [m.home for m in matrices]
     for rank in range(tp_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp_size)
         try:
             tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",)))
             stats = CommStats()
             exchange = TensorParallelNewtonSchulz(tp, stats, Streams(torch.device("cpu")))
-            shards = [torch.zeros(e.shape, dtype=torch.bfloat16) for e in plan.entries]
-            _, count = exchange.orthogonalise(list(plan.entries), shards, lambda ms: ms)
+            shards = [torch.zeros(m.shape, dtype=torch.bfloat16) if m.dim is not None or m.home == rank else None
+                      for m in matrices]
+            _, count = exchange.orthogonalise(matrices, shards, lambda ms: ms)
             popped = stats.pop()
             moved.append(sum(e for e, _, _ in popped.values()))
             launches.append((sum(n for _, _, n in popped.values()), count))
         finally:
             dist.destroy_process_group()
-    full = sum(torch.Size(e.full_shape).numel() for e in plan.entries)
-    return moved, launches, homes, full
+    full = sum(torch.Size(e.full_shape).numel() for e in plan.entries if not e.tp_replicated)
+    replicated = sum(e.numel for e in plan.entries if e.tp_replicated)
+    return moved, launches, homes, full, replicated
 
 
 @pytest.mark.parametrize("tp_size", [4, 8])
 def test_tp_exchange_moves_the_design_at_larger_tp(solo, tp_size):
     """At T = 4 and 8: two all-to-alls per step chunk, each moving (T-1)/T of the shards; averaged over
     the TP group exactly 2(T-1)/T^2 x the full elements (uneven homes change each rank's own count,
-    not the average); every matrix orthogonalised on exactly one rank; homes spread over the group."""
+    not the average), each expert of a stack like a matrix of its own, and (T-1)/T x a replicated
+    matrix (only its result travels, from its home: its gradient reaches the home in backward);
+    every matrix and expert orthogonalised on exactly one rank; homes spread over the group."""
     from fractions import Fraction
 
-    moved, launches, homes, full = solo.run(_tp_exchange_traffic, tp_size)[0]
-    assert sum(moved) / tp_size == 2 * Fraction(tp_size - 1, tp_size**2) * full
+    moved, launches, homes, full, replicated = solo.run(_tp_exchange_traffic, tp_size)[0]
+    t = tp_size
+    assert sum(moved) / t == 2 * Fraction(t - 1, t**2) * full + Fraction(t - 1, t) * replicated
     assert all(n == 2 for n, _ in launches)
-    assert sum(count for _, count in launches) == 8
+    assert sum(count for _, count in launches) == 8 + 3 + 1
     assert sorted(set(homes)) == list(range(tp_size))
 
 

@@ -148,6 +148,9 @@ class DedicatedParams:
         self.tensor_parallel_ns = (
             TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, ctx.streams) if self.mode.tp else None
         )
+        mesh = self.mode.mesh
+        self.local_tp_experts = {  # TP-split experts kept on this data-parallel rank, with their homes, by name
+            x.fqn: x for x in plan.local_tp_experts_of(mesh.replicate_rank * mesh.shard_size + mesh.shard_rank)}
         self._initialized = False
         self._callback_queued = False
         for owner in self.owning_modules:
