@@ -48,7 +48,7 @@ def table(results: dict[str, tuple[list, list]]) -> str:
     """The README's table: per step, for each model, S and heads clipped with the clip, S without it
     and the loss with and without it."""
     models = list(results)
-    head = "| step | " + " | ".join(f"{m}: S | heads clipped | S without the clip | loss, without" for m in models) + " |"
+    head = "| step | " + " | ".join(f"{m}: S | heads clipped | S without the clip | loss with, without the clip" for m in models) + " |"
     lines = [head, "|---|" + "---|" * 4 * len(models)]
     for step in range(1, max(len(clipped) for clipped, _ in results.values()) + 1):
         cells = []

@@ -10,8 +10,9 @@ that TorchTitan's entry point loads with it:
 * ``FT_TEST_PAUSE=mid:<step>`` (in the forward of that step) or ``end:<step>`` (after that step,
   before the next quorum): every rank writes ``<folder>/<replica>_<rank>.paused`` (its pid) and sleeps,
   so the test can SIGKILL the group exactly there;
-* ``FT_TEST_HOLD=<step>``: after that step every rank writes ``<folder>/<replica>_<rank>.held`` and
-  waits until ``<folder>/<replica>.release`` exists (so a restarting group can catch up with it).
+* ``FT_TEST_HOLD=<step>[,<step>...]``: after each of those steps every rank writes
+  ``<folder>/<replica>_<rank>.held`` and waits until ``<folder>/<replica>.release<step>`` exists (so a
+  restarting group can catch up with it).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _pause(trainer) -> None:
 def _hold(trainer) -> None:
     with open(_path(trainer, ".held"), "w") as f:
         f.write(f"{os.getpid()} {time.time()}")
-    release = os.path.join(_RECORD, f"{trainer.config.fault_tolerance.replica_id}.release")
+    release = os.path.join(_RECORD, f"{trainer.config.fault_tolerance.replica_id}.release{trainer.step}")
     deadline = time.monotonic() + 900
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -90,7 +91,7 @@ if _RECORD is not None:
             f.write(json.dumps(_state(self)) + "\n")
         if _when == "end" and self.step == int(_at):
             _pause(self)
-        if _HOLD and self.step == int(_HOLD):
+        if _HOLD and self.step in {int(step) for step in _HOLD.split(",")}:
             _hold(self)
         return out
 

@@ -68,12 +68,12 @@ class Job:
         self._procs.append(proc)
         return proc
 
-    def group(self, replica: int, name: str, *, pause: str | None = None, hold: int | None = None
+    def group(self, replica: int, name: str, *, pause: str | None = None, hold: tuple[int, ...] = ()
               ) -> tuple[subprocess.Popen, Path]:
         env = {
             **os.environ, "MODULE": "tests.ft_harness", "CONFIG": "llama3_debugmodel_dmuon_ft", "NGPU": str(self.ranks),
             "PYTHON": sys.executable, "TITAN_DMUON_PRECHECK": "0", "TORCHFT_LIGHTHOUSE": f"http://localhost:{self.port}",
-            "FT_TEST_RECORD": str(self.records), "FT_TEST_PAUSE": pause or "", "FT_TEST_HOLD": str(hold or ""),
+            "FT_TEST_RECORD": str(self.records), "FT_TEST_PAUSE": pause or "", "FT_TEST_HOLD": ",".join(map(str, hold)),
             "LOG_RANK": "0",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
@@ -96,8 +96,8 @@ class Job:
             m.unlink()
         return pids
 
-    def release(self, replica: int) -> None:
-        (self.records / f"{replica}.release").touch()
+    def release(self, replica: int, step: int) -> None:
+        (self.records / f"{replica}.release{step}").touch()
 
     def kill(self, proc: subprocess.Popen, workers: list[int]) -> float:
         """SIGKILL a group's workers and its torchrun at once (a lost node); the time of the kill."""
@@ -135,32 +135,46 @@ def log_time(log: Path, pattern: str) -> float | None:
     return None
 
 
-def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kill_after: int) -> dict:
+def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kill_after: int,
+                      kill_between: int | None = None) -> dict:
     """The fault scenario: groups 0 and 1; group 1 SIGKILLed in the forward of step ``kill_in`` and
-    restarted at once (group 0 waits after step ``kill_in + 1`` until the restarted group has
-    started, so that it rejoins before the job ends); the restarted group SIGKILLed after step
-    ``kill_after``, never to return; group 0 finishes. Returns the records per (group, rank), the
-    logs, the kill times and the restart's."""
+    restarted at once; with ``kill_between``, the restarted group SIGKILLed after that step (between
+    steps) and restarted again; the last one SIGKILLed after step ``kill_after``, never to return;
+    group 0 finishes. Group 0 waits after the step that follows each kill until the restarted group
+    has started, so that it rejoins before the job ends. Returns the records per (group, rank) (the
+    restarted groups' records after the first kill under "healed", each restart's under
+    "incarnations"), the logs, the kill times and the first restart's."""
+    kills = [kill_in] + ([kill_between] if kill_between is not None else [])
     with Job(folder, ranks=ranks, steps=steps) as job:
-        a, a_log = job.group(0, "a", hold=kill_in + 1)
-        b1, b1_log = job.group(1, "b1", pause=f"mid:{kill_in}")
-        logs = [a_log, b1_log]
-        kill_mid = job.kill(b1, job.wait_paused(1, logs, [a, b1]))
-        restart = time.time()
-        b2, b2_log = job.group(1, "b2", pause=f"end:{kill_after}")
-        logs.append(b2_log)
-        job.wait_paused(0, logs, [a, b2], marker="held")
-        wait("the restarted group to start", lambda: "Trainer is initialized" in b2_log.read_text(), logs=logs,
-             alive=[a, b2])
-        job.release(0)
-        kill_between = job.kill(b2, job.wait_paused(1, logs, [a, b2]))
+        a, a_log = job.group(0, "a", hold=tuple(k + 1 for k in kills))
+        b, b_log = job.group(1, "b1", pause=f"mid:{kill_in}")
+        logs = [a_log, b_log]
+        kill_times, restarts, group_logs = [], [], {"a": a_log, "b1": b_log}
+        for n, killed_after_step in enumerate(kills):
+            kill_times.append(job.kill(b, job.wait_paused(1, logs, [a, b])))
+            restarts.append(time.time())
+            last = n + 1 == len(kills)
+            b, b_log = job.group(1, f"b{n + 2}", pause=f"end:{kill_after if last else kills[n + 1]}")
+            logs.append(b_log)
+            group_logs[f"b{n + 2}"] = b_log
+            job.wait_paused(0, logs, [a, b], marker="held")
+            wait("the restarted group to start", lambda log=b_log: "Trainer is initialized" in log.read_text(),
+                 logs=logs, alive=[a, b])
+            job.release(0, killed_after_step + 1)
+        kill_last = job.kill(b, job.wait_paused(1, logs, [a, b]))
         wait("group 0 to finish", lambda: a.poll() is not None, logs=logs)
         assert a.returncode == 0, a_log.read_text()[-5000:]
+    bounds = [*kill_times, kill_last]
+    records = {r: job.read(1, r) for r in range(ranks)}
+    incarnations = [{r: {rec["step"]: rec for rec in records[r] if start < rec["time"] < stop} for r in range(ranks)}
+                    for start, stop in zip(bounds, bounds[1:])]
     return {
         "survivor": {r: {rec["step"]: rec for rec in job.read(0, r)} for r in range(ranks)},
-        "healed": {r: {rec["step"]: rec for rec in job.read(1, r) if rec["time"] > kill_mid} for r in range(ranks)},
-        "logs": {"a": a_log, "b1": b1_log, "b2": b2_log},
-        "kill_mid": kill_mid, "restart": restart, "kill_between": kill_between,
+        "healed": {r: {rec["step"]: rec for rec in records[r] if rec["time"] > kill_times[0]} for r in range(ranks)},
+        "incarnations": incarnations,
+        "logs": group_logs,
+        "kill_mid": kill_times[0], "restart": restarts[0], "kill_between": kill_times[1] if kill_between else kill_last,
+        "kill_last": kill_last,
     }
 
 

@@ -52,6 +52,14 @@ def _bad_dedicate(rank, world, case):
         return _error_of(lambda: dedicate_params(model, targets, mesh3))
     if case == "bad_split":
         return _error_of(lambda: dedicate_params(model, targets, mesh, split_rows={targets[0]: [10, 10]}))
+    if case in ("tp_dim_of_stack", "tp_dims_missing"):  # (TP-local shards in name only: refused before any use)
+        model = toy_model(num_experts=4)
+        targets = muon_targets(model)
+        mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
+        stack = next(p for p in targets if p.ndim == 3)
+        dims = {p: 0 for p in targets} if case == "tp_dim_of_stack" else {stack: 1}
+        return _error_of(lambda: dedicate_params(model, targets, mesh2["dp_shard"], tp_mesh=mesh2["tp"],
+                                                 tp_shard_dims=dims))
     if case == "plans_differ":  # rank 1 leaves one weight out
         return _error_of(lambda: dedicate_params(model, targets if rank == 0 else targets[:-1], mesh))
     raise ValueError(case)
@@ -70,6 +78,8 @@ CASES = {
     "3d_mesh": ("ValueError", ["1-D (DDP/FSDP) or 2-D (HSDP)", "3 dims"]),
     "bad_split": ("ValueError", ["split_rows", "sum to 32"]),
     "plans_differ": ("RuntimeError", ["plans differ across ranks", "[[0], [1]]"]),
+    "tp_dim_of_stack": ("ValueError", ["moe.w1'] = 0: expected, for an expert stack: 1 or 2", "or None (replicated)"]),
+    "tp_dims_missing": ("ValueError", ["has no entry in tp_shard_dims", "None when every tp rank holds it whole"]),
 }
 
 

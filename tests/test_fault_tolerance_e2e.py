@@ -24,42 +24,45 @@ from titan_dmuon.integration.fault_tolerance_checks import torchft_missing
 pytestmark = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the test extra has it)")
 
 def test_groups_killed_in_a_step_and_between_steps(tmp_path):
-    """Two groups of two ranks (DMuon-Z3 in each; the README's job, 9 steps). Group 1 is SIGKILLed
+    """Two groups of two ranks (DMuon-Z3 in each; the README's job, 11 steps). Group 1 is SIGKILLed
     in the forward of step 3 and restarted at once (group 0 waits after step 4 until it has
-    started); the restarted group is SIGKILLed after step 6 and never comes back.
+    started); the restarted group is SIGKILLed after step 6, between steps, and restarted again
+    (group 0 waits after step 7); that one is SIGKILLed after step 9 and never comes back.
 
     * Group 0 commits nothing for step 3 (its weights, momentum and AdamW state after step 3 are
-      bitwise those after step 2), continues alone, and commits every other step: one step lost.
-    * The restarted group heals from group 0 (TorchFT's transfer, rank to rank: each rank gets the
+      bitwise those after step 2), continues alone, and commits every other step: one step lost,
+      none for the kills between steps.
+    * Each restarted group heals from group 0 (TorchFT's transfer, rank to rank: each rank gets the
       weights and momentum it owns) and from then on holds, rank for rank, bitwise the same
       weights and optimizer state as group 0 after every step (the learning rate it got is the
       current one: with TorchTitan's cached state it differed).
-    * Killed between steps, it costs group 0 no step; the job finishes with the survivor."""
-    run = kill_restart_kill(tmp_path, ranks=2, steps=9, kill_in=3, kill_after=6)
-    survivor, healed = run["survivor"], run["healed"]
+    * The job finishes with the survivor."""
+    run = kill_restart_kill(tmp_path, ranks=2, steps=11, kill_in=3, kill_between=6, kill_after=9)
+    survivor, incarnations = run["survivor"], run["incarnations"]
     for r in range(2):
         steps = survivor[r]
-        assert sorted(steps) == list(range(1, 10))
-        commits = [steps[k]["commits"] for k in range(1, 10)]
-        assert commits == [1, 2, 2, 3, 4, 5, 6, 7, 8], commits  # step 3 discarded, every other step committed
+        assert sorted(steps) == list(range(1, 12))
+        commits = [steps[k]["commits"] for k in range(1, 12)]
+        assert commits == [1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10], commits  # step 3 discarded, every other one committed
         assert (steps[3]["weights"], steps[3]["state"]) == (steps[2]["weights"], steps[2]["state"])
-        rejoined = sorted(healed[r])
-        assert rejoined == [5, 6], rejoined
-        for k in rejoined:
-            assert (healed[r][k]["weights"], healed[r][k]["state"], healed[r][k]["lrs"]) == (
-                steps[k]["weights"], steps[k]["state"], steps[k]["lrs"]), (r, k)
+        for incarnation, expected in zip(incarnations, ([5, 6], [8, 9])):  # killed in a step, then between steps
+            rejoined = sorted(incarnation[r])
+            assert rejoined == expected, rejoined
+            for k in rejoined:
+                assert (incarnation[r][k]["weights"], incarnation[r][k]["state"], incarnation[r][k]["lrs"]) == (
+                    steps[k]["weights"], steps[k]["state"], steps[k]["lrs"]), (r, k)
     # across the groups each rank all-reduces every gradient element it holds once per step (its owners'
     # dedicated gradients and its FSDP2 shards): 2(G-1)/G of them moved, none while it is alone
     figures = re.findall(r"TorchFT: (\d) groups, \d+ steps committed, averaged ([\d.]+)M elements/rank/step across "
                          r"groups \(([\d.]+)M moved\)", run["logs"]["a"].read_text())
-    assert len(figures) == 9 and {g for g, _, _ in figures} == {"1", "2"}
+    assert len(figures) == 11 and {g for g, _, _ in figures} == {"1", "2"}
     for groups, averaged, moved in figures:
         assert float(averaged) == round(survivor[0][1]["held"] / 1e6, 4)
         assert float(moved) == (float(averaged) if groups == "2" else 0.0)
     # the logged loss is the mean over the groups: at step 1, of the initial model, near ln(vocabulary)
     # (TorchTitan's FaultTolerantTrainer logged the sum of the groups' means: twice that)
     assert losses(run["logs"]["a"])[1] < 1.5 * math.log(2048)
-    assert "healing required" in run["logs"]["b2"].read_text()
+    assert all("healing required" in run["logs"][name].read_text() for name in ("b2", "b3"))
     assert run["logs"]["a"].read_text().count("should_commit=False") == 1
 
     # the figures of this run (the machine is shared: times are indicative; benchmarks/fault_tolerance.py)

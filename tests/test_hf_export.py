@@ -106,7 +106,10 @@ def test_config_follows_the_model_arguments():
     width, eps, RoPE theta and scaling, tying; families without an HF architecture are named."""
     from titan_dmuon.integration.hf_export import NoHFConfig, hf_config
 
-    llama = hf_config(th.tiny_llama3(dim=96)[0], bos_token_id=1, eos_token_id=2)
+    llama_config = th.tiny_llama3(dim=96)[0]
+    llama = hf_config(llama_config, bos_token_id=1, eos_token_id=2)
+    # the norm's eps (a wrong one shows in the logits by only 2e-5 against the 1e-5 bound above)
+    assert llama["rms_norm_eps"] == llama_config.norm.eps
     assert (llama["hidden_size"], llama["intermediate_size"], llama["num_attention_heads"], llama["num_key_value_heads"],
             llama["head_dim"], llama["num_hidden_layers"]) == (96, 192, 4, 2, 24, 2)
     assert llama["rope_scaling"]["rope_type"] == "llama3" and llama["rope_theta"] == 500000

@@ -194,15 +194,15 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
 
 
 # ---- the owner's update under TP, compared directly -------------------------------------------------------
-def _tp_update_vs_torch_muon(rank, world, ns_method="torch"):
-    """One step of TP 2 (separate wq/wk/wv: every dedicated weight is one matrix): each matrix's
-    full weight and full gradient before the step (gathered from the TP shards) go through
-    torch.optim.Muon on one process (with ``ns_method``'s Newton–Schulz as tests.helpers writes it);
-    returns, per matrix, how far DMuon's full weight after the step is from that."""
+def _tp_update_vs_torch_muon(rank, world, fuse_qkv, ns_method="torch"):
+    """One step of TP 2: each matrix's full weight and full gradient before the step (gathered from
+    the TP shards) go through torch.optim.Muon on one process (with ``ns_method``'s Newton–Schulz as
+    tests.helpers writes it), one row block at a time (a fused wqkv: its q, k and v rows, as separate
+    weights); returns, per matrix, how far DMuon's full weight after the step is from that."""
     dims = th.parallel_dims(world, tp=world)
     muon = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="match_rms_adamw")
     ns_mode = "exact" if ns_method == "torch" else "batched"
-    model, container = th.build(_model(fuse_qkv=False), dims, param_dtype="float32", ns_mode=ns_mode,
+    model, container = th.build(_model(fuse_qkv=fuse_qkv), dims, param_dtype="float32", ns_mode=ns_mode,
                                 ns_method=ns_method, **muon)
     handle = _handle(container)
     before = {}
@@ -216,23 +216,30 @@ def _tp_update_vs_torch_muon(rank, world, ns_method="torch"):
     diff, sharded = {}, 0
     for m in handle.members:
         weight, grad = before[m.fqn]
-        reference = weight.clone().requires_grad_()
-        reference.grad = grad
-        with torch_muon_newton_schulz(None if ns_method == "torch" else reference_newton_schulz(ns_method)):
-            torch.optim.Muon([reference], **muon).step()
-        diff[m.fqn] = (handle.tp_full(m, m.param.detach()) - reference.detach()).abs().max().item()
+        expected = weight.clone()
+        for block in m.entry.blocks:
+            rows = torch.cat([torch.arange(start, stop) for start, stop in block])
+            reference = weight[rows].clone().requires_grad_()
+            reference.grad = grad[rows]
+            with torch_muon_newton_schulz(None if ns_method == "torch" else reference_newton_schulz(ns_method)):
+                torch.optim.Muon([reference], **muon).step()
+            expected[rows] = reference.detach()
+        diff[m.fqn] = (handle.tp_full(m, m.param.detach()) - expected).abs().max().item()
         sharded += m.entry.tp_dim is not None
     return diff, sharded
 
 
-def test_tp_update_is_torch_muons_update_of_the_full_matrix(pool2):
+@pytest.mark.parametrize("fuse_qkv", [False, True], ids=["separate_qkv", "fused_wqkv"])
+def test_tp_update_is_torch_muons_update_of_the_full_matrix(pool2, fuse_qkv):
     """ns_mode="exact" under TP: the owner's update of each TP-sharded matrix (momentum on the shards,
     Newton-Schulz of the assembled matrix on its home, weight decay with the plain lr and the update
     with the full matrix's adjusted lr, "match_rms_adamw", on the shards) is torch.optim.Muon's update
-    of the full matrix, bit for bit. (Weight decay with the adjusted lr was caught only by 2.06e-3
-    against a 2e-3 tolerance on the weights after 3 steps; here it changes the bits at once.)"""
-    for diff, sharded in pool2.run(_tp_update_vs_torch_muon):
-        assert sharded == len(diff) == MATRICES_PER_LAYER * LAYERS
+    of the full matrix, bit for bit; a fused wqkv's, of each of its q/k/v blocks (its per-block lr
+    was covered only by the 2e-3 tolerance of the training comparison). (Weight decay with the
+    adjusted lr was caught only by 2.06e-3 against a 2e-3 tolerance on the weights after 3 steps;
+    here it changes the bits at once.)"""
+    for diff, sharded in pool2.run(_tp_update_vs_torch_muon, fuse_qkv):
+        assert sharded == len(diff) == (MATRICES_PER_LAYER - (2 if fuse_qkv else 0)) * LAYERS
         assert all(d == 0.0 for d in diff.values()), diff
 
 
@@ -246,7 +253,7 @@ def test_tp_homes_run_the_newton_schulz_method(pool2, ns_method):
     from titan_dmuon.muon_math import uses_gram
 
     assert uses_gram(64, 128)
-    for diff, sharded in pool2.run(_tp_update_vs_torch_muon, ns_method):
+    for diff, sharded in pool2.run(_tp_update_vs_torch_muon, False, ns_method):
         assert sharded == len(diff) == MATRICES_PER_LAYER * LAYERS
         assert max(diff.values()) < TOLERANCE, diff
 
@@ -364,36 +371,46 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
               ((16, 16), 1)]
     specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),),
                         tp_dim=d, tp_size=tp_size) for i, (s, d) in enumerate(shapes)]
+    # a stack of 3 experts split on their rows, each expert homed on its own; a replicated matrix (a router)
+    specs += [MatrixSpec(fqn="experts", shape=(3, 8, 16), unit=0, blocks=(((0, 8 * tp_size),),), tp_dim=1,
+                         tp_size=tp_size),
+              MatrixSpec(fqn="router", shape=(8, 24), unit=0, blocks=(((0, 8),),), tp_dim=None, tp_size=tp_size)]
     plan = build_plan(specs, replicate_size=1, shard_size=1)
-    moved, launches, homes = [], [], [e.tp_home for e in plan.entries]
+    matrices = [m for e in plan.entries for m in e.tp_matrices()]
+    moved, launches, homes = [], [], [m.home for m in matrices]
     for rank in range(tp_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp_size)
         try:
             tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",)))
             stats = CommStats()
             exchange = TensorParallelNewtonSchulz(tp, stats, Streams(torch.device("cpu")))
-            shards = [torch.zeros(e.shape, dtype=torch.bfloat16) for e in plan.entries]
-            _, count = exchange.orthogonalise(list(plan.entries), shards, lambda ms: ms)
+            shards = [torch.zeros(m.shape, dtype=torch.bfloat16) if m.dim is not None or m.home == rank else None
+                      for m in matrices]
+            _, count = exchange.orthogonalise(matrices, shards, lambda ms: ms)
             popped = stats.pop()
             moved.append(sum(e for e, _, _ in popped.values()))
             launches.append((sum(n for _, _, n in popped.values()), count))
         finally:
             dist.destroy_process_group()
-    full = sum(torch.Size(e.full_shape).numel() for e in plan.entries)
-    return moved, launches, homes, full
+    full = sum(torch.Size(e.full_shape).numel() for e in plan.entries if not e.tp_replicated)
+    replicated = sum(e.numel for e in plan.entries if e.tp_replicated)
+    return moved, launches, homes, full, replicated
 
 
 @pytest.mark.parametrize("tp_size", [4, 8])
 def test_tp_exchange_moves_the_design_at_larger_tp(solo, tp_size):
     """At T = 4 and 8: two all-to-alls per step chunk, each moving (T-1)/T of the shards; averaged over
     the TP group exactly 2(T-1)/T^2 x the full elements (uneven homes change each rank's own count,
-    not the average); every matrix orthogonalised on exactly one rank; homes spread over the group."""
+    not the average), each expert of a stack like a matrix of its own, and (T-1)/T x a replicated
+    matrix (only its result travels, from its home: its gradient reaches the home in backward);
+    every matrix and expert orthogonalised on exactly one rank; homes spread over the group."""
     from fractions import Fraction
 
-    moved, launches, homes, full = solo.run(_tp_exchange_traffic, tp_size)[0]
-    assert sum(moved) / tp_size == 2 * Fraction(tp_size - 1, tp_size**2) * full
+    moved, launches, homes, full, replicated = solo.run(_tp_exchange_traffic, tp_size)[0]
+    t = tp_size
+    assert sum(moved) / t == 2 * Fraction(t - 1, t**2) * full + Fraction(t - 1, t) * replicated
     assert all(n == 2 for n, _ in launches)
-    assert sum(count for _, count in launches) == 8
+    assert sum(count for _, count in launches) == 8 + 3 + 1
     assert sorted(set(homes)) == list(range(tp_size))
 
 

@@ -113,8 +113,6 @@ ERRORS = [
     (MINIMAL + "[parallelism]\ntensor_parallel_degree = 2\nspmd_backend = \"partial_dtensor\"\n", [], 2, ["tensor_parallel_degree > 1 with parallelism.spmd_backend = 'partial_dtensor'", "use spmd_backend = 'spmd_types'"]),
     (MINIMAL + "[parallelism]\nspmd_backend = \"full_dtensor\"\n", [], 2, ["spmd_backend = 'full_dtensor'", "'spmd_types'"]),
     (MINIMAL + "[training]\nenable_cpu_offload = true\n", [], 2, ["enable_cpu_offload = true is not supported"]),
-    ("[model]\nname = \"qwen3\"\nflavor = \"moe_debug\"\n[optimizer]\nname = \"dmuon\"\n[parallelism]\ntensor_parallel_degree = 2\n",
-     [], 4, ["tensor_parallel_degree = 2", "tensor-parallel experts and router"]),
     (MINIMAL + "[parallelism]\ntensor_parallel_degree = 2\n[compile]\nenable = true\nenable_async_tensor_parallel = true\n",
      [], 2, ["compile.enable_async_tensor_parallel = true"]),
     ("[model]\nname = \"gpt2\"\n", [], 2, ["[model] name = 'gpt2'", "llama3, qwen3, deepseek_v3, kimi_k2_7"]),

@@ -12,7 +12,9 @@ from fractions import Fraction
 BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
 
 
-def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, deferred: bool = False) -> Fraction:
+def dmuon_elements_per_rank(
+    mode, *, numel: int, kept_unit_numel: int = 0, deferred: bool = False, local_tp_numel: int = 0,
+) -> Fraction:
     """DMuon's own elements per rank per step (per micro-batch with gradient sync on) for the
     Muon targets, under ``mode`` (a ``DedicationMode``), on a shard group of N ranks.
 
@@ -24,7 +26,8 @@ def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, defer
     replicate-group reduce and a post-step broadcast; each involves only the R owners of a
     matrix, so averaged over all R*N ranks each costs (R-1)/R * numel / N per rank. Tensor
     parallelism (``mode.tp``; ``numel`` TP-local) adds the step's all-to-alls on the TP group
-    (``tensor_parallel_elements_per_rank``); TorchTitan's own TP collectives are not DMuon's."""
+    (``tensor_parallel_elements_per_rank``; ``local_tp_numel``: experts kept in place that TP
+    splits, ``OwnershipPlan.local_tp_numel``); TorchTitan's own TP collectives are not DMuon's."""
     n, r = mode.mesh.shard_size, mode.mesh.replicate_size
     if kept_unit_numel and (deferred or not mode.reshard_after_forward):
         raise ValueError("kept_unit_numel applies to Z3 (reshard_after_forward=True) with gradient sync on only")
@@ -33,25 +36,33 @@ def dmuon_elements_per_rank(mode, *, numel: int, kept_unit_numel: int = 0, defer
     if r > 1:
         total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
     if mode.tp is not None:
-        total += tensor_parallel_elements_per_rank(mode.tp.size, numel=numel, data_parallel_ranks=n * r)
+        total += tensor_parallel_elements_per_rank(mode.tp.size, numel=numel, local_expert_numel=local_tp_numel,
+                                                   data_parallel_ranks=n * r)
     return total
 
 
-def tensor_parallel_elements_per_rank(tp_size: int, *, numel: int, data_parallel_ranks: int) -> Fraction:
-    """The Muon step's TP-group all-to-alls (tensor parallelism over T ranks), per rank averaged over
-    all ranks. ``numel``: the TP-local elements of all Muon targets (the plan's total). Each matrix
-    (full size T * n) goes once in the job from its T shards to its NS home and back: (T-1) * n
-    elements each way, so 2(T-1)/T^2 x the full elements each rank owns, on average over the
-    R*N*T ranks: 2(T-1)/T * numel / (R*N)."""
+def tensor_parallel_elements_per_rank(tp_size: int, *, numel: int, data_parallel_ranks: int,
+                                      local_expert_numel: int = 0) -> Fraction:
+    """The Muon step's TP-group traffic (tensor parallelism over T ranks), per rank averaged over all
+    R*N*T ranks. ``numel``: the TP-local elements of the dedicated Muon targets (a stack of experts
+    counts all its experts). Each matrix (full size T * n) goes once in the job from its T shards to
+    its NS home and back: (T-1) * n elements each way, so 2(T-1)/T^2 x the full elements each rank
+    owns, on average 2(T-1)/T * numel / (R*N). A weight TP replicates (n elements held whole by each
+    tp rank, each with a partial gradient) costs the same: its gradient is reduced to its home at
+    the end of backward ((T-1) * n) and the orthogonalised matrix comes back ((T-1) * n). Experts
+    FSDP2 keeps in place, split by TP (``local_expert_numel``: TP-local elements summed over every
+    data-parallel rank that holds them, each replica's too), go to their homes and back in the TP
+    group of each data-parallel rank: 2(T-1)/T * local_expert_numel / (R*N)."""
     t = tp_size
-    return 2 * Fraction(t - 1, t) * Fraction(numel, data_parallel_ranks)
+    return 2 * Fraction(t - 1, t) * Fraction(numel + local_expert_numel, data_parallel_ranks)
 
 
 def design_elements_per_rank(handle, *, deferred: bool = False) -> Fraction:
     """``dmuon_elements_per_rank`` for a ``DedicatedParams`` handle (Z3 counts the kept last layer
     once the first step has shown which layer runs last)."""
     kept = 0 if deferred else handle.kept_unit_numel
-    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=kept, deferred=deferred)
+    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=kept, deferred=deferred,
+                                   local_tp_numel=handle.plan.local_tp_numel)
 
 
 def baseline_elements_per_rank(configuration: str, *, shard_size: int, numel: int) -> Fraction:

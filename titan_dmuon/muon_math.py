@@ -563,12 +563,12 @@ def orthogonalise(
     return out
 
 
-def local_block_rows(block: Block, *, tp_dim: int, tp_rank: int, local_rows: int) -> list[tuple[int, int, int]]:
+def local_block_rows(block: Block, *, tp_dim: int | None, tp_rank: int, local_rows: int) -> list[tuple[int, int, int]]:
     """A full-matrix row block as seen by one tensor-parallel shard: ``(local_start, local_stop,
     offset)`` ranges of the shard's rows, ``offset`` being where they sit in the block's rows. A
     column-wise shard (``tp_dim`` 0) holds rows ``[tp_rank * local_rows, (tp_rank + 1) * local_rows)``
-    of the full matrix; a row-wise one (``tp_dim`` 1) holds every row."""
-    if tp_dim == 1:
+    of the full matrix; a row-wise one (``tp_dim`` 1) and a replicated matrix (None) every row."""
+    if tp_dim is None or tp_dim == 1:
         out, offset = [], 0
         for start, stop in block:
             out.append((start, stop, offset))

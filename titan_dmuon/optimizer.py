@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -177,11 +178,13 @@ class DMuon(torch.optim.Optimizer):
         """Dedicated weights unit by unit in forward order, each handle told after each unit;
         then the experts each rank updates in place (no communication follows them).
 
-        Tensor-parallel shards go through three stages per chunk (momentum and send, NS on the
+        Tensor-parallel weights go through three stages per chunk (momentum and send, NS on the
         homes, update), pipelined: chunk k+1's shards go out before chunk k's results are applied,
-        so its transfer overlaps that work and chunk k's weights are sent on before chunk k+1's NS."""
+        so its transfer overlaps that work and chunk k's weights are sent on before chunk k+1's NS.
+        Experts that tensor parallelism splits and FSDP2 keeps in place follow in chunks of layers
+        through the same pipeline (nothing is sent on after them)."""
         for handle in self._handles:
-            by_unit: dict[int, list] = {}
+            by_unit: dict[int, dict] = {}
             for group in groups:
                 for p in group["params"]:
                     member = handle.member_of(p)
@@ -194,45 +197,88 @@ class DMuon(torch.optim.Optimizer):
                             )
                         continue
                     if member.runs_ns and p.grad is not None:
-                        by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))[1].append((p, member))
-            pending: tuple[list, list] | None = None  # a chunk whose TP results are on their way back
+                        work = by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))
+                        work[1].append(_item(p, member))
+            jobs = []
             for chunk in _pipeline_chunks(handle.step_units()):
-                for unit in chunk:
-                    handle.before_update(unit)
                 work: dict[int, tuple[dict, list]] = {}
                 for unit in chunk:
                     for key, (group, items) in by_unit.get(unit.index, {}).items():
                         work.setdefault(key, (group, []))[1].extend(items)
-                sent = []
-                for group, items in work.values():
-                    plain = [(p, m) for p, m in items if m.entry.tp_dim is None]
-                    if plain:
-                        self._update(group, [p for p, _ in plain], [m.entry.blocks for _, m in plain])
-                    sharded = [(p, m) for p, m in items if m.entry.tp_dim is not None]
-                    if sharded:  # (the same list on every rank of the TP group: one owner coordinate)
-                        sent.append((group, sharded, self._send_tensor_parallel(group, handle, sharded)))
-                if pending is not None:  # the previous chunk's results arrived while this one's went out
-                    self._finish_tensor_parallel(handle, *pending)
-                    pending = None
-                if not sent:
-                    self._send_on(handle, chunk)  # at once: the next forward starts with the first ones
-                    continue
-                back = [(group, items, self._orthogonalise_tensor_parallel(group, handle, exchange))
-                        for group, items, exchange in sent]
-                pending = (chunk, back)
-            if pending is not None:
-                self._finish_tensor_parallel(handle, *pending)
+                jobs.append((chunk, work))
+            self._run_pipelined(handle, jobs + self._local_tensor_parallel_jobs(handle, groups))
         for group in groups:
             weights, blocks = [], []
             for p in group["params"]:
                 experts = next((e for h in self._handles if (e := h.local_expert_of(p)) is not None), None)
-                if experts is not None and p.grad is not None:
+                if experts is not None and experts.tp_dim is None and p.grad is not None:
                     weights.append(p)
                     blocks.append(experts.blocks)
             if weights:
                 self._update(group, weights, blocks, local_experts=True)
         if self.qk_clip is not None:
             self.qk_clip.finish()
+
+    def _run_pipelined(self, handle, jobs: list) -> None:
+        """``jobs``: (units sent on after it, {group: (group, items)}) in order. Plain items are updated
+        at once; tensor-parallel ones go to their homes, and the previous job's results are applied
+        while they travel."""
+        pending: tuple[list, list] | None = None  # a job whose TP results are on their way back
+        for units, work in jobs:
+            for unit in units:
+                handle.before_update(unit)
+            sent = []
+            for group, items in work.values():
+                plain = [(p, m) for p, m in items if not isinstance(m, _TPItem)]
+                if plain:
+                    self._update(group, [p for p, _ in plain], [m.entry.blocks for _, m in plain])
+                sharded = [m for _, m in items if isinstance(m, _TPItem)]
+                if sharded:  # (the same list on every rank of the TP group)
+                    sent.append((group, sharded, self._send_tensor_parallel(group, handle, sharded)))
+            if pending is not None:  # the previous job's results arrived while this one's went out
+                self._finish_tensor_parallel(handle, *pending)
+                pending = None
+            if not sent:
+                self._send_on(handle, units)  # at once: the next forward starts with the first ones
+                continue
+            back = [(group, items, self._orthogonalise_tensor_parallel(group, handle, exchange))
+                    for group, items, exchange in sent]
+            pending = (units, back)
+        if pending is not None:
+            self._finish_tensor_parallel(handle, *pending)
+
+    def _local_tensor_parallel_jobs(self, handle, groups: list[dict]) -> list:
+        """Experts split by tensor parallelism that FSDP2 keeps on this data-parallel rank, in chunks of
+        layers in forward order (as the dedicated units), as jobs of ``_run_pipelined``."""
+        if handle.mode.tp is None:
+            return []
+        planned = handle.local_tp_experts
+        by_layer: dict[int, dict] = {}
+        for group in groups:
+            for p in group["params"]:
+                experts = handle.local_expert_of(p)
+                if experts is None or experts.tp_dim is None or p.grad is None or experts.fqn not in planned:
+                    continue
+                weight = _whole_local_experts(p, tp_dim=experts.tp_dim)
+                chunk = planned[experts.fqn]
+                if weight.shape[0] != len(chunk.tp_homes):
+                    raise RuntimeError(
+                        f"{experts.fqn}: this rank holds {weight.shape[0]} experts but the plan expects "
+                        f"{len(chunk.tp_homes)} (FSDP2's dim-0 shards of the stack, ceil(E/N) per rank)"
+                    )
+                item = _TPItem(param=p, weight=weight, grad=_local(p.grad), matrices=chunk.tp_matrices(),
+                               full_cols=chunk.spec.full_shape[-1])
+                by_layer.setdefault(experts.unit, {}).setdefault(id(group), (group, []))[1].append((p, item))
+        order = [u.index for u in handle.step_units()]
+        layers = sorted(by_layer, key=lambda u: (order.index(u) if u in order else len(order), u))
+        jobs = []
+        for chunk in _pipeline_chunks(layers):
+            work: dict[int, tuple[dict, list]] = {}
+            for layer in chunk:
+                for key, (group, items) in by_layer[layer].items():
+                    work.setdefault(key, (group, []))[1].extend(items)
+            jobs.append(([], work))
+        return jobs
 
     def _update(self, group: dict, params: list, blocks: list, *, local_experts: bool = False) -> None:
         """Muon on ``params`` (this rank's): momentum state, then one ``muon_step``."""
@@ -268,16 +314,23 @@ class DMuon(torch.optim.Optimizer):
 
     # ---- tensor-parallel shards: three stages, pipelined over the step's chunks ----------------------
     def _send_tensor_parallel(self, group: dict, handle, items: list):
-        """torch.optim.Muon's momentum on this rank's shards; their bf16 NS inputs to the homes."""
-        momentum, inputs = group["momentum"], []
-        for p, _ in items:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buffer = state["momentum_buffer"]
-            buffer.lerp_(p.grad, 1 - momentum)
-            inputs.append((p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer).bfloat16())
-        return handle.tensor_parallel_ns.send_to_homes([m.entry for _, m in items], inputs)
+        """torch.optim.Muon's momentum on this rank's shards; their bf16 NS inputs to the homes. A
+        replicated weight's momentum and input live on its home only (the one rank with its summed
+        gradient: ``GradientReducer``)."""
+        momentum, me, inputs, matrices = group["momentum"], handle.mode.tp.rank, [], []
+        for item in items:
+            matrices += item.matrices
+            if item.matrices[0].dim is None and item.matrices[0].home != me:
+                inputs += [None] * len(item.matrices)
+                continue
+            state = self.state[item.param]
+            if "momentum_buffer" not in state:  # (local experts: a DTensor like the param)
+                state["momentum_buffer"] = torch.zeros_like(item.param, memory_format=torch.preserve_format)
+            buffer = _local(state["momentum_buffer"])
+            buffer.lerp_(item.grad, 1 - momentum)
+            ns_input = item.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+            inputs += [(ns_input[k] if ns_input.ndim == 3 else ns_input).bfloat16() for k in range(len(item.matrices))]
+        return handle.tensor_parallel_ns.send_to_homes(matrices, inputs)
 
     def _orthogonalise_tensor_parallel(self, group: dict, handle, sent):
         """Newton–Schulz of the matrices homed here (assembled from their shards); results sent back."""
@@ -298,14 +351,16 @@ class DMuon(torch.optim.Optimizer):
         tp_rank = handle.mode.tp.rank
         for group, items, exchange in back:
             lr = scalar(group["lr"])
-            for (p, member), update in zip(items, handle.tensor_parallel_ns.received(exchange)):
-                entry = member.entry
-                p.mul_(1 - lr * group["weight_decay"])
-                for block in entry.blocks:
-                    scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(block), entry.full_shape[-1]))
-                    for start, stop, _ in local_block_rows(block, tp_dim=entry.tp_dim, tp_rank=tp_rank,
-                                                           local_rows=entry.shape[0]):
-                        p[start:stop].add_(update[start:stop], alpha=-scale)
+            updates = iter(handle.tensor_parallel_ns.received(exchange))
+            for item in items:
+                item.weight.mul_(1 - lr * group["weight_decay"])
+                for k, matrix in enumerate(item.matrices):
+                    update, target = next(updates), item.weight[k] if item.weight.ndim == 3 else item.weight
+                    for block in matrix.blocks:
+                        scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(block), item.full_cols))
+                        for start, stop, _ in local_block_rows(block, tp_dim=matrix.dim, tp_rank=tp_rank,
+                                                               local_rows=matrix.shape[0]):
+                            target[start:stop].add_(update[start:stop], alpha=-scale)
         self._send_on(handle, chunk)
 
     def _send_on(self, handle, chunk: list) -> None:
@@ -359,6 +414,27 @@ def _host_heap_trim():
         return False
 
 
+@dataclass(eq=False)
+class _TPItem:
+    """A weight in the step's tensor-parallel exchange: the registered parameter (the optimizer
+    state's key), what this rank updates of it (the TP shard, or its local experts' shards), the
+    gradient of that, its matrices (one per expert) and the full matrix's columns (the lr rule)."""
+
+    param: torch.Tensor
+    weight: torch.Tensor
+    grad: torch.Tensor
+    matrices: list
+    full_cols: int
+
+
+def _item(p: torch.Tensor, member):
+    """A dedicated weight as ``_run_pipelined`` takes it: plain, or a tensor-parallel ``_TPItem``."""
+    if not member.entry.tensor_parallel:
+        return p, member
+    return p, _TPItem(param=p, weight=p, grad=p.grad, matrices=member.entry.tp_matrices(),
+                      full_cols=member.entry.full_shape[-1])
+
+
 def _pipeline_chunks(units: list) -> list[list]:
     """Units in forward order, in chunks of 1, 1, 2, 4, 8, ...: the first layers are sent on after
     their own Newton–Schulz (the next forward starts with them), the later ones share batched
@@ -375,12 +451,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _whole_local_experts(param: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a 3-D weight, each whole (FSDP2 / EP shard it on dim 0)."""
+def _whole_local_experts(param: torch.Tensor, *, tp_dim: int | None = None) -> torch.Tensor:
+    """This rank's experts of a 3-D weight, each whole (FSDP2 / EP shard it on dim 0), or each its TP
+    shard along ``tp_dim`` (tensor parallelism splits every expert alike)."""
     if isinstance(param, DTensor):
         for placement in param.placements:
             # Shard(0), or _StridedShard(0) under FSDP2 + expert parallelism: whole experts per rank
-            if not (placement.is_replicate() or getattr(placement, "dim", None) == 0):
+            dim = getattr(placement, "dim", None)
+            if not (placement.is_replicate() or dim == 0 or (tp_dim is not None and dim == tp_dim)):
                 raise RuntimeError(
                     f"an expert weight of shape {tuple(param.shape)} is sharded {param.placements}: DMuon updates "
                     "experts in place only when every rank holds whole experts (sharded on dim 0). Use "

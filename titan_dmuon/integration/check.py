@@ -31,7 +31,7 @@ cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from titan_dmuon.integration.config import apply_command_line, load_config  # noqa: E402
+from titan_dmuon.integration.config import apply_command_line, command_line_names, load_config  # noqa: E402
 from titan_dmuon.integration.train import split_config_file  # noqa: E402
 from titan_dmuon.integration.trainer import DMuonTrainer  # noqa: E402
 from titan_dmuon.integration.validation import ConfigError, validate_dmuon  # noqa: E402
@@ -49,7 +49,18 @@ def check(args: list[str], *, world_size: int | None) -> None:
         raise ConfigError(f"command line: expected --config_file FILE.toml or --module M --config F; {USAGE}")
     config = _torchtitan_config(args, world_size=world_size)
     if isinstance(config, DMuonTrainer.Config):  # (a plain TorchTitan config is TorchTitan's to check)
-        validate_dmuon(config, world_size=world_size, this_machine=True)  # as DMuonTrainer does; it logs the warnings
+        names = command_line_names(args, otherwise=f"config {_config_function(args)}")
+        validate_dmuon(config, world_size=world_size, names=names, this_machine=True)  # as DMuonTrainer does
+
+
+def _config_function(args: list[str]) -> str:
+    """The ``--config F`` these arguments name (errors name it where a value came from it)."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+        if arg == "--config" and i + 1 < len(args):
+            return args[i + 1]
+    return "the config function"
 
 
 def _torchtitan_config(args: list[str], *, world_size: int | None):

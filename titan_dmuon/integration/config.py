@@ -120,6 +120,20 @@ def apply_command_line(config, cli_args: list[str]) -> Naming:
     which rejected them), applied to ``config`` the TOML door's way: a value of the wrong type is
     this door's one line (a ConfigError). Other arguments are skipped. Returns how errors name
     these settings (as the TOML door names command-line values), for ``validate_dmuon``."""
+    settings = _command_line_settings(cli_args)
+    _apply_sections(config, settings)
+    return _TomlNames(settings)
+
+
+def command_line_names(cli_args: list[str], *, otherwise: str) -> Naming:
+    """How errors name the settings of a config that another door (TorchTitan's parser) built from
+    ``otherwise`` (e.g. its config function) and these overrides: a value set on the command line
+    is named "command line", any other ``otherwise``, as the TOML door names its file."""
+    return _TomlNames(_command_line_settings(cli_args), otherwise=otherwise)
+
+
+def _command_line_settings(cli_args: list[str]) -> dict[str, dict[str, _Setting]]:
+    """The trainer's ``--section.key value`` settings among ``cli_args`` (others are skipped)."""
     kept, keep = [], False
     for arg in cli_args:
         if arg.startswith("--"):
@@ -129,8 +143,7 @@ def apply_command_line(config, cli_args: list[str]) -> Naming:
     settings: dict[str, dict[str, _Setting]] = {}
     for section, key, setting in _parse_cli(kept):
         settings.setdefault(section, {})[key] = setting
-    _apply_sections(config, settings)
-    return _TomlNames(settings)
+    return settings
 
 
 def _apply_sections(config, settings: dict[str, dict[str, _Setting]]) -> None:
@@ -283,8 +296,9 @@ def _mentions(text: str, key: str) -> bool:
 class _TomlNames(Naming):
     """Errors name the file (or the command line) a value came from, and the key as [section] key."""
 
-    def __init__(self, settings: dict[str, dict[str, _Setting]]) -> None:
+    def __init__(self, settings: dict[str, dict[str, _Setting]], *, otherwise: str = "defaults") -> None:
         self.settings = settings
+        self.otherwise = otherwise  # where a value nobody set here came from
 
     def where(self, section: str, *keys: str) -> str:
         """Where the value came from: the keys' source (the command line if it set any of them, as
@@ -293,7 +307,7 @@ class _TomlNames(Naming):
         sources = [table[key].source for key in keys or table if key in table]
         if sources:
             return "command line" if "command line" in sources else sources[0]
-        return next(iter(table.values()), _Setting(None, "defaults", False)).source
+        return next(iter(table.values()), _Setting(None, self.otherwise, False)).source
 
     def key(self, section: str, key: str) -> str:
         return f"{self.where(section, key)}: [{section}] {key}"

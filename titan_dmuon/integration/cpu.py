@@ -2,7 +2,7 @@
 
 Nothing here runs when an accelerator is present: on GPU clusters TorchTitan
 keeps its own device selection, NCCL, memory monitor and attention backend.
-On a CPU machine (the project's development and CI machine) five blockers
+On a CPU machine (the project's development and CI machine) six blockers
 are handled:
 
 1. device type: TorchTitan picks "cuda" when it sees no accelerator and copies
@@ -17,15 +17,22 @@ are handled:
 4. gloo rejects FSDP2's PREMUL_SUM (used because TorchTitan sets the gradient
    divide factor to 1): ``force_sum_reductions`` asks FSDP2 for plain sums.
 5. no tokenizer or dataset ships with TorchTitan: see ``assets.py``.
+6. gloo's list ``all_to_all`` needs equal sizes, and TorchTitan's default ``spmd_types`` backend
+   exchanges expert-parallel tokens with it (uneven splits): ``enable`` gives spmd_types a
+   ``torch.distributed`` whose ``all_to_all`` on gloo goes through ``all_to_all_single`` with split
+   sizes (gloo's alltoallv), by ``spmd_types.set_dist``, the hook it offers for this.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
+import types
 from collections import namedtuple
 
 import torch
+
+from titan_dmuon.gloo_exit import install_exit_guard
 
 
 def accelerator_present() -> bool:
@@ -48,6 +55,8 @@ def enable() -> None:
 
     if titan_utils.device_type == "cpu":
         return  # already enabled
+    install_exit_guard()  # (gloo's workers at interpreter exit)
+    _uneven_all_to_all_on_gloo()
     stale_type, stale_module = titan_utils.device_type, titan_utils.device_module
     titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
     for name, module in list(sys.modules.items()):
@@ -64,6 +73,36 @@ def enable() -> None:
 
     titan_metrics.build_device_memory_monitor = CpuMemoryMonitor
     titan_dist_utils.set_pg_timeouts = _set_pg_timeouts_cpu
+
+
+def _uneven_all_to_all_on_gloo() -> None:
+    """Blocker 6: spmd_types' collectives call ``torch.distributed`` through ``spmd_types._dist.dist``."""
+    import spmd_types
+
+    spmd_types.set_dist(_GlooAllToAll("titan_dmuon.integration.cpu.torch_distributed"))
+
+
+class _GlooAllToAll(types.ModuleType):
+    """``torch.distributed``, but its list ``all_to_all`` on a gloo group runs as one
+    ``all_to_all_single`` with per-rank split sizes, which gloo supports for uneven splits."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        dist = torch.distributed
+        if async_op or dist.get_backend(group) != "gloo":
+            return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        send = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        received = send.new_empty(sum(t.numel() for t in output_tensor_list))
+        dist.all_to_all_single(received, send, [t.numel() for t in output_tensor_list],
+                               [t.numel() for t in input_tensor_list], group=group)
+        offset = 0
+        for t in output_tensor_list:
+            t.copy_(received[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return None
 
 
 _MemStats = namedtuple(

@@ -130,8 +130,11 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
         if opt.qk_clip_threshold is not None:
             return (
                 f"{names.key('optimizer', 'qk_clip_threshold')} = {opt.qk_clip_threshold!r} with {key('enable')} = true: "
-                "QK-clip's per-head max logit covers one group's batch only, so the groups would clip differently "
-                "and drift apart (TorchFT's state transfer needs them identical); leave QK-clip off under TorchFT"
+                "QK-clip's per-head max logit would cover one group's batch only, so the groups would clip "
+                "differently: per step they would drift apart (TorchFT's state transfer needs them identical), and "
+                "under semi-synchronous training (DiLoCo, LocalSGD) the sync would average weights each group clipped "
+                "on its own batch, which the clip's bound (every head's logit at most tau on the job's batch) does "
+                "not cover; leave QK-clip off under TorchFT"
             )
     if this_machine:
         try:

@@ -166,8 +166,6 @@ class _Dedication:
             return None
         tp_mesh, tp_dims = None, None
         if dims.tp_enabled:
-            if routed_expert_counts(model):
-                raise NotImplementedError(f"parallelism.tensor_parallel_degree = {dims.tp}: {tensor_parallel_moe_limit()}")
             tp_mesh = dims.get_mesh("tp")
             names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
             tp_dims = {p: tensor_parallel_dim(names[id(p)], p) for p in targets}
@@ -190,28 +188,26 @@ class _Dedication:
         )
 
 
-def tensor_parallel_dim(fqn: str, param) -> int:
-    """The dim of a TP-local Muon target that TorchTitan's tensor parallelism splits, read from its
-    SPMD annotation (spmd_types backend): 0 for column-wise (wq/wk/wv/wqkv, w1, w3), 1 for row-wise."""
+def tensor_parallel_dim(fqn: str, param) -> int | None:
+    """The tensor dim of a TP-local Muon target that TorchTitan's tensor parallelism splits, read from its
+    SPMD annotation (spmd_types backend): 0 for column-wise linears (wq/wk/wv/wqkv, w1, w3, shared
+    experts' w1/w3), 1 for row-wise ones; 1 (w1_EFD, w3_EFD) or 2 (w2_EDF) for routed experts without
+    expert parallelism; None for a weight every tp rank holds whole (the router, MLA's wq_a/wkv_a;
+    routed experts under expert parallelism, split on dim 0 only: whole experts per rank)."""
     from spmd_types.runtime import get_partition_spec
 
     spec = get_partition_spec(param) if hasattr(param, "_partition_spec") else None
-    sharded = [d for d, entry in enumerate(spec or ()) if entry is not None]
+    # (dim 0 of an expert stack is the expert dim: expert parallelism splits it into whole experts)
+    sharded = [d for d, entry in enumerate(spec or ()) if entry is not None and not (param.ndim == 3 and d == 0)]
+    if not sharded:
+        return None
     if len(sharded) != 1 or isinstance(spec[sharded[0]], tuple):
         raise NotImplementedError(
             f"{fqn!r} has tensor-parallel layout {spec}: DMuon's tensor parallelism takes weights split along "
-            "one dim by the tp mesh (TorchTitan's column- and row-wise parallel linears); leave this weight "
-            "off optimizer.muon_params"
+            "one dim by the tp mesh (TorchTitan's column- and row-wise parallel linears) or held whole by every "
+            "tp rank; leave this weight off optimizer.muon_params"
         )
     return sharded[0]
-
-
-def tensor_parallel_moe_limit() -> str:
-    return (
-        "with a MoE model DMuon does not support tensor-parallel experts "
-        "and router yet (expert weights are 3-D, updated where expert parallelism puts them); use "
-        "tensor_parallel_degree = 1 with expert parallelism, or optimizer.name = 'AdamW'"
-    )
 
 
 @contextlib.contextmanager
@@ -238,8 +234,10 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
     """``dedicate_params``'s ``expert_sharding`` for TorchTitan: under DDP every rank would hold
     every expert, so each is dedicated; under expert parallelism experts are whole on their EP
     rank and stay there (when TorchTitan keeps them whole: at most as many expert-FSDP x EP ranks
-    as experts); otherwise DMuon's own rule decides (``DedicationMode.experts_stay_local``), which
-    is TorchTitan's choice between dim-0 and dim-1 shards."""
+    as experts); otherwise TorchTitan's own choice between dim-0 and dim-1 shards decides: it keeps
+    whole experts (dim 0) while its FSDP mesh has at most as many ranks as there are experts, and
+    that mesh is dp x tp under tensor parallelism (spmd_types: FSDP2's storage mesh); without it
+    DMuon's own rule is the same (``DedicationMode.experts_stay_local``)."""
     experts = routed_expert_counts(model)
     if not experts:
         return "auto"
@@ -250,6 +248,9 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
         return "local"
     if parallel_dims.dp_shard == 1:
         return "dedicated"
+    if parallel_dims.tp > 1:
+        storage = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
+        return "local" if min(experts) >= storage else "dedicated"
     return "auto"
 
 
@@ -292,8 +293,10 @@ def _initialise_as_titan_would(handle, *, sharded: bool, parallel_dims) -> None:
 def _fsdp_tp_layout(parallel_dims):
     """``layout`` for ``DedicatedParams.initialising`` under tensor parallelism: the DTensor FSDP2 makes
     of a TP-local weight (TorchTitan's dense storage mesh: replicate x shard x tp), so initialisers
-    draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard: a strided
-    shard of the full matrix when tensor parallelism split dim 0 too."""
+    draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard (dim 1 of an
+    expert stack: TorchTitan shards experts on dim 1 exactly when DMuon dedicates them): a strided
+    shard of the full weight when tensor parallelism split that dim too; a weight tensor parallelism
+    replicates is Replicate() on the tp dim."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
@@ -303,12 +306,13 @@ def _fsdp_tp_layout(parallel_dims):
 
     def layout(member):
         dim = member.entry.tp_dim
+        fsdp_dim = 1 if len(member.entry.shape) == 3 else 0
         placements = []
         for name in mesh.mesh_dim_names:
             if name == "tp":
-                placements.append(Shard(dim))
+                placements.append(Replicate() if dim is None else Shard(dim))
             elif name == "dp_shard":
-                placements.append(_StridedShard(0, split_factor=tp) if dim == 0 else Shard(0))
+                placements.append(_StridedShard(fsdp_dim, split_factor=tp) if dim == fsdp_dim else Shard(fsdp_dim))
             else:
                 placements.append(Replicate())
         return mesh, tuple(placements)

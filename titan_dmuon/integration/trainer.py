@@ -83,6 +83,14 @@ class DMuonTrainer(Trainer):
         if self.parallel_dims.pp_enabled:
             prepare_pipeline_schedule(self.pp_schedule, self.optimizers)
 
+    def train(self):
+        """TorchTitan's training loop, then DMuon's collectives still in flight are finished (the last
+        step launched the next forward's first broadcast) while every process group is still up."""
+        result = super().train()
+        for handle in dmuon_handles(self.optimizers):
+            handle.finish_in_flight()
+        return result
+
     def train_step(self, data_iterator):
         self.metrics_processor.begin_step()
         with contextlib.ExitStack() as stack:
@@ -231,11 +239,11 @@ class DMuonMetricsProcessor(MetricsProcessor):
             i = 0
             while f"dmuon/part{i}/comm_elements_per_rank" in figures:  # per pipeline stage on this rank
                 sync += (f"; part {i} {figures[f'dmuon/part{i}/comm_elements_per_rank'] / 1e6:.4f}M, "
-                         f"design {figures[f'dmuon/part{i}/theory_elements_per_rank'] / 1e6:.4f}M")
+                         f"design {figures[f'dmuon/part{i}/design_elements_per_rank'] / 1e6:.4f}M")
                 i += 1
             parts.append(
                 f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
-                f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/theory_elements_per_rank'] / 1e6:.4f}M "
+                f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/design_elements_per_rank'] / 1e6:.4f}M "
                 f"averaged over ranks, {sync}; {figures['dmuon/launches_per_step']:.0f} launches)  "
                 f"NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
                 f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
@@ -288,17 +296,17 @@ class DMuonMetricsProcessor(MetricsProcessor):
             self.ledger.records.clear()
         handles = dmuon_handles(self.optimizers)
         if handles:
-            elements, nbytes, theory, peak, launches, host = Fraction(0), Fraction(0), Fraction(0), 0, 0, 0.0
+            elements, nbytes, design, peak, launches, host = Fraction(0), Fraction(0), Fraction(0), 0, 0, 0.0
             for part, handle in enumerate(handles):  # (one per pipeline stage this rank holds)
                 host += handle.pop_host_seconds()
                 popped = handle.pop_comm_stats()
                 part_elements = sum(e for e, _, _ in popped.values())
-                part_theory = design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
+                part_design = design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
                 if len(handles) > 1:
                     figures[f"dmuon/part{part}/comm_elements_per_rank"] = float(part_elements / steps)
-                    figures[f"dmuon/part{part}/theory_elements_per_rank"] = float(part_theory)
+                    figures[f"dmuon/part{part}/design_elements_per_rank"] = float(part_design)
                 elements += part_elements
-                theory += part_theory
+                design += part_design
                 nbytes += sum(b for _, b, _ in popped.values())
                 launches += sum(n for _, _, n in popped.values())
                 peak += handle.peak_buffer_bytes
@@ -307,7 +315,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
             figures.update({
                 "dmuon/comm_elements_per_rank": float(elements / steps),
                 "dmuon/comm_MB_per_rank": float(nbytes / steps) / 1e6,
-                "dmuon/theory_elements_per_rank": float(theory),
+                "dmuon/design_elements_per_rank": float(design),
                 "dmuon/launches_per_step": launches / steps,
                 "dmuon/ns_matrices": sum(s.get("ns_matrices", 0) for s in stats),
                 "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),

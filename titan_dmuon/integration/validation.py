@@ -29,7 +29,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from titan_dmuon.integration import cpu
 from titan_dmuon.integration.fault_tolerance_checks import fault_tolerance_problem, moe_problem
 from titan_dmuon.integration.models import ModelNotSupported, check_model
 from titan_dmuon.integration.optimizer import (
@@ -43,7 +42,6 @@ from titan_dmuon.integration.optimizer import (
 from titan_dmuon.integration.parallelize import (
     DEFAULT_MUON_PARAMS,
     expert_parallel_limit,
-    tensor_parallel_moe_limit,
     fused_qkv_blocks,
     routed_expert_counts,
 )
@@ -147,7 +145,7 @@ def validate_dmuon(
     problem = fault_tolerance_problem(config, names, this_machine=this_machine) if _fault_tolerant(config) else None
     if problem is not None:
         raise ConfigError(problem)
-    return _validate_against_model(config, world_size, names, this_machine=this_machine)
+    return _validate_against_model(config, world_size, names)
 
 
 def _fault_tolerant(config) -> bool:
@@ -365,7 +363,7 @@ def _expert_region_ranks(p, world_size: int | None) -> int | None:
 
 
 # ---- checks against the model's parameters (built on the meta device) ----------------------
-def _validate_against_model(config, world_size: int | None, names: Naming, *, this_machine: bool) -> list[str]:
+def _validate_against_model(config, world_size: int | None, names: Naming) -> list[str]:
     opt, p = config.optimizer, config.parallelism
     muon = opt.name in MUON_FAMILY_NAMES
     if not muon and p.expert_parallel_degree == 1 and not _fault_tolerant(config):
@@ -378,13 +376,8 @@ def _validate_against_model(config, world_size: int | None, names: Naming, *, th
     if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
                                                    for m in model.modules() if hasattr(m, "routed_experts")):
         raise ConfigError(moe_problem(names))
-    if opt.name == "dmuon" and experts and p.tensor_parallel_degree > 1:
-        raise ConfigError(f"{names.key('parallelism', 'tensor_parallel_degree')} = {p.tensor_parallel_degree}: "
-                          f"{tensor_parallel_moe_limit()}")
     if p.expert_parallel_degree > 1 and experts:
-        _validate_expert_parallelism(
-            p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names, this_machine=this_machine
-        )
+        _validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names)
     return warnings
 
 
@@ -483,16 +476,7 @@ def _fused_qkv_left_out(model: nn.Module, selected: dict[int, str], key: str) ->
     ]
 
 
-def _validate_expert_parallelism(
-    p, world_size: int | None, experts: int, *, dmuon: bool, names: Naming, this_machine: bool
-) -> None:
-    if this_machine and p.spmd_backend == "spmd_types" and not cpu.accelerator_present():
-        raise ConfigError(
-            f"{names.key('parallelism', 'expert_parallel_degree')} = {p.expert_parallel_degree} with "
-            "parallelism.spmd_backend = 'spmd_types' (the default) cannot run without an accelerator: TorchTitan's "
-            "expert all-to-all then runs on gloo, which needs equal splits, with any optimizer; "
-            f"set {names.how_to_set('parallelism', 'spmd_backend', 'partial_dtensor')}"
-        )
+def _validate_expert_parallelism(p, world_size: int | None, experts: int, *, dmuon: bool, names: Naming) -> None:
     efsdp_ep = _expert_region_ranks(p, world_size)
     if dmuon and efsdp_ep is not None and efsdp_ep > experts:
         raise ConfigError(

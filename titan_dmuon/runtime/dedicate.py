@@ -73,11 +73,18 @@ def dedicate_params(
             mesh already have from other handles, e.g. the other pipeline stages a rank holds
             (``handle.plan.ns_flops_per_rank``): the plan balances the total.
         tp_mesh, tp_shard_dims: tensor parallelism. ``params`` are then this rank's TP-local shards
-            of the full weights, ``tp_shard_dims[p]`` the dim of the full matrix the ``tp_mesh``
-            ranks split (0: column-wise parallel, 1: row-wise), given for every one of ``params``;
-            ``split_rows`` then names rows of the full matrix. Each matrix has one data-parallel
-            owner coordinate, whose T tp ranks hold its T shards; the Muon step assembles it on one
-            of them (its NS home) with an all-to-all on the TP group and sends the result back.
+            of the full weights, ``tp_shard_dims[p]`` the tensor dim the ``tp_mesh`` ranks split (a
+            matrix: 0 column-wise parallel, 1 row-wise; an expert stack ``(E, rows, cols)``: 1 or 2,
+            each expert split alike), or None for a weight every tp rank holds whole (replicated,
+            e.g. a router) and of whose gradient each tp rank computes a partial sum (TorchTitan's
+            spmd_types: a weight typed R, its gradient P; DMuon sums it over the TP group on the
+            weight's NS home at the end of backward), given for every dedicated weight
+            (3-D weights left to FSDP2: only when TP splits their experts); ``split_rows`` then
+            names rows of the full matrix. Each weight has one data-parallel owner coordinate, whose
+            T tp ranks hold its T shards (or copies); in the Muon step each matrix (each expert) is
+            assembled on one of them (its NS home) with an all-to-all on the TP group, orthogonalised
+            there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
+            group of each data-parallel rank that holds them.
     """
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
@@ -141,8 +148,9 @@ def dedicate_params(
     def stays_local(p) -> bool:
         return p.ndim == 3 and mode.experts_stay_local(p.shape[0])
 
-    local = [LocalExperts(fqn=fqn, module=m, name=n, blocks=blocks_of(fqn, p)) for fqn, p, m, n in resolved if stays_local(p)]
+    kept = [r for r in resolved if stays_local(r[1])]
     resolved = [r for r in resolved if not stays_local(r[1])]
+    _check_tp_dims_complete(mode, resolved, tp_dims)
     for fqn, p, _, _ in resolved:
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {fqn!r} is already a DTensor: call dedicate_params before fully_shard")
@@ -154,6 +162,17 @@ def dedicate_params(
         idx = unit_index.setdefault(id(unit_module), len(unit_index))
         specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p), tp_dim=tp_dims.get(id(p)),
                                 tp_size=mode.tp.size if id(p) in tp_dims else 1))
+    # experts left in place: the unit of their layer (a layer without dedicated weights gets a number after them)
+    local_units: dict[int, int] = {}
+    local = []
+    for (fqn, p, m, n), unit_module in zip(kept, _assign_units(module, kept, units) if kept else []):
+        idx = unit_index.get(id(unit_module))
+        if idx is None:
+            idx = len(unit_index) + local_units.setdefault(id(unit_module), len(local_units))
+        local.append(LocalExperts(fqn=fqn, module=m, name=n, blocks=blocks_of(fqn, p), tp_dim=tp_dims.get(id(p)),
+                                  unit=idx))
+    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(p.shape), unit=e.unit, blocks=e.blocks, tp_dim=e.tp_dim,
+                                 tp_size=mode.tp.size) for e, (_, p, _, _) in zip(local, kept) if e.tp_dim is not None]
     replicate_size, shard_size = mesh_info.replicate_size, mesh_info.shard_size
     load = _local_expert_load(local, replicate_size, shard_size) if local else [0] * mesh_info.world_size
     if initial_load is not None:
@@ -161,7 +180,7 @@ def dedicate_params(
             raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh_info.world_size} ranks")
         load = [a + int(b) for a, b in zip(load, initial_load)]
     plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size,
-                      initial_load=load if (local or initial_load is not None) else None)
+                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs)
     validate_across_ranks(plan, mesh_info.groups + ([mode.tp.group] if mode.tp else []), mesh_info.device)
 
     members = []
@@ -191,30 +210,35 @@ def dedicate_params(
     return DedicatedParams(module=module, plan=plan, ctx=ctx, members=members, mp_policy=mp_policy, local_experts=local)
 
 
-def _checked_tp_dims(mode: DedicationMode, resolved, tp_shard_dims, sites) -> dict[int, int]:
-    """{id(param): tensor-parallel dim}, checked: with a tp mesh every dedicated weight is a 2-D TP shard."""
+def _checked_tp_dims(mode: DedicationMode, resolved, tp_shard_dims, sites) -> dict[int, int | None]:
+    """{id(param): the tensor dim tensor parallelism splits, None for a replicated weight}, checked."""
     tp_shard_dims = dict(tp_shard_dims or {})
     if tp_shard_dims and mode.tp is None:
         raise ValueError("tp_shard_dims was given without a tp_mesh of more than one rank; pass tp_mesh=")
-    dims = {id(p): d for p, d in tp_shard_dims.items()}
-    names = {id(p): fqn for fqn, p, _, _ in resolved}
+    names = {id(p): (fqn, p.ndim) for fqn, p, _, _ in resolved}
     for p, d in tp_shard_dims.items():
         if id(p) not in names:
             where = sites.get(id(p))
-            raise ValueError(f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not being "
-                             "dedicated (or is a 3-D expert weight left to FSDP2)")
-        if d not in (0, 1):
-            raise ValueError(f"tp_shard_dims[{names[id(p)]!r}] = {d!r}: expected 0 (column-wise) or 1 (row-wise)")
-    if mode.tp is not None:
-        for fqn, p, _, _ in resolved:
-            if p.ndim != 2:
-                raise NotImplementedError(
-                    f"{fqn!r} of shape {tuple(p.shape)}: DMuon's tensor parallelism takes 2-D weights only "
-                    "(expert weights under tensor parallelism are not supported)")
-            if id(p) not in dims:
-                raise ValueError(f"{fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
-                                 "TP-local shard and needs its dim (0 or 1)")
-    return dims
+            raise ValueError(f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not among "
+                             "the parameters being dedicated")
+        fqn, ndim = names[id(p)]
+        allowed = (0, 1) if ndim == 2 else (1, 2)
+        if d is not None and d not in allowed:
+            kind = ("a matrix: 0 (column-wise) or 1 (row-wise)" if ndim == 2
+                    else "an expert stack: 1 or 2 (each expert split)")
+            raise ValueError(f"tp_shard_dims[{fqn!r}] = {d!r}: expected, for {kind}, or None (replicated)")
+    return {id(p): d for p, d in tp_shard_dims.items()}
+
+
+def _check_tp_dims_complete(mode: DedicationMode, resolved, dims: dict[int, int | None]) -> None:
+    """With a tp mesh every dedicated weight says how tensor parallelism holds it."""
+    if mode.tp is None:
+        return
+    for fqn, p, _, _ in resolved:
+        if id(p) not in dims:
+            raise ValueError(f"{fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
+                             "TP-local shard and needs its dim (0 or 1 of a matrix, 1 or 2 of an expert stack), or "
+                             "None when every tp rank holds it whole")
 
 
 def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:

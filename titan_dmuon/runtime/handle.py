@@ -148,6 +148,9 @@ class DedicatedParams:
         self.tensor_parallel_ns = (
             TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, ctx.streams) if self.mode.tp else None
         )
+        mesh = self.mode.mesh
+        self.local_tp_experts = {  # TP-split experts kept on this data-parallel rank, with their homes, by name
+            x.fqn: x for x in plan.local_tp_experts_of(mesh.replicate_rank * mesh.shard_size + mesh.shard_rank)}
         self._initialized = False
         self._callback_queued = False
         for owner in self.owning_modules:
@@ -392,6 +395,15 @@ class DedicatedParams:
         for unit in self._units:
             if not unit.swapped_in and unit.state is not BufferState.FREE:
                 unit.free()
+
+    def finish_in_flight(self) -> None:
+        """The host waits for every collective this handle launched and nobody waited for yet (HSDP's
+        replica broadcasts; the next forward's first broadcast, which each step starts) and the
+        gathered buffers are dropped. Call it before the process groups go (the end of training):
+        a gloo worker still finishing one while the interpreter shuts down aborts the process.
+        Hooks stay; the next forward gathers again."""
+        self.wait_for_replicate_broadcasts(host=True)
+        self.discard_gathered_weights()
 
     def weights_changed(self) -> None:
         """The owners' weights were written outside ``step()`` (a load, an initialiser): gathers

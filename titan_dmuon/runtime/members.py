@@ -47,7 +47,9 @@ class LocalExperts:
     fqn: str
     module: nn.Module
     name: str
-    blocks: tuple[Block, ...]  # row blocks of each expert's matrix
+    blocks: tuple[Block, ...]  # row blocks of each expert's matrix (of the full matrix under tensor parallelism)
+    tp_dim: int | None = None  # tensor parallelism splits each expert (dim 1 or 2 of the stack): NS on a TP home
+    unit: int = 0  # the layer it belongs to (the index of that layer's unit when it has one)
 
     @property
     def param(self) -> nn.Parameter:

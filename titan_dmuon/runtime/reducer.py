@@ -20,6 +20,12 @@ shard stage it depends on. Collectives go out at the same points in the same
 order on every rank (gloo and NCCL match them by order; chaining "whenever a
 reduce completes" once deadlocked HSDP).
 
+Under tensor parallelism a weight every tp rank holds whole (a router, MLA's ``wkv_a``) has a
+partial gradient on each tp rank (its spmd type R: gradient P; FSDP2 would all-reduce it over
+the tp dim): at the end of backward its global owners reduce this backward's gradient over the TP
+group to the weight's NS home (``PlanEntry.tp_homes``), which alone keeps its momentum; the other
+tp ranks' gradients are zeroed (they apply the home's orthogonalised update in the step).
+
 With an all-reduce hook (``DedicatedParams.set_all_reduce_hook``, fault tolerance across replica
 groups) each owner's reduced bucket goes through the hook once its shard stage is done, at the
 same program point, before it becomes ``.grad``.
@@ -40,7 +46,7 @@ import torch
 
 from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
 from titan_dmuon.runtime.members import Bucket, Member
-from titan_dmuon.runtime.mode import DedicationMode
+from titan_dmuon.runtime.mode import DedicationMode, coalesces
 from titan_dmuon.runtime.streams import Streams
 
 
@@ -73,6 +79,7 @@ class GradientReducer:
         self._done: list[tuple[Bucket, torch.Tensor]] = []  # reduced buckets this rank owns
         self._missing_on_owner: list[Member] = []
         self._warned: set[str] = set()
+        self._tp_coalesces: bool | None = None  # the TP group's backend coalesces (decided at first use)
 
     @torch.no_grad()
     def reduce(self, unit) -> None:
@@ -174,23 +181,49 @@ class GradientReducer:
             done = streams.record()
         streams.wait_event(None, done)
 
+    def _sum_over_tensor_parallel(self, partial: list[tuple[Member, torch.Tensor]]) -> None:
+        """This backward's partial gradients of TP-replicated weights, reduced over the TP group to each
+        weight's home (one launch, from the reduce stream after the compute stream's writes; the
+        compute stream waits for it); zeros on the other tp ranks. The same weights on every rank of
+        the TP group (one owner coordinate), at the same program point (the end of backward)."""
+        tp = self.mode.tp
+        if not partial or tp is None:
+            return
+        streams = self.streams
+        if self._tp_coalesces is None:
+            self._tp_coalesces = coalesces(tp.group, self.mode.mesh.device)
+        streams.wait_stream(streams.reduce)
+        with streams.use(streams.reduce):
+            with Launch(tp.group, tp.size, self.mode.mesh.device, "dmuon.tp_grad_reduce", self.stats,
+                        coalesce=self._tp_coalesces) as launch:
+                for m, grad in partial:
+                    launch.reduce(grad, dst=m.entry.tp_homes[0])
+        launch.in_flight.wait()
+        others = [grad for m, grad in partial if m.entry.tp_homes[0] != tp.rank]
+        if others:
+            torch._foreach_zero_(others)
+
     @torch.no_grad()
     def finish(self) -> None:
         """End of backward: finish every stage, then hand the global owners their gradients."""
         while self._in_flight:
             self._advance()
+        handed = []
         for bucket, flat in self._done:
             offset = 0
             for m in bucket.members:
                 grad = flat[offset : offset + m.numel].view(m.shape).to(m.param.dtype)
                 if self.divide_factor != 1.0:
                     grad.div_(self.divide_factor)
-                if m.param.grad is None:
-                    m.param.grad = grad  # a view of the bucket's buffer: no copy
-                else:
-                    m.param.grad.add_(grad)  # gradient accumulation across micro-batches
+                handed.append((m, grad))
                 offset += m.numel
         self._done.clear()
+        self._sum_over_tensor_parallel([(m, g) for m, g in handed if m.entry.tp_replicated])
+        for m, grad in handed:
+            if m.param.grad is None:
+                m.param.grad = grad  # a view of the bucket's buffer: no copy
+            else:
+                m.param.grad.add_(grad)  # gradient accumulation across micro-batches
         for m in self._missing_on_owner:
             if m.fqn not in self._warned:
                 self._warned.add(m.fqn)

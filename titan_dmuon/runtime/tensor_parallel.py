@@ -1,14 +1,17 @@
 """The Muon step of tensor-parallel shards: Newton–Schulz once per matrix, on its NS home.
 
 Under tensor parallelism a dedicated weight's owner is a data-parallel coordinate, and the T
-ranks of its TP group hold its T shards (``PlanEntry.tp_dim``). Newton–Schulz needs the whole
-matrix, so per batch of matrices (a step chunk):
+ranks of its TP group hold its T shards (``PlanEntry.tp_dim``), or T copies of a weight TP
+replicates (a router, MLA's ``wkv_a``); experts FSDP2 keeps in place are held the same way by the
+TP group of each data-parallel rank. Newton–Schulz needs the whole matrix, and each matrix (each
+expert of a stack: ``TPMatrix``) has one home in the TP group (``PlanEntry.tp_homes``), so per batch
+of matrices (a step chunk):
 
 1. ``send_to_homes``: every TP rank sends the bf16 Newton–Schulz input of its shards to each
-   matrix's home (``PlanEntry.tp_home``): one all-to-all on the TP group;
-2. ``orthogonalise_at_homes``: each home assembles its matrices (shards concatenated along
-   ``tp_dim``), orthogonalises every row block, and sends each rank its shard of the result: one
-   all-to-all back;
+   matrix's home (one all-to-all on the TP group; a replicated matrix's home has its input already);
+2. ``orthogonalise_at_homes``: each home assembles its matrices (shards concatenated along their
+   split dim), orthogonalises every row block, and sends each rank its shard of the result (the
+   whole result of a replicated matrix): one all-to-all back;
 3. ``received``: this rank's shards of the results.
 
 The optimizer runs these for consecutive chunks as a pipeline: chunk k+1's shards go out while
@@ -18,21 +21,21 @@ overlap the step's other work. On an accelerator the all-to-alls run on the hand
 and the compute stream waits for an event before reading what they received; the buffers are held
 by the pending objects until then (no ``record_stream``), as FSDP2 holds its own.
 
-Each direction moves (T-1)/T of the shards, (T-1)/T^2 of the owned full matrices per rank on
-average: 2(T-1)/T^2 x owned elements per step, on the TP group only (intra-node on clusters).
-Everything else (momentum, weight decay, the update) stays elementwise on the shards, so the result
-is the single-device update of the full matrix: bitwise ``torch.optim.Muon``'s with ``ns_mode="exact"``.
+A sharded matrix moves (T-1)/T of its shards each way: 2(T-1)/T^2 of its full elements; a
+replicated one (T-1) copies of it, back only. Everything else (momentum, weight decay, the update)
+stays elementwise on the shards, so the result is the single-device update of the full matrix:
+bitwise ``torch.optim.Muon``'s with ``ns_mode="exact"``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from titan_dmuon.muon_math import _put_rows, _take_rows
-from titan_dmuon.plan import PlanEntry
+from titan_dmuon.plan import TPMatrix
 from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
 from titan_dmuon.runtime.mode import TensorParallelInfo
 from titan_dmuon.runtime.streams import Streams
@@ -42,85 +45,106 @@ from titan_dmuon.runtime.streams import Streams
 class Exchange:
     """One all-to-all in flight, and the buffers it reads and writes (alive until it was waited for)."""
 
-    entries: Sequence[PlanEntry]
+    matrices: Sequence[TPMatrix]
     sent: torch.Tensor
     received: torch.Tensor
     in_flight: InFlight
     ns_matrices: int = 0
+    own: dict[int, torch.Tensor] = field(default_factory=dict)  # replicated matrices homed here: their inputs
 
 
 class TensorParallelNewtonSchulz:
-    """Orthogonalises TP-sharded matrices on their homes; one object per handle."""
+    """Orthogonalises TP-sharded (and TP-replicated) matrices on their homes; one object per handle."""
 
     def __init__(self, tp: TensorParallelInfo, stats: CommStats, streams: Streams) -> None:
         self.tp, self.stats, self.streams = tp, stats, streams
 
     def orthogonalise(
         self,
-        entries: Sequence[PlanEntry],
-        shards: Sequence[torch.Tensor],
+        matrices: Sequence[TPMatrix],
+        shards: Sequence[torch.Tensor | None],
         orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
     ) -> tuple[list[torch.Tensor], int]:
         """The three steps at once: this rank's shards of the orthogonalised matrices, and the number
         of Newton–Schulz matrices (row blocks) it ran."""
-        back = self.orthogonalise_at_homes(self.send_to_homes(entries, shards), orthogonalise_fn)
+        back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), orthogonalise_fn)
         return self.received(back), back.ns_matrices
 
-    def send_to_homes(self, entries: Sequence[PlanEntry], shards: Sequence[torch.Tensor]) -> Exchange:
-        """``shards``: this rank's bf16 NS inputs of ``entries`` (the same entries, in the same order, on
-        every rank of the TP group), sent to their homes."""
+    def send_to_homes(self, matrices: Sequence[TPMatrix], shards: Sequence[torch.Tensor | None]) -> Exchange:
+        """``shards``: this rank's bf16 NS inputs of ``matrices`` (the same matrices, in the same order,
+        on every rank of the TP group), sent to their homes. A replicated matrix's input is needed on
+        its home only (None elsewhere): it stays there."""
         size, me = self.tp.size, self.tp.rank
-        order = self._by_home(entries)
-        send = torch.cat([shards[i].reshape(-1) for i in order])
-        per_source = sum(e.numel for e in entries if e.tp_home == me)
+        sharded = [i for i in self._by_home(matrices) if matrices[i].dim is not None]
+        own = {i: shards[i] for i, m in enumerate(matrices) if m.dim is None and m.home == me}
+        send = torch.cat([shards[i].reshape(-1) for i in sharded]) if sharded else self._empty()
+        per_source = sum(m.numel for m in matrices if m.dim is not None and m.home == me)
         received = send.new_empty(per_source * size)
-        in_flight = self._issue("dmuon.tp_to_home", received, send, [per_source] * size, self._home_splits(entries))
-        return Exchange(entries=entries, sent=send, received=received, in_flight=in_flight)
+        if sharded:  # (the same on every rank: nothing to send when the chunk holds replicated matrices only)
+            in_flight = self._issue("dmuon.tp_to_home", received, send, [per_source] * size,
+                                    self._home_splits(matrices, sharded_only=True))
+        else:
+            in_flight = InFlight()
+        return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, own=own)
 
     def orthogonalise_at_homes(
         self, sent: Exchange, orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     ) -> Exchange:
         """Wait for ``sent``, orthogonalise the matrices homed here, send each rank its shards."""
-        size, me, entries = self.tp.size, self.tp.rank, sent.entries
+        size, me, matrices = self.tp.size, self.tp.rank, sent.matrices
         sent.in_flight.wait()
-        homed = [i for i, e in enumerate(entries) if e.tp_home == me]
-        per_source = sum(entries[i].numel for i in homed)
-        matrices, start = [], 0
+        homed = [i for i, m in enumerate(matrices) if m.home == me]
+        per_source = sum(matrices[i].numel for i in homed if matrices[i].dim is not None)
+        full, start = [], 0
         for i in homed:
-            entry = entries[i]
-            parts = [sent.received[s * per_source + start : s * per_source + start + entry.numel].view(entry.shape)
+            matrix = matrices[i]
+            if matrix.dim is None:
+                full.append(sent.own[i].view(matrix.shape))
+                continue
+            parts = [sent.received[s * per_source + start : s * per_source + start + matrix.numel].view(matrix.shape)
                      for s in range(size)]
-            matrices.append(torch.cat(parts, dim=entry.tp_dim))
-            start += entry.numel
-        blocks = [(k, block) for k, i in enumerate(homed) for block in entries[i].blocks]
-        results = orthogonalise_fn([_take_rows(matrices[k], block).contiguous() for k, block in blocks]) if blocks else []
+            full.append(torch.cat(parts, dim=matrix.dim))
+            start += matrix.numel
+        blocks = [(k, block) for k, i in enumerate(homed) for block in matrices[i].blocks]
+        results = orthogonalise_fn([_take_rows(full[k], block).contiguous() for k, block in blocks]) if blocks else []
         for (k, block), result in zip(blocks, results):
-            if len(entries[homed[k]].blocks) == 1:
-                matrices[k] = result
+            if len(matrices[homed[k]].blocks) == 1:
+                full[k] = result
             else:
-                _put_rows(matrices[k], block, result)
-        send = (torch.cat([m.chunk(size, dim=entries[i].tp_dim)[s].reshape(-1)
-                           for s in range(size) for m, i in zip(matrices, homed)])
-                if homed else sent.sent.new_empty(0))
-        received = sent.sent.new_empty(sum(e.numel for e in entries))
-        in_flight = self._issue("dmuon.tp_from_home", received, send, self._home_splits(entries), [per_source] * size)
-        return Exchange(entries=entries, sent=send, received=received, in_flight=in_flight, ns_matrices=len(blocks))
+                _put_rows(full[k], block, result)
+        parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(full, homed)]
+        send = torch.cat(parts) if parts else self._empty()
+        received = sent.sent.new_empty(sum(m.numel for m in matrices))
+        per_destination = sum(matrices[i].numel for i in homed)
+        in_flight = self._issue("dmuon.tp_from_home", received, send, self._home_splits(matrices),
+                                [per_destination] * size)
+        return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(blocks))
 
     def received(self, back: Exchange) -> list[torch.Tensor]:
-        """Wait for ``back``: this rank's shards of the results, in ``entries`` order (views of its buffer)."""
+        """Wait for ``back``: this rank's shards of the results, in ``matrices`` order (views of its buffer)."""
         back.in_flight.wait()
-        out: list[torch.Tensor | None] = [None] * len(back.entries)
+        out: list[torch.Tensor | None] = [None] * len(back.matrices)
         offset = 0
-        for i in self._by_home(back.entries):
-            out[i] = back.received[offset : offset + back.entries[i].numel].view(back.entries[i].shape)
-            offset += back.entries[i].numel
+        for i in self._by_home(back.matrices):
+            matrix = back.matrices[i]
+            out[i] = back.received[offset : offset + matrix.numel].view(matrix.shape)
+            offset += matrix.numel
         return out
 
-    def _by_home(self, entries: Sequence[PlanEntry]) -> list[int]:
-        return [i for home in range(self.tp.size) for i, e in enumerate(entries) if e.tp_home == home]
+    def _part_for(self, result: torch.Tensor, matrix: TPMatrix, rank: int) -> torch.Tensor:
+        """What ``rank`` gets of a result: its shard, or all of a replicated matrix."""
+        return result if matrix.dim is None else result.chunk(self.tp.size, dim=matrix.dim)[rank]
 
-    def _home_splits(self, entries: Sequence[PlanEntry]) -> list[int]:
-        return [sum(e.numel for e in entries if e.tp_home == home) for home in range(self.tp.size)]
+    def _by_home(self, matrices: Sequence[TPMatrix]) -> list[int]:
+        return [i for home in range(self.tp.size) for i, m in enumerate(matrices) if m.home == home]
+
+    def _home_splits(self, matrices: Sequence[TPMatrix], *, sharded_only: bool = False) -> list[int]:
+        return [sum(m.numel for m in matrices if m.home == home and not (sharded_only and m.dim is None))
+                for home in range(self.tp.size)]
+
+    def _empty(self) -> torch.Tensor:
+        """Nothing to send (Newton–Schulz inputs are bf16)."""
+        return torch.empty(0, dtype=torch.bfloat16, device=self.streams.device)
 
     def _issue(self, source: str, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream (after the current stream's writes of ``input``);
