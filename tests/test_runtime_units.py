@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import toy_model
+from titan_dmuon.runtime.comm import CommLabel
 
 
 def _on_fake_pg(world, fn):
@@ -35,11 +36,11 @@ def test_comm_stats_count_integers_and_read_exact_fractions():
     from titan_dmuon.runtime.comm import CommStats
 
     stats = CommStats()
-    stats.add("dmuon.a", 4, 100, 200)
-    stats.add("dmuon.a", 4, 20, 40)
-    stats.add("dmuon.a", 2, 10, 40)
-    stats.add_launch("dmuon.a")
-    assert stats.pop() == {"dmuon.a": (Fraction(3, 4) * 120 + Fraction(1, 2) * 10, Fraction(3, 4) * 240 + 20, 1)}
+    stats.add(CommLabel.SHARD_REDUCE, 4, 100, 200)
+    stats.add(CommLabel.SHARD_REDUCE, 4, 20, 40)
+    stats.add(CommLabel.SHARD_REDUCE, 2, 10, 40)
+    stats.add_launch(CommLabel.SHARD_REDUCE)
+    assert stats.pop() == {CommLabel.SHARD_REDUCE: (Fraction(3, 4) * 120 + Fraction(1, 2) * 10, Fraction(3, 4) * 240 + 20, 1)}
     assert stats.pop() == {}
 
 
@@ -47,17 +48,17 @@ def _launch_counts():
     from titan_dmuon.runtime.comm import CommStats, Launch
 
     stats = CommStats()
-    with Launch(dist.group.WORLD, 4, torch.device("cpu"), "dmuon.x", stats, coalesce=True) as launch:
+    with Launch(dist.group.WORLD, 4, torch.device("cpu"), CommLabel.FORWARD_BROADCAST, stats, coalesce=True) as launch:
         launch.broadcast(torch.ones(6), src=1)
         launch.reduce(torch.ones(2), dst=3)
-    with Launch(dist.group.WORLD, 1, torch.device("cpu"), "dmuon.y", stats, coalesce=True) as alone:
+    with Launch(dist.group.WORLD, 1, torch.device("cpu"), CommLabel.BACKWARD_BROADCAST, stats, coalesce=True) as alone:
         alone.broadcast(torch.ones(6), src=0)  # a group of one: nothing to send
     return stats.pop(), len(launch.in_flight.works), len(alone.in_flight.works)
 
 
 def test_a_launch_counts_elements_once_and_one_launch(solo):
     counts, works, alone = solo.run(_launch_counts_job)[0]
-    assert counts == {"dmuon.x": (Fraction(3, 4) * 8, Fraction(3, 4) * 32, 1)}
+    assert counts == {CommLabel.FORWARD_BROADCAST: (Fraction(3, 4) * 8, Fraction(3, 4) * 32, 1)}
     assert works == 1 and alone == 0  # one coalesced work to wait on; none for a group of one
 
 
@@ -81,7 +82,7 @@ def test_a_launch_on_an_accelerator_records_its_event_also_for_a_group_of_one(mo
 
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: Stream())
     stats = CommStats()
-    with Launch(None, 1, torch.device("cuda", 0), "dmuon.forward_broadcast", stats, coalesce=True) as alone:
+    with Launch(None, 1, torch.device("cuda", 0), CommLabel.FORWARD_BROADCAST, stats, coalesce=True) as alone:
         alone.broadcast(torch.ones(3), src=0)
     assert alone.in_flight.event is recorded[0]
     assert stats.pop() == {}  # nothing moved, no launch
@@ -149,10 +150,10 @@ def _unit_lifecycle():
     handle._lazy_init()
     unit = handle._units[0]
     states = [unit.state]
-    unit.gather("dmuon.forward_broadcast")
+    unit.gather(CommLabel.FORWARD_BROADCAST)
     states.append(unit.state)
     allocated = handle.buffer_bytes
-    unit.gather("dmuon.forward_broadcast")  # no-op while not FREE
+    unit.gather(CommLabel.FORWARD_BROADCAST)  # no-op while not FREE
     unit.wait()
     states.append(unit.state)
     unit.swap_in()
@@ -162,7 +163,7 @@ def _unit_lifecycle():
     unit.free()
     states.append(unit.state)
     prefetched = handle._units[1]
-    prefetched.gather("dmuon.forward_broadcast")
+    prefetched.gather(CommLabel.FORWARD_BROADCAST)
     prefetched.free()  # never used: freed straight from GATHERING
     return ([s.value for s in states], allocated, unit.numel * 4, handle.buffer_bytes, swapped, restored,
             prefetched.state is BufferState.FREE)

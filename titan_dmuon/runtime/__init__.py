@@ -14,7 +14,7 @@ Laid out as FSDP2 lays out its own runtime, one concern per file:
 * ``dedicate.py``: ``dedicate_params``: validation, ownership plan, unit layout.
 """
 
-from titan_dmuon.runtime.comm import comm_source
+from titan_dmuon.runtime.comm import CommLabel, comm_source
 from titan_dmuon.runtime.context import UnitOrderError
 from titan_dmuon.runtime.dedicate import canonical_fqn, dedicate_params
 from titan_dmuon.runtime.handle import DedicatedParams
@@ -22,6 +22,7 @@ from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import HSDP_DIM_NAMES, DedicationMode, MeshInfo
 
 __all__ = [
+    "CommLabel",
     "HSDP_DIM_NAMES",
     "DedicatedParams",
     "DedicationMode",

@@ -38,13 +38,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from titan_dmuon.plan import OwnershipPlan
-from titan_dmuon.runtime.comm import comm_source
-from titan_dmuon.runtime.context import RuntimeContext, UnitOrderError
+from titan_dmuon.runtime.comm import CommLabel, comm_source
+from titan_dmuon.runtime.context import Phase, RuntimeContext, UnitOrderError
 from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
 from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-from titan_dmuon.runtime.unit import BufferState, Phase, Unit
+from titan_dmuon.runtime.unit import BufferState, Unit
 
 
 def _hook(label: str):
@@ -292,7 +292,7 @@ class DedicatedParams:
         for m in self._members:
             full = m.param.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=m.param.dtype, device=m.param.device)
             if mesh.shard_size > 1:
-                with comm_source("dmuon.export"):
+                with comm_source(CommLabel.EXPORT):
                     dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
             out[m.fqn] = self.tp_full(m, full)
         return out
@@ -304,7 +304,7 @@ class DedicatedParams:
         if member.entry.tp_dim is None:
             return shard
         parts = [torch.empty_like(shard) for _ in range(tp.size)]
-        with comm_source("dmuon.export"):
+        with comm_source(CommLabel.EXPORT):
             dist.all_gather(parts, shard.contiguous(), group=tp.group)
         return torch.cat(parts, dim=member.entry.tp_dim)
 
@@ -464,11 +464,11 @@ class DedicatedParams:
         rank, whatever each rank owns of it)."""
         ctx = self._ctx
         unit.weights_event = ctx.streams.record()
-        ctx.replicas.broadcast(unit, source="dmuon.replicate_broadcast")
+        ctx.replicas.broadcast(unit, source=CommLabel.REPLICATE_BROADCAST)
         if self._initialized and not ctx.recording and ctx.forward_order and unit is ctx.forward_order[0]:
             if not unit.swapped_in:
                 unit.free()  # (a buffer gathered before this step holds the old weights)
-            unit.gather("dmuon.forward_broadcast")
+            unit.gather(CommLabel.FORWARD_BROADCAST)
 
     # ---- removal ----------------------------------------------------------------------------------
     def remove(self) -> None:
@@ -513,7 +513,7 @@ class DedicatedParams:
             unit.weights_event = self._ctx.streams.record()
         self._initialized = True
         for unit in self._units:  # replicas may have been initialised differently: the global owner's copy wins
-            self._ctx.replicas.broadcast(unit, source="dmuon.replicate_sync")
+            self._ctx.replicas.broadcast(unit, source=CommLabel.REPLICATE_SYNC)
 
     @_hook("root_pre_forward")
     def _root_pre_forward(self, module, args) -> None:
@@ -523,7 +523,7 @@ class DedicatedParams:
         ctx = self._ctx
         ctx.begin_forward()
         if not ctx.recording and ctx.forward_order:
-            ctx.forward_order[0].gather("dmuon.forward_broadcast")  # no-op when the step launched it
+            ctx.forward_order[0].gather(CommLabel.FORWARD_BROADCAST)  # no-op when the step launched it
 
     @_hook("root_post_forward")
     def _root_post_forward(self, module, args, output) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from titan_dmuon.muon_math import _put_rows, _take_rows
 from titan_dmuon.plan import TPMatrix
-from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch
 from titan_dmuon.runtime.mode import TensorParallelInfo
 from titan_dmuon.runtime.streams import Streams
 
@@ -81,7 +81,7 @@ class TensorParallelNewtonSchulz:
         per_source = sum(m.numel for m in matrices if m.dim is not None and m.home == me)
         received = send.new_empty(per_source * size)
         if sharded:  # (the same on every rank: nothing to send when the chunk holds replicated matrices only)
-            in_flight = self._issue("dmuon.tp_to_home", received, send, [per_source] * size,
+            in_flight = self._issue(CommLabel.TP_TO_HOME, received, send, [per_source] * size,
                                     self._home_splits(matrices, sharded_only=True))
         else:
             in_flight = InFlight()
@@ -116,7 +116,7 @@ class TensorParallelNewtonSchulz:
         send = torch.cat(parts) if parts else self._empty()
         received = sent.sent.new_empty(sum(m.numel for m in matrices))
         per_destination = sum(matrices[i].numel for i in homed)
-        in_flight = self._issue("dmuon.tp_from_home", received, send, self._home_splits(matrices),
+        in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
                                 [per_destination] * size)
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(blocks))
 
@@ -146,7 +146,7 @@ class TensorParallelNewtonSchulz:
         """Nothing to send (Newton–Schulz inputs are bf16)."""
         return torch.empty(0, dtype=torch.bfloat16, device=self.streams.device)
 
-    def _issue(self, source: str, output, input, output_splits, input_splits) -> InFlight:
+    def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream (after the current stream's writes of ``input``);
         the returned InFlight is what a reader of ``output`` waits for."""
         stream = self.streams.reduce
