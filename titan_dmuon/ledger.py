@@ -152,7 +152,9 @@ class CommLedger(TorchDispatchMode):
         )
 
     # ---- queries -----------------------------------------------------------------
-    def select(self, *, source: str | None = None, phase: str | None = None, kind: str | None = None) -> list[CommRecord]:
+    def select(
+        self, *, source: str | None = None, phase: str | None = None, kind: str | None = None
+    ) -> list[CommRecord]:
         """Records matching all given filters; ``source=CommLabel.DMUON`` matches every label of DMuon's."""
         out = []
         for r in self.records:

@@ -196,14 +196,17 @@ class Launch:
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
         self._issue(dist.reduce, tensor, group_dst=dst)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> None:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
         """Counted as the design counts an all-to-all: (n-1)/n of the input per rank (with uneven
         splits: exact as the mean over the group's ranks)."""
         if self.group_size == 1:
             output.copy_(input)
             return
         self.stats.add(self.source, self.group_size, input.numel(), input.numel() * input.element_size())
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=self._async)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group,
+                                      async_op=self._async)
         self._ops += 1
         if self._async and work is not None:
             self.in_flight.works.append(work)

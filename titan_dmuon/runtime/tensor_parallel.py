@@ -25,6 +25,9 @@ A sharded matrix moves (T-1)/T of its shards each way: 2(T-1)/T^2 of its full el
 replicated one (T-1) copies of it, back only. Everything else (momentum, weight decay, the update)
 stays elementwise on the shards, so the result is the single-device update of the full matrix:
 bitwise ``torch.optim.Muon``'s with ``ns_mode="exact"``.
+
+Outside the step a TP shard is turned into its full matrix and back by ``tp_full`` (export),
+``tp_local`` (loads, initialisation) and ``as_sharded`` (DCP's view of a shard as the full matrix).
 """
 
 from __future__ import annotations
@@ -33,12 +36,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_dmuon.muon_math import _put_rows, _take_rows
 from titan_dmuon.plan import TPMatrix
-from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch
+from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch, comm_source
+from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.mode import TensorParallelInfo
 from titan_dmuon.runtime.streams import Streams
+
+
+def tp_full(tp: TensorParallelInfo | None, member: Member, shard: torch.Tensor) -> torch.Tensor:
+    """The full matrix from this rank's TP-local ``shard`` of ``member`` (an all-gather on the TP
+    group: a collective); ``shard`` itself for a weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(tp.size)]
+    with comm_source(CommLabel.EXPORT):
+        dist.all_gather(parts, shard.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=member.entry.tp_dim)
+
+
+def tp_local(tp: TensorParallelInfo | None, member: Member, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP-local shard of a full value of ``member`` (a view); ``full`` itself for a
+    weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return full
+    return full.chunk(tp.size, dim=member.entry.tp_dim)[tp.rank]
+
+
+def as_sharded(tp: TensorParallelInfo | None, member: Member, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's TP shard of ``member``, e.g. its weight or momentum) as a DTensor of
+    the full matrix on the TP mesh, for DCP, which then saves and reshards whole matrices; ``local``
+    itself for a weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return local
+    full = torch.Size(member.entry.full_shape)
+    return DTensor.from_local(local, tp.mesh, [Shard(member.entry.tp_dim)], run_check=False,
+                              shape=full, stride=torch.empty(full, device="meta").stride())
 
 
 @dataclass(eq=False)

@@ -9,12 +9,12 @@ is done. The buffer is a small state machine::
 
     FREE --gather()--> GATHERING --wait()--> READY --free()--> FREE
 
-and the unit's place in the step is its ``Phase`` (declared with the context, which checks
-the units' order by it). The four transitions
-(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``) are
-methods of the unit, as FSDP2's ``FSDPParamGroup`` owns its own; the hooks in
-``handle.py`` only call them. What units share (streams, the reducer, the
-forward order, counters) is the ``RuntimeContext``.
+and the unit's place in the step is its ``Phase`` (declared with the context,
+which checks the units' order by it). The four transitions (``pre_forward``,
+``post_forward``, ``pre_backward``, ``post_backward``) are methods of the unit,
+as FSDP2's ``FSDPParamGroup`` owns its own; the hooks in ``hooks.py`` only call
+them. What units share (streams, the reducer, the forward order, counters) is
+the ``RuntimeContext``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Unit:
             if mine:
                 views = [self.buffer[m.offset : m.offset + m.numel].view(m.shape) for m in mine]
                 torch._foreach_copy_(views, [m.param for m in mine])
-            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats, coalesce=mesh.coalesces) as launch:
+            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats,
+                        coalesce=mesh.coalesces) as launch:
                 for segment in self.segments:
                     launch.broadcast(self.buffer[segment.start : segment.stop], src=segment.shard_owner)
         self._in_flight = launch.in_flight
