@@ -18,6 +18,7 @@ from tests.helpers import (
     allocation_peak,
     baseline,
     batches,
+    bitwise_equal,
     distribute,
     full_state,
     local_slice,
@@ -202,6 +203,37 @@ def test_remove_takes_hooks_off_and_nothing_keeps_the_model_alive(pool2):
     for installed, leftover, model_gone, handle_gone in pool2.run(_remove_and_collect):
         assert installed > 0 and leftover == 0
         assert model_gone and handle_gone
+
+
+# ---- nothing left in flight at the end of training ------------------------------------------------
+def _finish_in_flight(rank, world, mode):
+    from titan_dmuon.runtime.unit import BufferState
+
+    setup = distribute(toy_model(), mode, world)
+    data = batches(3)
+    train(setup, data[:2], rank, world)
+    units = setup.handle._units
+    launched = sum(u.state is BufferState.GATHERING for u in units)
+    setup.handle.finish_in_flight()
+    left = sum(u.state is not BufferState.FREE or u._in_flight is not None for u in units)
+    left += len(setup.handle._ctx.replicas._in_flight)
+    train(setup, data[2:], rank, world)  # the next forward gathers again
+    straight = distribute(toy_model(), mode, world)
+    train(straight, data, rank, world)
+    return launched, left, bitwise_equal(full_state(setup), full_state(straight))
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_finish_in_flight_leaves_no_collective_and_training_goes_on(pool2, mode):
+    """Regression: each step launches the next forward's first broadcast and nobody waits for it
+    after the last step. A 4-rank TP job on CI aborted at exit (SIGABRT, rank 3, after its last
+    step logged): a gloo worker finishing that broadcast while the interpreter shut down. The
+    trainer now calls ``finish_in_flight`` after training (test_titan_checks.py); here: the step
+    had launched one, afterwards nothing is gathering or in flight, and training goes on bitwise as
+    the same job without the call (same kernels in the same order: only waits and frees differ)."""
+    for launched, left, same in pool2.run(_finish_in_flight, mode):
+        assert launched == 1 and left == 0
+        assert same
 
 
 # ---- DDP with activation checkpointing ----------------------------------------------------------------

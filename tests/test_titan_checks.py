@@ -77,3 +77,21 @@ def test_unset_reshard_after_forward_under_ddp_is_z2(pool2, replicate, kwargs, e
     every layer for backward: there it uses Z2 (checked: without the DDP branch the policy "default"
     gives True under DDP and the first case fails)."""
     assert pool2.run(_reshard_after_forward, replicate, kwargs) == [expected] * 2
+
+
+def test_trainer_finishes_dmuon_collectives_after_training(monkeypatch):
+    """Regression (CI, a 4-rank TP job: SIGABRT at exit after the last step): the last step launched
+    the next forward's first broadcast and nothing waited for it. DMuonTrainer.train finishes every
+    handle's collectives after TorchTitan's loop, once per handle, while the process groups are up."""
+    from torchtitan.trainer import Trainer
+
+    from titan_dmuon.integration.trainer import DMuonTrainer
+
+    calls = []
+    monkeypatch.setattr(Trainer, "train", lambda self: calls.append("loop"))
+    handles = [types.SimpleNamespace(finish_in_flight=lambda i=i: calls.append(f"finish {i}")) for i in range(2)]
+    optimizer = types.SimpleNamespace(dedicated_handles=lambda: handles)
+    trainer = object.__new__(DMuonTrainer)
+    trainer.optimizers = types.SimpleNamespace(dmuon_optimizers=lambda: [optimizer, optimizer])
+    trainer.train()
+    assert calls == ["loop", "finish 0", "finish 1"]

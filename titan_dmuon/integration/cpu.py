@@ -32,6 +32,8 @@ from collections import namedtuple
 
 import torch
 
+from titan_dmuon.gloo_exit import install_exit_guard
+
 
 def accelerator_present() -> bool:
     return torch.accelerator.is_available()
@@ -53,6 +55,7 @@ def enable() -> None:
 
     if titan_utils.device_type == "cpu":
         return  # already enabled
+    install_exit_guard()  # (gloo's workers at interpreter exit)
     _uneven_all_to_all_on_gloo()
     stale_type, stale_module = titan_utils.device_type, titan_utils.device_module
     titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu

@@ -83,6 +83,14 @@ class DMuonTrainer(Trainer):
         if self.parallel_dims.pp_enabled:
             prepare_pipeline_schedule(self.pp_schedule, self.optimizers)
 
+    def train(self):
+        """TorchTitan's training loop, then DMuon's collectives still in flight are finished (the last
+        step launched the next forward's first broadcast) while every process group is still up."""
+        result = super().train()
+        for handle in dmuon_handles(self.optimizers):
+            handle.finish_in_flight()
+        return result
+
     def train_step(self, data_iterator):
         self.metrics_processor.begin_step()
         with contextlib.ExitStack() as stack:

@@ -286,6 +286,15 @@ class DedicatedParams:
             if not unit.swapped_in and unit.state is not BufferState.FREE:
                 unit.free()
 
+    def finish_in_flight(self) -> None:
+        """The host waits for every collective this handle launched and nobody waited for yet (HSDP's
+        replica broadcasts; the next forward's first broadcast, which each step starts) and the
+        gathered buffers are dropped. Call it before the process groups go (the end of training):
+        a gloo worker still finishing one while the interpreter shuts down aborts the process.
+        Hooks stay; the next forward gathers again."""
+        self.wait_for_replicate_broadcasts(host=True)
+        self.discard_gathered_weights()
+
     def weights_changed(self) -> None:
         """The owners' weights were written outside ``step()`` (a load, an initialiser): gathers
         ahead of the next forward are dropped and later ones read the new values."""
