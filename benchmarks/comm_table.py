@@ -26,6 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
 from titan_dmuon import CommLedger, baseline_elements_per_rank  # noqa: E402
 from titan_dmuon.cost_model import design_elements_per_rank  # noqa: E402
+from titan_dmuon.runtime import CommLabel  # noqa: E402
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets  # noqa: E402
 
 DIMS = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=4)
@@ -59,7 +60,7 @@ def muon_elements(kind, mode, theory: str, rank: int, world: int, hsdp: bool) ->
         setup.opt.zero_grad()
     ledger.__exit__(None, None, None)
     if kind == "dmuon":
-        return ledger.elements(source="dmuon") / 2, p_m, design_elements_per_rank(setup.handle)
+        return ledger.elements(source=CommLabel.DMUON) / 2, p_m, design_elements_per_rank(setup.handle)
     # baselines move every parameter: subtract what the same collectives cost for the rest
     n = world
     rest = {"naive": (3 if mode else 2) * Fraction(n - 1, n) * p_other, "ddp_muon": 2 * Fraction(n - 1, n) * p_other}[kind]

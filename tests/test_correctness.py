@@ -32,6 +32,7 @@ from tests.helpers import (
     train,
 )
 from titan_dmuon import CommLedger, DMuon, clip_grad_norm_, dedicate_params
+from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
 
 STEPS = 5
@@ -241,7 +242,7 @@ def _mixed_precision(rank, world):
     setup = distribute(model, "z3", world, mp_policy=policy)
     with CommLedger() as ledger:
         train(setup, data, rank, world)
-    kinds = {(r.kind, r.dtype) for r in ledger.select(source="dmuon")}
+    kinds = {(r.kind, r.dtype) for r in ledger.select(source=CommLabel.DMUON)}
     master = {p.dtype for p in setup.handle.params}
     return max_diff(full_state(setup), ref), kinds, master
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model, train
 from titan_dmuon import CommLedger, baseline_elements_per_rank
 from titan_dmuon.cost_model import design_elements_per_rank
+from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 
 SMALL = dict(dim=32, hidden_dim=48, n_kv_heads=2, vocab_size=64, n_layers=2)  # divisible by N = 2, 4
@@ -54,13 +55,13 @@ def _measure(rank, world, config, dims, hsdp=False, **dedicate_kwargs):
     handle = getattr(setup, "handle", None)
     return {
         "total": ledger.elements() * half,
-        "dmuon": ledger.elements(source="dmuon") * half,
-        "other": ledger.elements(source="other") * half,
+        "dmuon": ledger.elements(source=CommLabel.DMUON) * half,
+        "other": ledger.elements(source=CommLabel.OTHER) * half,
         "step": ledger.elements(phase="step") * half,
         "step_kinds": sorted({(r.source, r.kind) for r in ledger.select(phase="step")}),
         "dtypes": sorted({(r.source, str(r.dtype)) for r in ledger.records}),
-        "launches": Fraction(ledger.launches(source="dmuon"), 2),
-        "other_launches": Fraction(ledger.launches(source="other"), 2),
+        "launches": Fraction(ledger.launches(source=CommLabel.DMUON), 2),
+        "other_launches": Fraction(ledger.launches(source=CommLabel.OTHER), 2),
         "kept": handle.kept_unit_numel if handle else 0,
         "design": design_elements_per_rank(handle) if handle else None,
         "first_unit": sum(e.numel for e in handle.plan.entries if e.unit == 0) if handle else 0,
@@ -95,7 +96,7 @@ def _check_one_d(results, n, dims):
         assert dm["other"] == fsdp[mode] * step * p_other
         assert dm["total"] == r[f"fsdp_adamw_{mode}"]["total"] - step * kept
         # the update needs no collective: step() only launches the next forward's first broadcast early
-        assert dm["step_kinds"] == [("dmuon.forward_broadcast", "broadcast")]
+        assert dm["step_kinds"] == [(CommLabel.FORWARD_BROADCAST, "broadcast")]
         assert dm["step"] == step * dm["first_unit"]
     ddp = r["dmuon_ddp"]
     assert ddp["dmuon"] == ddp["design"] == 2 * step * p_m == baseline_elements_per_rank("ddp_muon", shard_size=n, numel=p_m)
@@ -129,7 +130,7 @@ def _check_hsdp(dmuon_results, fsdp_results, r, n, dims):
     assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total") - Fraction(n - 1, n) * kept
     # step() launches the post-step broadcasts to replicate peers and the next forward's first broadcast
     for res in dmuon_results:
-        assert {k for k in res["step_kinds"]} <= {("dmuon.replicate_broadcast", "broadcast"), ("dmuon.forward_broadcast", "broadcast")}
+        assert {k for k in res["step_kinds"]} <= {(CommLabel.REPLICATE_BROADCAST, "broadcast"), (CommLabel.FORWARD_BROADCAST, "broadcast")}
     assert _mean(dmuon_results, "step") == Fraction(r - 1, r) * Fraction(p_m, n) + Fraction(n - 1, n) * first
 
 

@@ -10,6 +10,7 @@ broadcast for the next forward starts at the end of the step.
 
 
 from tests.helpers import batches, distribute, toy_model, train
+from titan_dmuon.runtime import CommLabel
 
 LAYERS = 4
 
@@ -50,7 +51,7 @@ def _comm_stats_vs_ledger(rank, world, mode):
     own = setup.handle.pop_comm_stats()
     by_source = {
         source: (ledger.elements(source=source), ledger.bytes(source=source), ledger.launch_groups(source=source))
-        for source in {record.source for record in ledger.select(source="dmuon")}
+        for source in {record.source for record in ledger.select(source=CommLabel.DMUON)}
     }
     return own, by_source
 

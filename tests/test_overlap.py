@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers import batches, bitwise_equal, distribute, full_state, local_slice, toy_model, train
 from titan_dmuon import CommLedger
+from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn
 
 DIMS = dict(n_layers=3)
@@ -24,7 +25,7 @@ DIMS = dict(n_layers=3)
 
 def _steady_state_records(rank, world, mode):
     """(forward, backward) collectives of step 3, each a list of (who, kind, group size): FSDP2's
-    one by one ("fsdp"), DMuon's one entry per launch ("dmuon.<label>")."""
+    one by one ("fsdp"), DMuon's one entry per launch (its CommLabel)."""
     setup = distribute(toy_model(**DIMS), mode, world)
     data = batches(3)
     train(setup, data[:2], rank, world)
@@ -40,7 +41,7 @@ def _steady_state_records(rank, world, mode):
 def _entries(ledger):
     out, launches = [], set()
     for r in ledger.records:
-        if r.source == "other":
+        if r.source == CommLabel.OTHER:
             out.append(("fsdp", r.kind, r.group_size))
         elif r.launch not in launches:
             launches.add(r.launch)
@@ -55,7 +56,7 @@ def test_forward_prefetch_comes_after_fsdp2s_all_gather(pool2, mode):
     fix: root AG, B(1), B(1), AG(0), B(2), B(2), AG(1), AG(2): compute(0) waited for B(1)."""
     results = pool2.run(_steady_state_records, mode)
     forward = results[0][0]
-    ag, bcast = ("fsdp", "all_gather", 2), ("dmuon.forward_broadcast", "broadcast", 2)
+    ag, bcast = ("fsdp", "all_gather", 2), (CommLabel.FORWARD_BROADCAST, "broadcast", 2)
     assert forward == [ag, ag, bcast, ag, bcast, ag], forward
     assert all(r[0] == forward for r in results)  # the same order on every rank
 
@@ -63,7 +64,7 @@ def test_forward_prefetch_comes_after_fsdp2s_all_gather(pool2, mode):
 def test_forward_prefetch_order_under_hsdp(pool4):
     results = pool4.run(_steady_state_records, "hsdp")
     forward = results[0][0]
-    ag, bcast = ("fsdp", "all_gather", 2), ("dmuon.forward_broadcast", "broadcast", 2)
+    ag, bcast = ("fsdp", "all_gather", 2), (CommLabel.FORWARD_BROADCAST, "broadcast", 2)
     assert forward == [ag, ag, bcast, ag, bcast, ag], forward
     assert all(r[0] == forward for r in results)
 
@@ -73,8 +74,8 @@ def test_z3_backward_prefetch_comes_before_the_reduce(pool2):
     layer 2's pre-backward, before layer 2's reduce; without the prefetch it would come after
     (and layer 1's backward would wait for it)."""
     results = pool2.run(_steady_state_records, "z3")
-    ours = [who for who, _, _ in results[0][1] if who.startswith("dmuon")]
-    b, r = "dmuon.backward_broadcast", "dmuon.shard_reduce"
+    ours = [who for who, _, _ in results[0][1] if who != "fsdp"]
+    b, r = CommLabel.BACKWARD_BROADCAST, CommLabel.SHARD_REDUCE
     assert ours == [b, r, b, r, r], ours
     assert all(res[1] == results[0][1] for res in results)
 
@@ -108,10 +109,10 @@ def test_the_step_sends_each_layer_on_before_the_next_layers_newton_schulz(pool4
     (before, every send waited for the whole step)."""
     for events in pool4.run(_step_events, "hsdp"):
         sends = [i for i, e in enumerate(events) if e[0] == "send"]
-        first_forward = events.index(("send", "dmuon.forward_broadcast"))
+        first_forward = events.index(("send", CommLabel.FORWARD_BROADCAST))
         last_ns = max(i for i, e in enumerate(events) if e == ("ns",))
         assert first_forward < last_ns, events
-        replica = [i for i in sends if events[i] == ("send", "dmuon.replicate_broadcast")]
+        replica = [i for i in sends if events[i] == ("send", CommLabel.REPLICATE_BROADCAST)]
         assert replica and replica[0] < last_ns, events
 
 

@@ -17,6 +17,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states  # noqa: E402
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 4
 STEPS = 3
@@ -80,7 +81,7 @@ def _with_pipeline(rank, world, state, schedule, microbatch=1):
     with CommLedger() as ledger:
         losses += th.train_pp(dims, built, _data()[1:], norms=norms, inf_norms=inf_norms)
     moved = sum(e for h in handles for e, _, _ in h.pop_comm_stats().values()) / (STEPS - 1)
-    counted = ledger.elements(source="dmuon") / (STEPS - 1)
+    counted = ledger.elements(source=CommLabel.DMUON) / (STEPS - 1)
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     without = [sorted(n for n, _ in part.named_parameters()) for part in parts if not _handles([part])]
@@ -199,7 +200,7 @@ def _reduce_order(rank, world, schedule):
     handles = _handles(parts)
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     return {"events": events, "stages": stages, "pp_rank": dims.get_mesh("pp").get_local_rank(),
-            "moved": ledger.elements(source="dmuon") / 2, "design": design}
+            "moved": ledger.elements(source=CommLabel.DMUON) / 2, "design": design}
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])

@@ -232,7 +232,7 @@ def test_the_first_layers_early_broadcast_is_dropped_by_a_load(pool2):
 def _launch_that_raises(rank0, _world):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_dmuon.runtime.comm import CommStats, Launch
+    from titan_dmuon.runtime.comm import CommLabel, CommStats, Launch
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     calls = []
@@ -241,7 +241,7 @@ def _launch_that_raises(rank0, _world):
     dist.ProcessGroup._start_coalescing = lambda self, device: (calls.append("start"), start(self, device))[1]
     dist.ProcessGroup._end_coalescing = lambda self, device: (calls.append("end"), end(self, device))[1]
     try:
-        with Launch(dist.group.WORLD, 4, torch.device("cpu"), "dmuon.test", CommStats(), coalesce=True) as launch:
+        with Launch(dist.group.WORLD, 4, torch.device("cpu"), CommLabel.FORWARD_BROADCAST, CommStats(), coalesce=True) as launch:
             launch.broadcast(torch.ones(3), src=0)
             raise KeyError("an error between two collectives of one launch")
     except KeyError:

@@ -29,6 +29,7 @@ from tests.helpers import (
     train,
 )
 from titan_dmuon import DMuon, clip_grad_norm_, dedicate_params
+from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 
 
@@ -159,7 +160,7 @@ def _launches(rank0, _world, mode, n):
         train(setup, data[:2], 0, n)
         with CommLedger() as ledger:
             train(setup, data[2:], 0, n)
-        return ledger.launches(source="dmuon"), len(ledger.select(source="dmuon"))
+        return ledger.launches(source=CommLabel.DMUON), len(ledger.select(source=CommLabel.DMUON))
     finally:
         dist.destroy_process_group()
 

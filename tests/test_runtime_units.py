@@ -2,7 +2,9 @@
 reducer or the unit lifecycle is checked here without the multi-process suite).
 
 The fake backend accepts any collective and moves no data, so these tests check state machines,
-counts and buffers; values are checked only where no collective produces them.
+counts and buffers; values are checked only where no collective produces them (world size 1).
+The units, contexts and reducers are built as ``dedicate_params`` builds them (``tests/runtime_parts.py``),
+without a handle; the handle's own tests use ``dedicate_params``.
 """
 
 from fractions import Fraction
@@ -12,22 +14,15 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import toy_model
+from tests.runtime_parts import fake_pg, runtime_parts
+from titan_dmuon.runtime.comm import CommLabel
+
+pytestmark = pytest.mark.unit
 
 
 def _on_fake_pg(world, fn):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
+    with fake_pg(world):
         return fn()
-    finally:
-        dist.destroy_process_group()
-
-
-def _handle(world=4, mode="z3", **kwargs):
-    from tests.helpers import distribute
-
-    return distribute(toy_model(**kwargs), mode, world)
 
 
 # ---- comm --------------------------------------------------------------------------------------------
@@ -35,11 +30,12 @@ def test_comm_stats_count_integers_and_read_exact_fractions():
     from titan_dmuon.runtime.comm import CommStats
 
     stats = CommStats()
-    stats.add("dmuon.a", 4, 100, 200)
-    stats.add("dmuon.a", 4, 20, 40)
-    stats.add("dmuon.a", 2, 10, 40)
-    stats.add_launch("dmuon.a")
-    assert stats.pop() == {"dmuon.a": (Fraction(3, 4) * 120 + Fraction(1, 2) * 10, Fraction(3, 4) * 240 + 20, 1)}
+    stats.add(CommLabel.SHARD_REDUCE, 4, 100, 200)
+    stats.add(CommLabel.SHARD_REDUCE, 4, 20, 40)
+    stats.add(CommLabel.SHARD_REDUCE, 2, 10, 40)
+    stats.add_launch(CommLabel.SHARD_REDUCE)
+    elements, nbytes = Fraction(3, 4) * 120 + Fraction(1, 2) * 10, Fraction(3, 4) * 240 + 20
+    assert stats.pop() == {CommLabel.SHARD_REDUCE: (elements, nbytes, 1)}
     assert stats.pop() == {}
 
 
@@ -47,17 +43,17 @@ def _launch_counts():
     from titan_dmuon.runtime.comm import CommStats, Launch
 
     stats = CommStats()
-    with Launch(dist.group.WORLD, 4, torch.device("cpu"), "dmuon.x", stats, coalesce=True) as launch:
+    with Launch(dist.group.WORLD, 4, torch.device("cpu"), CommLabel.FORWARD_BROADCAST, stats, coalesce=True) as launch:
         launch.broadcast(torch.ones(6), src=1)
         launch.reduce(torch.ones(2), dst=3)
-    with Launch(dist.group.WORLD, 1, torch.device("cpu"), "dmuon.y", stats, coalesce=True) as alone:
+    with Launch(dist.group.WORLD, 1, torch.device("cpu"), CommLabel.BACKWARD_BROADCAST, stats, coalesce=True) as alone:
         alone.broadcast(torch.ones(6), src=0)  # a group of one: nothing to send
     return stats.pop(), len(launch.in_flight.works), len(alone.in_flight.works)
 
 
 def test_a_launch_counts_elements_once_and_one_launch(solo):
     counts, works, alone = solo.run(_launch_counts_job)[0]
-    assert counts == {"dmuon.x": (Fraction(3, 4) * 8, Fraction(3, 4) * 32, 1)}
+    assert counts == {CommLabel.FORWARD_BROADCAST: (Fraction(3, 4) * 8, Fraction(3, 4) * 32, 1)}
     assert works == 1 and alone == 0  # one coalesced work to wait on; none for a group of one
 
 
@@ -81,7 +77,7 @@ def test_a_launch_on_an_accelerator_records_its_event_also_for_a_group_of_one(mo
 
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: Stream())
     stats = CommStats()
-    with Launch(None, 1, torch.device("cuda", 0), "dmuon.forward_broadcast", stats, coalesce=True) as alone:
+    with Launch(None, 1, torch.device("cuda", 0), CommLabel.FORWARD_BROADCAST, stats, coalesce=True) as alone:
         alone.broadcast(torch.ones(3), src=0)
     assert alone.in_flight.event is recorded[0]
     assert stats.pop() == {}  # nothing moved, no launch
@@ -115,7 +111,8 @@ def _modes():
     errors = []
     for bad in (lambda: DedicationMode.build(init_device_mesh("cpu", (2, 2)), reshard_after_forward=True),
                 lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward="yes"),
-                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True, expert_sharding="x")):
+                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True,
+                                             expert_sharding="x")):
         try:
             bad()
         except (TypeError, ValueError) as e:
@@ -144,15 +141,13 @@ def _modes_job(rank, world):
 def _unit_lifecycle():
     from titan_dmuon.runtime.unit import BufferState
 
-    setup = _handle()
-    handle = setup.handle
-    handle._lazy_init()
-    unit = handle._units[0]
+    ctx = runtime_parts(4).ctx
+    unit = ctx.units[0]
     states = [unit.state]
-    unit.gather("dmuon.forward_broadcast")
+    unit.gather(CommLabel.FORWARD_BROADCAST)
     states.append(unit.state)
-    allocated = handle.buffer_bytes
-    unit.gather("dmuon.forward_broadcast")  # no-op while not FREE
+    allocated = ctx.buffer_bytes
+    unit.gather(CommLabel.FORWARD_BROADCAST)  # no-op while not FREE
     unit.wait()
     states.append(unit.state)
     unit.swap_in()
@@ -161,10 +156,10 @@ def _unit_lifecycle():
     restored = all(m.module._parameters[m.name] is m.param for m in unit.members)
     unit.free()
     states.append(unit.state)
-    prefetched = handle._units[1]
-    prefetched.gather("dmuon.forward_broadcast")
+    prefetched = ctx.units[1]
+    prefetched.gather(CommLabel.FORWARD_BROADCAST)
     prefetched.free()  # never used: freed straight from GATHERING
-    return ([s.value for s in states], allocated, unit.numel * 4, handle.buffer_bytes, swapped, restored,
+    return ([s.value for s in states], allocated, unit.numel * 4, ctx.buffer_bytes, swapped, restored,
             prefetched.state is BufferState.FREE)
 
 
@@ -182,8 +177,7 @@ def _lifecycle_job(rank, world):
 def _order_checks():
     from titan_dmuon.runtime import UnitOrderError
 
-    setup = _handle(n_layers=3)
-    ctx = setup.handle._ctx
+    ctx = runtime_parts(4, model=toy_model(n_layers=3), allocate=False).ctx
     units = ctx.units
     ctx.begin_forward()
     for unit in units:
@@ -220,11 +214,13 @@ def _order_job(rank, world):
 
 
 # ---- reducer: every member, zeros where none --------------------------------------------------------------
-def _copy_in():
-    setup = _handle()
-    handle = setup.handle
-    handle._lazy_init()
-    unit = handle._units[0]
+def _reduced_with_one_gradient_missing():
+    """World size 1 (nothing is sent): a unit's gradients through the reducer's copy-in into flat
+    buffers, its (empty) reduces and its hand-over to the owner's ``.grad``."""
+    import warnings
+
+    ctx = runtime_parts(1).ctx
+    unit = ctx.units[0]
     for i, m in enumerate(unit.members):
         m.compute.grad = None if i == 1 else torch.full(m.shape, float(i + 1))
     empty = torch.empty
@@ -234,29 +230,28 @@ def _copy_in():
 
     torch.empty = dirty_empty
     try:
-        items = handle._ctx.reducer._copy_in(unit)
+        ctx.reducer.reduce(unit)
     finally:
         torch.empty = empty
-    flat_values = []
-    for bucket, flat in items:
-        offset = 0
-        for m in bucket.members:
-            flat_values.append((unit.members.index(m), float(flat[offset : offset + m.numel].unique()[0])))
-            offset += m.numel
-    return sorted(flat_values), [m.compute.grad is None for m in unit.members], len(unit.members)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        ctx.reducer.finish()
+    grads = [(i, float(m.param.grad.unique()[0]), m.param.grad.unique().numel()) for i, m in enumerate(unit.members)]
+    return grads, [m.compute.grad is None for m in unit.members], [str(w.message) for w in warned], unit.members[1].fqn
 
 
-def test_the_reducer_copies_every_member_and_zeros_the_missing_one(solo):
+def test_the_reducer_reduces_every_member_and_zeros_the_missing_one(solo):
     """The flat buffers are torch.empty: a member without a gradient must be zeroed, not left as
     whatever the memory held (fresh memory happened to be zeros, so the test passed without the zero
-    fill; here torch.empty hands out NaNs)."""
-    values, freed, n = solo.run(_copy_in_job)[0]
-    assert values == [(i, 0.0 if i == 1 else float(i + 1)) for i in range(n)]
+    fill; here torch.empty hands out NaNs). Its owner gets the zero gradient, and a warning naming it."""
+    grads, freed, warned, missing = solo.run(_reduced_job)[0]
+    assert grads == [(i, 0.0 if i == 1 else float(i + 1), 1) for i in range(len(grads))]
     assert all(freed)  # autograd's gradients are dropped once copied
+    assert len(warned) == 1 and repr(missing) in warned[0]
 
 
-def _copy_in_job(rank, world):
-    return _on_fake_pg(4, _copy_in)
+def _reduced_job(rank, world):
+    return _on_fake_pg(1, _reduced_with_one_gradient_missing)
 
 
 def _accumulated_grads():
@@ -312,23 +307,24 @@ def _accumulated_grads_job(rank, world):
 
 # ---- handle: to_empty() is followed in one place -----------------------------------------------------------
 def _follow_to_empty():
-    from tests.helpers import distribute
+    from tests.runtime_parts import data_parallel_mesh
+    from titan_dmuon import dedicate_params
     from titan_dmuon.runtime import DedicatedParams
-    from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer
+    from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, muon_targets
 
     with torch.device("meta"):
         model = ToyTransformer(ToyConfig())
-    setup = distribute(model, "z3", 4)
-    before = [m.param for m in setup.handle.members]
+    handle = dedicate_params(model, muon_targets(model), data_parallel_mesh(4))
+    before = [m.param for m in handle.members]
     model.to_empty(device="cpu")
-    after = [m.param for m in setup.handle.members]
-    registered = [m.module._parameters[m.name] for m in setup.handle.members]
+    after = [m.param for m in handle.members]
+    registered = [m.module._parameters[m.name] for m in handle.members]
     return (
         all(a is not b for a, b in zip(after, before)),
         all(a is r for a, r in zip(after, registered)),
-        all(setup.handle.member_of(p) is not None for p in registered),
-        DedicatedParams.of(model) == [setup.handle],
-        all(p._dmuon_handle() is setup.handle for p in registered),
+        all(handle.member_of(p) is not None for p in registered),
+        DedicatedParams.of(model) == [handle],
+        all(p._dmuon_handle() is handle for p in registered),
     )
 
 

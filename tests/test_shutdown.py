@@ -100,6 +100,7 @@ def _child(rank: int, init_file: str, steps: int) -> None:
 
     from tests.helpers import batches, distribute, local_slice, toy_model
     from titan_dmuon import CommLedger, clip_grad_norm_
+    from titan_dmuon.runtime import CommLabel
     from titan_dmuon.testing.toy_model import loss_fn
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -131,7 +132,7 @@ def _child(rank: int, init_file: str, steps: int) -> None:
             setup.opt.step()
             setup.opt.zero_grad()
         reading[0] = True
-        dmuon = ledger.mean_over_ranks(setup.mesh.get_group(), source="dmuon")
+        dmuon = ledger.mean_over_ranks(setup.mesh.get_group(), source=CommLabel.DMUON)
         reading[0] = False
         print(f"LEFT_TO_WORKER {int(any(ref() is not None for ref in gathered))}", flush=True)
         gathered.clear()

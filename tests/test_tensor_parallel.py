@@ -28,6 +28,7 @@ from tests.helpers import (  # noqa: E402
     torch_muon_newton_schulz,
 )
 from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 2
 STEPS = 3
@@ -67,7 +68,7 @@ def _train(rank, world, state, tp, fuse_qkv=True, options=None):
         "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns, "exact_ns": exact_ns[0],
         "first_step": first_step,
         "moved": sum(e for e, _, _ in stats.values()) / (STEPS - 1),
-        "tp_moved": sum(e for label, (e, _, _) in stats.items() if label.startswith("dmuon.tp_")) / (STEPS - 1),
+        "tp_moved": sum(e for label, (e, _, _) in stats.items() if label in CommLabel.tensor_parallel()) / (STEPS - 1),
         "stats": container.dmuon_optimizers()[0].last_step_stats,
         "design": design_elements_per_rank(handle), "plan_numel": handle.plan.total_numel, "blocks": [m.entry.blocks for m in handle.members],
     }
@@ -423,8 +424,8 @@ def _step_issue_order(rank, world):
     with CommLedger() as ledger:
         th.train(model, container, dims, _data()[1:2])
     sources = [r.source for r in ledger.records]
-    last_reduce = max(i for i, s in enumerate(sources) if s == "dmuon.shard_reduce")
-    step = [r for r in ledger.records[last_reduce + 1 :] if r.source.startswith("dmuon.")]
+    last_reduce = max(i for i, s in enumerate(sources) if s == CommLabel.SHARD_REDUCE)
+    step = [r for r in ledger.records[last_reduce + 1 :] if r.source != CommLabel.OTHER]
     runs = []  # consecutive records of one source, with their elements summed
     for r in step:
         if runs and runs[-1][0] == r.source:
@@ -443,7 +444,7 @@ def test_tp_step_pipelines_the_exchange(pool4):
     another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order of sizes, seen
     in the elements of each.)"""
     orders = pool4.run(_step_issue_order)
-    exchange, back, broadcast = "dmuon.tp_to_home", "dmuon.tp_from_home", "dmuon.forward_broadcast"
+    exchange, back, broadcast = CommLabel.TP_TO_HOME, CommLabel.TP_FROM_HOME, CommLabel.FORWARD_BROADCAST
     sources = [[s for s, _ in order] for order in orders]
     assert sources[0] == [exchange, back, exchange, broadcast, back, exchange, back], orders[0]
     assert all(order == sources[0] for order in sources)

@@ -29,6 +29,7 @@ import torch
 from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 
 from tests.helpers import full_parameters, merge_rank_states  # noqa: E402
+from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 STEPS = 3
 ADAMW_LR = 1e-3  # DMuonOptions' default adamw_lr
@@ -196,7 +197,7 @@ def test_tp_moe_traffic_is_the_design(runs):
     mean = sum(Fraction(r["moved"]) for r in results) / len(results)
     assert mean == results[0]["design"] > 0
     labels = set().union(*(r["labels"] for r in results))
-    assert {"dmuon.tp_to_home", "dmuon.tp_from_home", "dmuon.tp_grad_reduce"} <= labels
+    assert set(CommLabel.tensor_parallel()) <= labels
 
 
 def test_tp_moe_starts_where_adamw_starts(pool4):

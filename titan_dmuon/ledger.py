@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_dmuon.gloo_exit import install_exit_guard
-from titan_dmuon.runtime.comm import comm_source, current_launch, current_source
+from titan_dmuon.runtime.comm import CommLabel, comm_source, current_launch, current_source
 
-__all__ = ["CommLedger", "CommRecord", "comm_source"]
+__all__ = ["CommLabel", "CommLedger", "CommRecord", "comm_source"]
 
 _phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase", default="")
 
@@ -39,7 +39,7 @@ _phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase",
 @dataclass(frozen=True)
 class CommRecord:
     kind: str  # broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all
-    source: str  # "dmuon.*" for DMuon's own collectives, "other" for FSDP2/DDP/DTensor
+    source: str  # a CommLabel: DMuon's own collectives by name, CommLabel.OTHER for FSDP2/DDP/DTensor
     phase: str  # set by CommLedger.phase(), e.g. "step"
     group_ranks: tuple[int, ...]
     numel: int  # S in the formulas above
@@ -152,8 +152,10 @@ class CommLedger(TorchDispatchMode):
         )
 
     # ---- queries -----------------------------------------------------------------
-    def select(self, *, source: str | None = None, phase: str | None = None, kind: str | None = None) -> list[CommRecord]:
-        """Records matching all given filters; ``source="dmuon"`` matches every ``dmuon.*`` label."""
+    def select(
+        self, *, source: str | None = None, phase: str | None = None, kind: str | None = None
+    ) -> list[CommRecord]:
+        """Records matching all given filters; ``source=CommLabel.DMUON`` matches every label of DMuon's."""
         out = []
         for r in self.records:
             if source is not None and not (r.source == source or r.source.startswith(source + ".")):

@@ -4,24 +4,32 @@ Laid out as FSDP2 lays out its own runtime, one concern per file:
 
 * ``mode.py``: ``DedicationMode``/``MeshInfo``: the layout, decided once;
 * ``members.py``: what a rank holds (``Member``, ``LocalExperts``, ``Bucket``, ``Segment``);
-* ``unit.py``: one layer's packed buffer and its lifecycle (``BufferState``, ``Phase``);
-* ``context.py``: what a handle's units share (``RuntimeContext``: order, streams, counters);
+* ``unit.py``: one layer's packed buffer and its lifecycle (``BufferState``), as FSDP2's ``FSDPParamGroup``;
+* ``context.py``: what a handle's units share (``RuntimeContext``: order, streams, counters; ``Phase``);
+* ``hooks.py``: ``StepHooks``, the hooks that drive a step (lazy init, root and unit hooks, the
+  end-of-backward callback), as FSDP2's ``FSDPState``;
+* ``handle.py``: ``DedicatedParams``, what users call (queries, figures, ``full_tensors``, gradient
+  sync, the optimizer-step protocol, ``remove()``), as FSDP2's ``FSDPModule``;
 * ``reducer.py``: backward gradient reduces to owners, off the compute stream (HSDP: two stages);
 * ``replica_sync.py``: HSDP's post-update broadcasts from global owners to replicas;
+* ``tensor_parallel.py``: the step's TP exchange, and a TP shard to and from its full matrix;
+* ``initialise.py``: dedicated weights initialised as the same model without DMuon would;
 * ``state_dict.py``: state-dict hooks for DCP checkpoints;
-* ``comm.py``: labels, counts and launches (coalesced groups); ``streams.py``: streams and events;
-* ``handle.py``: ``DedicatedParams``, the hooks that drive a step;
-* ``dedicate.py``: ``dedicate_params``: validation, ownership plan, unit layout.
+* ``comm.py``: labels (``CommLabel``), counts and launches (coalesced groups); ``streams.py``: streams and events;
+* ``request.py``: the parameters given to ``dedicate_params`` found in the model and checked;
+* ``dedicate.py``: ``dedicate_params``: the plan, this rank's members, the units' layout, the handle.
 """
 
-from titan_dmuon.runtime.comm import comm_source
+from titan_dmuon.runtime.comm import CommLabel, comm_source
 from titan_dmuon.runtime.context import UnitOrderError
-from titan_dmuon.runtime.dedicate import canonical_fqn, dedicate_params
+from titan_dmuon.runtime.dedicate import dedicate_params
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import HSDP_DIM_NAMES, DedicationMode, MeshInfo
+from titan_dmuon.runtime.request import canonical_fqn
 
 __all__ = [
+    "CommLabel",
     "HSDP_DIM_NAMES",
     "DedicatedParams",
     "DedicationMode",

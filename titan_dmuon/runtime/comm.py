@@ -1,10 +1,11 @@
 """How DMuon issues collectives: labelled, counted, grouped into launches.
 
-* Labels. ``comm_source`` tags every collective DMuon issues with a name
-  (``dmuon.forward_broadcast``, ...) and ``Launch`` tags each group of them
-  with a launch id, so a measuring tool (``titan_dmuon.CommLedger``) can tell
-  DMuon's traffic from FSDP2's and count launches. The runtime never imports
-  the measuring tool; the tool reads these labels.
+* Labels. ``CommLabel`` declares every name DMuon gives its collectives;
+  ``comm_source`` tags the collectives issued inside it with one and ``Launch``
+  tags each group of them with a launch id, so a measuring tool
+  (``titan_dmuon.CommLedger``) can tell DMuon's traffic from FSDP2's and count
+  launches. The runtime never imports the measuring tool; the tool reads these
+  labels.
 * Counts. ``CommStats`` keeps this rank's elements/bytes (in the design's
   units) and launches per label, for the training log: integer sums on the
   hot path, exact fractions only when read.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,15 +31,43 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-_source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default="other")
+
+class CommLabel(str, enum.Enum):
+    """Every label DMuon gives its collectives, declared once: the runtime issues with these, the
+    ledger and the tests select by them. Members are strings (``CommLabel.SHARD_REDUCE ==
+    "dmuon.shard_reduce"``), printed as their value."""
+
+    FORWARD_BROADCAST = "dmuon.forward_broadcast"  # a layer's weights from their owners, before its forward
+    BACKWARD_BROADCAST = "dmuon.backward_broadcast"  # Z3: again, before its backward
+    SHARD_REDUCE = "dmuon.shard_reduce"  # a layer's gradients to their shard owners
+    REPLICATE_REDUCE = "dmuon.replicate_reduce"  # HSDP: on to the global owner across the replicate group
+    REPLICATE_BROADCAST = "dmuon.replicate_broadcast"  # HSDP: an updated layer from its global owners to replicas
+    REPLICATE_SYNC = "dmuon.replicate_sync"  # HSDP: the first forward's sync of replicas initialised apart
+    TP_TO_HOME = "dmuon.tp_to_home"  # the step's TP shards to each matrix's NS home
+    TP_FROM_HOME = "dmuon.tp_from_home"  # and the orthogonalised shards back
+    TP_GRAD_REDUCE = "dmuon.tp_grad_reduce"  # a TP-replicated weight's partial gradients to its home
+    EXPORT = "dmuon.export"  # full_tensors(): every weight in full on every rank
+    DMUON = "dmuon"  # not issued: selects every label above (``CommLedger.select(source=CommLabel.DMUON)``)
+    OTHER = "other"  # not DMuon's: FSDP2, DDP, DTensor, the user's own collectives
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def tensor_parallel(cls) -> tuple[CommLabel, ...]:
+        """The labels of DMuon's traffic on the TP group."""
+        return cls.TP_TO_HOME, cls.TP_FROM_HOME, cls.TP_GRAD_REDUCE
+
+
+_source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default=CommLabel.OTHER.value)
 _launch: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("dmuon_comm_launch", default=None)
 _launch_ids = itertools.count(1)
 
 
 @contextlib.contextmanager
 def comm_source(name: str) -> Iterator[None]:
-    """Label the collectives issued inside (DMuon's runtime names its own this way)."""
-    token = _source.set(name)
+    """Label the collectives issued inside (DMuon's runtime names its own with a ``CommLabel``)."""
+    token = _source.set(str(name))
     try:
         yield
     finally:
@@ -125,7 +155,7 @@ class Launch:
         self.group = group
         self.group_size = group_size
         self.device = device
-        self.source = source
+        self.source = str(source)  # (a CommLabel's value: plain strings in the counts and the ledger)
         self.stats = stats
         self.in_flight = InFlight()
         self._async = device.type == "cpu"
@@ -166,14 +196,17 @@ class Launch:
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
         self._issue(dist.reduce, tensor, group_dst=dst)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> None:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
         """Counted as the design counts an all-to-all: (n-1)/n of the input per rank (with uneven
         splits: exact as the mean over the group's ranks)."""
         if self.group_size == 1:
             output.copy_(input)
             return
         self.stats.add(self.source, self.group_size, input.numel(), input.numel() * input.element_size())
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=self._async)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group,
+                                      async_op=self._async)
         self._ops += 1
         if self._async and work is not None:
             self.in_flight.works.append(work)

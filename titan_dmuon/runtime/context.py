@@ -9,11 +9,21 @@ layer before it issues a collective its peers do not (which would hang them).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.streams import DeviceTimer, Streams
+
+
+class Phase(enum.Enum):
+    """A unit's place in the step."""
+
+    IDLE = "idle"  # between steps, or after its backward
+    FORWARD = "forward"  # between pre- and post-forward
+    AWAITING_BACKWARD = "awaiting_backward"  # forward done; its gradients will come
+    BACKWARD = "backward"  # its backward started; gradients are accumulating
 
 
 class UnitOrderError(RuntimeError):
@@ -72,7 +82,7 @@ class RuntimeContext:
         if not self.gradient_sync or unit not in self.forward_order:
             return
         for later in self.forward_order[self.forward_order.index(unit) + 1 :]:
-            if later.phase.value == "awaiting_backward":
+            if later.phase is Phase.AWAITING_BACKWARD:
                 raise UnitOrderError(
                     f"layer {later.name!r} ran forward but got no gradient before layer {unit.name!r}'s backward: "
                     "its output does not reach the loss on this rank. Every rank must reduce every dedicated "

@@ -1,27 +1,60 @@
-"""``dedicate_params``: validate the request, build the ownership plan, lay out the units."""
+"""``dedicate_params``: validate the request, build the ownership plan, lay out the units.
+
+One function per job, in the order ``dedicate_params`` runs them:
+
+* ``request.py``: every parameter given is found in the model and checked (``Requested``), and
+  how tensor parallelism holds each (with a tp mesh);
+* ``build_specs`` / ``local_experts``: the plan's matrix specs, and the expert stacks that stay
+  where FSDP2 (or expert parallelism) keeps them, each in its layer's unit (``assign_units``);
+* ``plan_ownership``: the plan, balanced against what the ranks already run, checked identical on
+  every rank; ``make_members``: this rank's records (non-holders' weights emptied);
+* ``build_context`` / ``layout_unit``: the runtime's shared state and each layer's buffer layout.
+
+``plan_dedication`` runs the steps up to the members (``Dedication``), ``build_context`` the runtime
+pieces; the handle is built from both. Tests build units and contexts the same way without a handle.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from titan_dmuon.muon_math import row_blocks
+from titan_dmuon.muon_math import Block, row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Segment
-from titan_dmuon.runtime.mode import DedicationMode
+from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
 from titan_dmuon.runtime.reducer import GradientReducer
 from titan_dmuon.runtime.replica_sync import ReplicaSync
+from titan_dmuon.runtime.request import (
+    Requested,
+    check_not_sharded,
+    check_not_wrapped,
+    check_tp_dims_complete,
+    checked_tp_dims,
+    registration_sites,
+    requested_params,
+)
 from titan_dmuon.runtime.streams import Streams
 from titan_dmuon.runtime.unit import Unit
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Dedication:
+    """What ``dedicate_params`` decided for this rank before any runtime object exists."""
+
+    plan: OwnershipPlan
+    members: list[Member]  # the dedicated weights as this rank holds them, in plan order
+    unit_modules: list[nn.Module]  # the module of each unit, by unit index
+    local_experts: list[LocalExperts]  # expert stacks updated where FSDP2 (or EP) keeps them
 
 
 def dedicate_params(
@@ -88,160 +121,131 @@ def dedicate_params(
     """
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
-    mesh_info = mode.mesh
-    _check_not_wrapped(module)
-    params = list(params)
-    sites = _registration_sites(module)
+    dedication = plan_dedication(module, params, mode, units=units, split_rows=split_rows, initial_load=initial_load,
+                                 tp_shard_dims=tp_shard_dims)
+    ctx = build_context(module, dedication, mode, mp_policy=mp_policy, gradient_divide_factor=gradient_divide_factor)
+    return DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
+                           mp_policy=mp_policy, local_experts=dedication.local_experts)
+
+
+def plan_dedication(
+    module: nn.Module,
+    params: Iterable[nn.Parameter],
+    mode: DedicationMode,
+    *,
+    units: Sequence[nn.Module] | None = None,
+    split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
+    initial_load: Sequence[int] | None = None,
+    tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
+) -> Dedication:
+    """Everything ``dedicate_params`` decides before the runtime (its arguments of the same names):
+    the request checked, the plan built and checked identical on every rank, this rank's members."""
+    check_not_wrapped(module)
+    sites = registration_sites(module)
     split_rows = dict(split_rows or {})
-    seen: set[int] = set()
-    resolved: list[tuple[str, nn.Parameter, nn.Module, str]] = []
-    for p in params:
-        if not isinstance(p, nn.Parameter):
-            raise TypeError(f"dedicate_params expects nn.Parameter objects, got {type(p).__name__}")
-        where = sites.get(id(p))
-        if where is None:
-            raise ValueError(
-                f"a parameter of shape {tuple(p.shape)} is not a parameter of the given module; "
-                "pass parameters obtained from module.parameters()"
-            )
-        fqn, owner_module, name = where[0]
-        if len(where) > 1:
-            raise ValueError(
-                f"parameter {fqn!r} is registered in several places ({[w[0] for w in where]}); "
-                "tied weights cannot be dedicated"
-            )
-        if id(p) in seen:
-            raise ValueError(f"parameter {fqn!r} is listed twice")
-        if getattr(p, "_dmuon_handle", None) is not None and p._dmuon_handle() is not None:
-            raise ValueError(f"parameter {fqn!r} is already dedicated by an earlier dedicate_params call")
-        if p.ndim not in (2, 3):
-            raise ValueError(
-                f"parameter {fqn!r} has shape {tuple(p.shape)}: only 2-D weights and 3-D expert weights "
-                "(experts, rows, cols) can be dedicated (Muon orthogonalises matrices; leave biases, norms "
-                "and embeddings to AdamW)"
-            )
-        if not p.requires_grad:
-            raise ValueError(
-                f"parameter {fqn!r} is frozen (requires_grad=False): it gets no gradient and no Muon update; "
-                "leave frozen weights out of the parameters given to dedicate_params"
-            )
-        seen.add(id(p))
-        resolved.append((fqn, p, owner_module, name))
-    for p in split_rows:
-        if id(p) not in seen:
-            where = sites.get(id(p))
-            label = repr(where[0][0]) if where else f"of shape {tuple(p.shape)}"
-            raise ValueError(
-                f"split_rows names the parameter {label}, which is not among the parameters being dedicated; "
-                "give split_rows only for parameters you pass to dedicate_params"
-            )
+    requested = requested_params(params, sites, split_rows)
+    tp_dims = checked_tp_dims(mode, requested, tp_shard_dims, sites)
+    kept = [r for r in requested if _stays_local(mode, r.param)]
+    dedicated = [r for r in requested if not _stays_local(mode, r.param)]
+    check_tp_dims_complete(mode, dedicated, tp_dims)
+    check_not_sharded(dedicated)
+    unit_modules = assign_units(module, dedicated, units)
+    specs, unit_index = build_specs(mode, dedicated, unit_modules, tp_dims, split_rows)
+    local = local_experts(mode, module, kept, units, unit_index, tp_dims, split_rows)
+    plan = plan_ownership(mode, specs, local, initial_load)
+    modules_by_index = {unit_index[id(m)]: m for m in unit_modules}
+    return Dedication(plan=plan, members=make_members(dedicated, plan, mode.mesh),
+                      unit_modules=[modules_by_index[i] for i in range(len(unit_index))], local_experts=local)
 
-    tp_dims = _checked_tp_dims(mode, resolved, tp_shard_dims, sites)
 
-    def blocks_of(fqn, p):
-        try:
-            shape = full_shape(p.shape, tp_dims.get(id(p)), mode.tp.size if mode.tp else 1)
-            return tuple(row_blocks(shape[-2:], split_rows.get(p)))
-        except ValueError as e:
-            raise ValueError(f"parameter {fqn!r}: {e}") from None
-
-    def stays_local(p) -> bool:
-        return p.ndim == 3 and mode.experts_stay_local(p.shape[0])
-
-    kept = [r for r in resolved if stays_local(r[1])]
-    resolved = [r for r in resolved if not stays_local(r[1])]
-    _check_tp_dims_complete(mode, resolved, tp_dims)
-    for fqn, p, _, _ in resolved:
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter {fqn!r} is already a DTensor: call dedicate_params before fully_shard")
-    unit_modules = _assign_units(module, resolved, units)
-
-    specs = []
-    unit_index: dict[int, int] = {}
-    for (fqn, p, _, _), unit_module in zip(resolved, unit_modules):
-        idx = unit_index.setdefault(id(unit_module), len(unit_index))
-        specs.append(MatrixSpec(fqn=fqn, shape=tuple(p.shape), unit=idx, blocks=blocks_of(fqn, p), tp_dim=tp_dims.get(id(p)),
-                                tp_size=mode.tp.size if id(p) in tp_dims else 1))
-    # experts left in place: the unit of their layer (a layer without dedicated weights gets a number after them)
-    local_units: dict[int, int] = {}
-    local = []
-    for (fqn, p, m, n), unit_module in zip(kept, _assign_units(module, kept, units) if kept else []):
-        idx = unit_index.get(id(unit_module))
-        if idx is None:
-            idx = len(unit_index) + local_units.setdefault(id(unit_module), len(local_units))
-        local.append(LocalExperts(fqn=fqn, module=m, name=n, blocks=blocks_of(fqn, p), tp_dim=tp_dims.get(id(p)),
-                                  unit=idx))
-    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(p.shape), unit=e.unit, blocks=e.blocks, tp_dim=e.tp_dim,
-                                 tp_size=mode.tp.size) for e, (_, p, _, _) in zip(local, kept) if e.tp_dim is not None]
-    replicate_size, shard_size = mesh_info.replicate_size, mesh_info.shard_size
-    load = _local_expert_load(local, replicate_size, shard_size) if local else [0] * mesh_info.world_size
-    if initial_load is not None:
-        if len(initial_load) != mesh_info.world_size:
-            raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh_info.world_size} ranks")
-        load = [a + int(b) for a, b in zip(load, initial_load)]
-    plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size,
-                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs)
-    validate_across_ranks(plan, mesh_info.groups + ([mode.tp.group] if mode.tp else []), mesh_info.device)
-
-    members = []
-    for (_, p, owner_module, name), entry in zip(resolved, plan.entries):
-        holds_full = plan.shard_owner(entry) == mesh_info.shard_rank
-        runs_ns = holds_full and plan.replicate_owner(entry) == mesh_info.replicate_rank
-        members.append(Member(entry=entry, module=owner_module, name=name, param=p, holds_full=holds_full,
-                              runs_ns=runs_ns, unit=entry.unit))
-        if not holds_full:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-    streams = Streams(mesh_info.device)
-    stats = CommStats()
+def build_context(
+    module: nn.Module, dedication: Dedication, mode: DedicationMode, *, mp_policy: MixedPrecisionPolicy | None = None,
+    gradient_divide_factor: float | None = None,
+) -> RuntimeContext:
+    """The state a handle's units share (streams, counts, the reducer, the replica sync), with
+    the units laid out: one per unit module, named as in ``module``."""
+    streams, stats = Streams(mode.mesh.device), CommStats()
     ctx = RuntimeContext(mode=mode, stats=stats, streams=streams)
     ctx.reducer = GradientReducer(
         mode=mode, streams=streams, stats=stats, reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
-        divide_factor=float(gradient_divide_factor or plan.world_size),
+        divide_factor=float(gradient_divide_factor or dedication.plan.world_size),
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
-    module_names = {id(m): n for n, m in module.named_modules()}
-    modules_by_index = {unit_index[id(mod)]: mod for mod in unit_modules}
+    names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
-        _layout_unit(idx, module_names.get(id(modules_by_index[idx]), "<root>") or "<root>", modules_by_index[idx],
-                     [m for m in members if m.entry.unit == idx], plan, ctx)
-        for idx in range(len(unit_index))
+        layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,
+                    [m for m in dedication.members if m.entry.unit == index], dedication.plan, ctx)
+        for index, unit_module in enumerate(dedication.unit_modules)
     ]
-    return DedicatedParams(module=module, plan=plan, ctx=ctx, members=members, mp_policy=mp_policy, local_experts=local)
+    return ctx
 
 
-def _checked_tp_dims(mode: DedicationMode, resolved, tp_shard_dims, sites) -> dict[int, int | None]:
-    """{id(param): the tensor dim tensor parallelism splits, None for a replicated weight}, checked."""
-    tp_shard_dims = dict(tp_shard_dims or {})
-    if tp_shard_dims and mode.tp is None:
-        raise ValueError("tp_shard_dims was given without a tp_mesh of more than one rank; pass tp_mesh=")
-    names = {id(p): (fqn, p.ndim) for fqn, p, _, _ in resolved}
-    for p, d in tp_shard_dims.items():
-        if id(p) not in names:
-            where = sites.get(id(p))
-            raise ValueError(f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not among "
-                             "the parameters being dedicated")
-        fqn, ndim = names[id(p)]
-        allowed = (0, 1) if ndim == 2 else (1, 2)
-        if d is not None and d not in allowed:
-            kind = ("a matrix: 0 (column-wise) or 1 (row-wise)" if ndim == 2
-                    else "an expert stack: 1 or 2 (each expert split)")
-            raise ValueError(f"tp_shard_dims[{fqn!r}] = {d!r}: expected, for {kind}, or None (replicated)")
-    return {id(p): d for p, d in tp_shard_dims.items()}
+# ---- what the plan is built from ----------------------------------------------------------------------
+def _stays_local(mode: DedicationMode, p: nn.Parameter) -> bool:
+    """A 3-D expert stack updated where FSDP2 (or EP) keeps its experts (``experts_stay_local``)."""
+    return p.ndim == 3 and mode.experts_stay_local(p.shape[0])
 
 
-def _check_tp_dims_complete(mode: DedicationMode, resolved, dims: dict[int, int | None]) -> None:
-    """With a tp mesh every dedicated weight says how tensor parallelism holds it."""
-    if mode.tp is None:
-        return
-    for fqn, p, _, _ in resolved:
-        if id(p) not in dims:
-            raise ValueError(f"{fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
-                             "TP-local shard and needs its dim (0 or 1 of a matrix, 1 or 2 of an expert stack), or "
-                             "None when every tp rank holds it whole")
+def _row_blocks(mode: DedicationMode, r: Requested, tp_dims: dict, split_rows: Mapping) -> tuple[Block, ...]:
+    """The row blocks of ``r``'s (full) matrix, each orthogonalised on its own."""
+    try:
+        shape = full_shape(r.param.shape, tp_dims.get(id(r.param)), mode.tp.size if mode.tp else 1)
+        return tuple(row_blocks(shape[-2:], split_rows.get(r.param)))
+    except ValueError as e:
+        raise ValueError(f"parameter {r.fqn!r}: {e}") from None
 
 
-def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:
+def build_specs(
+    mode: DedicationMode, dedicated: list[Requested], unit_modules: list[nn.Module], tp_dims: dict, split_rows: Mapping,
+) -> tuple[list[MatrixSpec], dict[int, int]]:
+    """The plan's spec of each dedicated weight, and {id(unit module): unit index} (first-seen order)."""
+    specs, unit_index = [], {}
+    for r, unit_module in zip(dedicated, unit_modules):
+        index = unit_index.setdefault(id(unit_module), len(unit_index))
+        specs.append(MatrixSpec(fqn=r.fqn, shape=tuple(r.param.shape), unit=index,
+                                blocks=_row_blocks(mode, r, tp_dims, split_rows), tp_dim=tp_dims.get(id(r.param)),
+                                tp_size=mode.tp.size if id(r.param) in tp_dims else 1))
+    return specs, unit_index
+
+
+def local_experts(
+    mode: DedicationMode, module: nn.Module, kept: list[Requested], units, unit_index: dict[int, int], tp_dims: dict,
+    split_rows: Mapping,
+) -> list[LocalExperts]:
+    """The expert stacks left in place, each with the unit of its layer (a layer without dedicated
+    weights gets a number after the units)."""
+    local_units: dict[int, int] = {}
+    out = []
+    for r, unit_module in zip(kept, assign_units(module, kept, units) if kept else []):
+        index = unit_index.get(id(unit_module))
+        if index is None:
+            index = len(unit_index) + local_units.setdefault(id(unit_module), len(local_units))
+        blocks = _row_blocks(mode, r, tp_dims, split_rows)
+        out.append(LocalExperts(fqn=r.fqn, module=r.module, name=r.name, blocks=blocks, tp_dim=tp_dims.get(id(r.param)),
+                                unit=index))
+    return out
+
+
+def plan_ownership(
+    mode: DedicationMode, specs: list[MatrixSpec], local: list[LocalExperts], initial_load: Sequence[int] | None,
+) -> OwnershipPlan:
+    """The plan, balanced against the NS load the ranks already have (experts kept in place, other
+    handles' ``initial_load``), and checked identical on every rank (a collective)."""
+    mesh = mode.mesh
+    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(e.param.shape), unit=e.unit, blocks=e.blocks, tp_dim=e.tp_dim,
+                                 tp_size=mode.tp.size) for e in local if e.tp_dim is not None]
+    load = local_expert_load(local, mesh.replicate_size, mesh.shard_size) if local else [0] * mesh.world_size
+    if initial_load is not None:
+        if len(initial_load) != mesh.world_size:
+            raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh.world_size} ranks")
+        load = [a + int(b) for a, b in zip(load, initial_load)]
+    plan = build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
+                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs)
+    validate_across_ranks(plan, mesh.groups + ([mode.tp.group] if mode.tp else []), mesh.device)
+    return plan
+
+
+def local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size: int) -> list[int]:
     """NS FLOPs per rank of experts that stay where FSDP2's dim-0 shard puts them
     (torch.chunk: ceil(E/N) whole experts per shard index, the last ones fewer or none)."""
     load = [0] * shard_size
@@ -254,7 +258,22 @@ def _local_expert_load(local: list[LocalExperts], replicate_size: int, shard_siz
     return load * replicate_size
 
 
-def _layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
+def make_members(dedicated: list[Requested], plan: OwnershipPlan, mesh: MeshInfo) -> list[Member]:
+    """This rank's record of each dedicated weight; a rank that does not hold one keeps a 0-element
+    placeholder (its storage freed now)."""
+    members = []
+    for r, entry in zip(dedicated, plan.entries):
+        holds_full = plan.shard_owner(entry) == mesh.shard_rank
+        runs_ns = holds_full and plan.replicate_owner(entry) == mesh.replicate_rank
+        members.append(Member(entry=entry, module=r.module, name=r.name, param=r.param, holds_full=holds_full,
+                              runs_ns=runs_ns, unit=entry.unit))
+        if not holds_full:
+            r.param.data = torch.empty(0, dtype=r.param.dtype, device=r.param.device)
+    return members
+
+
+# ---- the units ----------------------------------------------------------------------------------------
+def layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
     """Buffer order: by shard owner (one broadcast segment each), then by global owner (one reduce bucket each)."""
     ordered = sorted(members, key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
     segments, offset = [], 0
@@ -270,42 +289,11 @@ def _layout_unit(index: int, name: str, module: nn.Module, members: list[Member]
     return Unit(index=index, name=name, module=module, members=ordered, segments=segments, numel=offset, ctx=ctx)
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        raise ValueError("dedicate_params must be called before wrapping the model in DistributedDataParallel")
-    for name, sub in module.named_modules():
-        if isinstance(sub, FSDPModule):
-            raise ValueError(
-                f"module {name or '<root>'!r} is already sharded by fully_shard: call dedicate_params first, "
-                "then fully_shard(..., ignored_params=handle.ignored_params)"
-            )
-
-
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-def canonical_fqn(name: str) -> str:
-    """A parameter name without activation-checkpoint / compile wrapper segments,
-    so plans and checkpoints do not depend on those wrappers."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
-
-
-def _registration_sites(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
-    sites: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for name, p in mod._parameters.items():
-            if p is not None:
-                fqn = canonical_fqn(f"{mod_name}.{name}" if mod_name else name)
-                sites.setdefault(id(p), []).append((fqn, mod, name))
-    return sites
-
-
-def _assign_units(module: nn.Module, resolved, units: Sequence[nn.Module] | None) -> list[nn.Module]:
-    """For each dedicated parameter, the module whose forward gathers it."""
+def assign_units(module: nn.Module, requested: list[Requested], units: Sequence[nn.Module] | None) -> list[nn.Module]:
+    """For each requested parameter, the module whose forward gathers it: the first of ``units``
+    that contains it, else its outermost ancestor that is an element of an ``nn.ModuleList`` or
+    ``nn.ModuleDict``, else the module that registers it."""
     parent_of: dict[int, nn.Module] = {}
-    containers = (nn.ModuleList, nn.ModuleDict)
     for mod in module.modules():
         for child in mod.children():
             parent_of[id(child)] = mod
@@ -319,15 +307,17 @@ def _assign_units(module: nn.Module, resolved, units: Sequence[nn.Module] | None
     if units is not None:
         unit_ids = {id(u) for u in units}
         out = []
-        for fqn, _, owner_module, _ in resolved:
-            found = [a for a in ancestors(owner_module) if id(a) in unit_ids]
+        for r in requested:
+            found = [a for a in ancestors(r.module) if id(a) in unit_ids]
             if not found:
-                raise ValueError(f"parameter {fqn!r} is not inside any of the given units")
+                raise ValueError(f"parameter {r.fqn!r} is not inside any of the given units")
             out.append(found[0])
         return out
+    containers = (nn.ModuleList, nn.ModuleDict)
     out = []
-    for _, _, owner_module, _ in resolved:
-        chain = ancestors(owner_module)
-        in_container = [a for a in chain if isinstance(parent_of.get(id(a)), containers)]
-        out.append(in_container[-1] if in_container else owner_module)
+    for r in requested:
+        in_container = [a for a in ancestors(r.module) if isinstance(parent_of.get(id(a)), containers)]
+        out.append(in_container[-1] if in_container else r.module)
     return out
+
+

@@ -1,33 +1,18 @@
-"""``DedicatedParams``: the handle users hold, and the hooks that drive a step.
+"""``DedicatedParams``: what users call on a dedication, as FSDP2's ``FSDPModule``.
 
-One step, for a unit (a layer) U with dedicated weights:
-
-* root pre-forward: the first unit's broadcast is in flight already (issued
-  as soon as the previous step updated that unit) or is issued now;
-* U pre-forward (a hook that runs after FSDP2's own, so after U's all-gather
-  is issued): wait for U's broadcast, issue the next unit's, swap U's compute
-  params in, and hook U's inputs so that their gradient marks U's backward done;
-* U post-forward: Z3 frees U's buffer (except the last unit's, whose backward
-  comes next), Z2 keeps it; a hook on U's outputs marks U's backward start;
-* U pre-backward: (Z3) wait for U's re-broadcast and prefetch the unit before it;
-* U post-backward (its inputs' gradient is computed, so every weight gradient
-  of U is too): free U's buffer, put the registered params back, reduce U's
-  gradients to their owners (every member, zeros where this rank has none);
-* end of backward: the reducer finishes; owners have ``.grad``;
-* the optimizer step (``DMuon.step``) goes unit by unit in forward order and
-  calls ``updated(U)`` after each: HSDP's replica broadcast of U, and for the
-  first unit its broadcast for the next forward, overlapping the later units'
-  Newton–Schulz.
-
-Every hook runs eagerly, outside ``torch.compile``'s graphs (dynamo-disabled,
-as FSDP2's are), and is labelled ``DMuon::...`` in profiler traces.
+The handle ``dedicate_params`` returns: what this rank holds (queries), the
+figures the training log reads, every weight in full (``full_tensors``),
+gradient sync for pipelining, the all-reduce hook for fault tolerance, the
+optimizer-step protocol ``DMuon.step`` follows (``step_units``,
+``before_update``, ``updated``), and ``remove()``. The hooks that drive a step
+are ``hooks.py``'s ``StepHooks`` (FSDP2's ``FSDPState``), a layer's buffer and
+lifecycle ``unit.py``'s ``Unit`` (its ``FSDPParamGroup``); tensor-parallel
+conversions live in ``tensor_parallel.py``, the same-seed initialisation in
+``initialise.py``; the handle's methods of those names pass its mode on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import time
 import weakref
 from fractions import Fraction
 
@@ -35,56 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from titan_dmuon.plan import OwnershipPlan
-from titan_dmuon.runtime.comm import comm_source
-from titan_dmuon.runtime.context import RuntimeContext, UnitOrderError
+from titan_dmuon.runtime import initialise, tensor_parallel
+from titan_dmuon.runtime.comm import CommLabel, comm_source
+from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.hooks import StepHooks
 from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
 from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-from titan_dmuon.runtime.unit import BufferState, Phase, Unit
-
-
-def _hook(label: str):
-    """Keep a hook out of torch.compile's graphs (as FSDP2 does), name it in profiler traces, and
-    count its host time (the handle's ``host_seconds``)."""
-
-    def decorate(fn):
-        @functools.wraps(fn)
-        def labelled(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                with torch.profiler.record_function(f"DMuon::{label}"):
-                    return fn(self, *args, **kwargs)
-            finally:
-                self._ctx.host_seconds += time.perf_counter() - start
-
-        return torch._dynamo.disable(labelled, recursive=True, reason="DMuon hooks run eagerly")
-
-    return decorate
-
-
-def _in_backward() -> bool:
-    """True inside autograd's backward (e.g. an activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once their gradient is computed, which
-    is after every weight gradient of the unit (autograd runs AccumulateGrad first), as
-    FSDP2's RegisterPostBackwardFunction."""
-
-    @staticmethod
-    def forward(ctx, on_backward, *inputs):
-        ctx.on_backward = on_backward
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.on_backward()
-        return (None, *grads)
+from titan_dmuon.runtime.unit import BufferState, Unit
 
 
 class _DedicatedRoot:
@@ -138,23 +84,18 @@ class DedicatedParams:
         self._ctx = ctx
         self._members = members
         self._units: list[Unit] = ctx.units
-        self._param_dtype = mp_policy.param_dtype if mp_policy else None
         self._by_param: dict[int, Member] = {}
         self._experts_by_param: dict[int, LocalExperts] = {}
-        self._hooks: list = [
-            module.register_forward_pre_hook(self._root_pre_forward),
-            module.register_forward_hook(self._root_post_forward),
-        ]
+        self._step_hooks = StepHooks(module=module, ctx=ctx, members=members,
+                                     param_dtype=mp_policy.param_dtype if mp_policy else None,
+                                     follow_params=self.follow_registered_params)
         self.tensor_parallel_ns = (
             TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, ctx.streams) if self.mode.tp else None
         )
         mesh = self.mode.mesh
         self.local_tp_experts = {  # TP-split experts kept on this data-parallel rank, with their homes, by name
             x.fqn: x for x in plan.local_tp_experts_of(mesh.replicate_rank * mesh.shard_size + mesh.shard_rank)}
-        self._initialized = False
-        self._callback_queued = False
-        for owner in self.owning_modules:
-            self._hooks += install_state_dict_hooks(self, owner)
+        self._state_dict_hooks = [h for owner in self.owning_modules for h in install_state_dict_hooks(self, owner)]
         _attach(module, self)
         self.follow_registered_params()
 
@@ -290,46 +231,30 @@ class DedicatedParams:
         mesh = self.mode.mesh
         out = {}
         for m in self._members:
-            full = m.param.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=m.param.dtype, device=m.param.device)
+            like = m.param
+            full = like.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=like.dtype, device=like.device)
             if mesh.shard_size > 1:
-                with comm_source("dmuon.export"):
+                with comm_source(CommLabel.EXPORT):
                     dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
             out[m.fqn] = self.tp_full(m, full)
         return out
 
     def tp_full(self, member: Member, shard: torch.Tensor) -> torch.Tensor:
-        """The full matrix from this rank's TP-local ``shard`` of ``member`` (an all-gather on the TP
-        group); ``shard`` itself without tensor parallelism."""
-        tp = self.mode.tp
-        if member.entry.tp_dim is None:
-            return shard
-        parts = [torch.empty_like(shard) for _ in range(tp.size)]
-        with comm_source("dmuon.export"):
-            dist.all_gather(parts, shard.contiguous(), group=tp.group)
-        return torch.cat(parts, dim=member.entry.tp_dim)
+        """``tensor_parallel.tp_full`` on this handle's TP group (a collective)."""
+        return tensor_parallel.tp_full(self.mode.tp, member, shard)
 
     def tp_local(self, member: Member, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP-local shard of a full value of ``member`` (a view)."""
-        if member.entry.tp_dim is None:
-            return full
-        return full.chunk(self.mode.tp.size, dim=member.entry.tp_dim)[self.mode.tp.rank]
+        """``tensor_parallel.tp_local``: this rank's TP-local shard of a full value of ``member``."""
+        return tensor_parallel.tp_local(self.mode.tp, member, full)
 
     def as_sharded(self, member: Member, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (this rank's TP shard of ``member``, e.g. its weight or momentum) as a DTensor of
-        the full matrix on the TP mesh, for DCP, which then saves and reshards whole matrices; a
-        plain tensor without tensor parallelism."""
-        if member.entry.tp_dim is None:
-            return local
-        from torch.distributed.tensor import DTensor, Shard
+        """``tensor_parallel.as_sharded``: a TP shard as a DTensor of the full matrix, for DCP."""
+        return tensor_parallel.as_sharded(self.mode.tp, member, local)
 
-        full = torch.Size(member.entry.full_shape)
-        return DTensor.from_local(local, self.mode.tp.mesh, [Shard(member.entry.tp_dim)], run_check=False,
-                                  shape=full, stride=torch.empty(full, device="meta").stride())
-
-    @contextlib.contextmanager
     def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None, layout=None):
         """While ``module`` initialises its dedicated weights, give each the form it would have in
-        the same model without DMuon, so that the initialiser draws the same random numbers:
+        the same model without DMuon, so that the initialiser draws the same random numbers
+        (``initialise.initialising``):
 
         * ``sharded`` (FSDP2 or HSDP): a DTensor laid out as FSDP2 shards it, ``Shard(d)`` on
           the dedication mesh (``Replicate()`` across HSDP replicas), ``d = shard_dim(member)``
@@ -344,43 +269,8 @@ class DedicatedParams:
         (tensor parallelism: FSDP2's layout over the data-parallel and tp dims); each holder then
         keeps its TP-local shard.
         """
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        mesh = self.mesh
-        members = self.members_of(module)
-        stand_ins = []
-        for m in members:
-            full = torch.Size(m.entry.full_shape)
-            if layout is not None or sharded:
-                if layout is not None:
-                    stand_in_mesh, placements = layout(m)
-                else:
-                    dim = shard_dim(m) if shard_dim is not None else 0
-                    stand_in_mesh, placements = mesh, ((Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim)))
-                local_shape, _ = compute_local_shape_and_global_offset(full, stand_in_mesh, placements)
-                local = torch.empty(local_shape, dtype=m.param.dtype, device=m.param.device)
-                data = DTensor.from_local(local, stand_in_mesh, placements, run_check=False, shape=full,
-                                          stride=torch.empty(full, device="meta").stride())
-            else:
-                data = torch.empty(full, dtype=m.param.dtype, device=m.param.device)
-            stand_ins.append(nn.Parameter(data, requires_grad=m.param.requires_grad))
-            m.module._parameters[m.name] = stand_ins[-1]
-        completed = False
-        try:
-            yield
-            completed = True
-        finally:
-            for m, stand_in in zip(members, stand_ins):
-                m.module._parameters[m.name] = m.param
-                if completed:
-                    with torch.no_grad():
-                        value = stand_in.data
-                        full = value.full_tensor() if isinstance(value, DTensor) else value
-                        if m.holds_full:
-                            m.param.copy_(self.tp_local(m, full))
-        if completed:
-            self.weights_changed()
+        return initialise.initialising(self.members_of(module), self.mode, sharded=sharded, shard_dim=shard_dim,
+                                       layout=layout, on_written=self.weights_changed)
 
     def wait_for_replicate_broadcasts(self, *, host: bool = False) -> None:
         """Finish the post-step broadcasts to replicate peers (HSDP): the current stream waits,
@@ -473,11 +363,11 @@ class DedicatedParams:
         rank, whatever each rank owns of it)."""
         ctx = self._ctx
         unit.weights_event = ctx.streams.record()
-        ctx.replicas.broadcast(unit, source="dmuon.replicate_broadcast")
-        if self._initialized and not ctx.recording and ctx.forward_order and unit is ctx.forward_order[0]:
+        ctx.replicas.broadcast(unit, source=CommLabel.REPLICATE_BROADCAST)
+        if self._step_hooks.initialized and not ctx.recording and ctx.forward_order and unit is ctx.forward_order[0]:
             if not unit.swapped_in:
                 unit.free()  # (a buffer gathered before this step holds the old weights)
-            unit.gather("dmuon.forward_broadcast")
+            unit.gather(CommLabel.FORWARD_BROADCAST)
 
     # ---- removal ----------------------------------------------------------------------------------
     def remove(self) -> None:
@@ -491,116 +381,15 @@ class DedicatedParams:
             if unit.swapped_in:
                 unit.swap_out()
             unit.free()
-        for hook in self._hooks:
+        self._step_hooks.remove()
+        for hook in self._state_dict_hooks:
             hook.remove()
-        self._hooks.clear()
+        self._state_dict_hooks.clear()
         handles = self.module.__dict__.get("_dmuon_handles", [])
         if self in handles:
             handles.remove(self)
         for m in self._members:
             m.param.__dict__.pop("_dmuon_handle", None)
-
-    # ---- hooks ----------------------------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        """At the first forward, once the model is materialised: compute params, the unit hooks
-        (registered now, so they run after FSDP2's own), and HSDP's first replica sync."""
-        if self._initialized:
-            return
-        self.follow_registered_params()
-        for m in self._members:
-            if m.param.is_meta:
-                raise RuntimeError(
-                    f"dedicated parameter {m.fqn!r} is still on the meta device at the first forward: "
-                    "call model.to_empty(device=...) and initialise the weights first"
-                )
-        device = self.mode.mesh.device
-        for unit in self._units:
-            unit.allocate_compute_params(self._param_dtype or unit.members[0].param.dtype, device)
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, unit), with_kwargs=True))
-            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
-            unit.weights_event = self._ctx.streams.record()
-        self._initialized = True
-        for unit in self._units:  # replicas may have been initialised differently: the global owner's copy wins
-            self._ctx.replicas.broadcast(unit, source="dmuon.replicate_sync")
-
-    @_hook("root_pre_forward")
-    def _root_pre_forward(self, module, args) -> None:
-        if _in_backward():
-            return
-        self._lazy_init()
-        ctx = self._ctx
-        ctx.begin_forward()
-        if not ctx.recording and ctx.forward_order:
-            ctx.forward_order[0].gather("dmuon.forward_broadcast")  # no-op when the step launched it
-
-    @_hook("root_post_forward")
-    def _root_post_forward(self, module, args, output) -> None:
-        """Queue the end-of-backward callback as backward starts, ahead of FSDP2's (registered before
-        it: dedicate_params comes before fully_shard), so that a layer whose gradient never comes is
-        named before FSDP2 issues its final reduce-scatters, which would no longer match the peers'."""
-        if _in_backward() or not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._queue_final_callback(), mode="any")
-
-    @_hook("pre_forward")
-    def _pre_forward(self, unit: Unit, module, args, kwargs):
-        if _in_backward():
-            return None  # activation-checkpoint recompute: the pre-backward hook already gathered
-        unit.pre_forward()
-        if not torch.is_grad_enabled():
-            return None
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not positions:
-            return None  # (its backward's end is the end-of-backward callback)
-        hooked = _PostBackward.apply(functools.partial(self._post_backward, unit), *(flat[i] for i in positions))
-        for i, tensor in zip(positions, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
-
-    @_hook("post_forward")
-    def _post_forward(self, unit: Unit, module, args, output) -> None:
-        if _in_backward():
-            return
-        unit.post_forward(output, functools.partial(self._pre_backward, unit))
-
-    @_hook("pre_backward")
-    def _pre_backward(self, unit: Unit) -> None:
-        self._queue_final_callback()
-        unit.pre_backward()
-
-    @_hook("post_backward")
-    def _post_backward(self, unit: Unit) -> None:
-        self._queue_final_callback()
-        unit.post_backward()
-
-    def _queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    @_hook("finish_backward")
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        ctx = self._ctx
-        ctx.recording = False
-        for unit in reversed(ctx.units_in_order()):
-            if unit.phase is Phase.BACKWARD:
-                unit.post_backward()  # its inputs needed no gradient: no hook marked its end
-            elif unit.phase is Phase.AWAITING_BACKWARD and ctx.gradient_sync:
-                raise UnitOrderError(
-                    f"layer {unit.name!r} ran forward but got no gradient in this backward pass: its output does "
-                    "not reach the loss on this rank, and every rank must reduce every dedicated layer's "
-                    "gradients. Make its output reach the loss, run it under torch.no_grad(), or leave its "
-                    "weights off Muon"
-                )
-            elif unit.state is not BufferState.FREE and not unit.swapped_in and ctx.gradient_sync:
-                unit.free()  # prefetched but never used
-        if ctx.gradient_sync:
-            ctx.reducer.finish()
 
 
 def handles_for(params, dedicated) -> list[DedicatedParams]:

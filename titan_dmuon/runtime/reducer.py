@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch
 from titan_dmuon.runtime.members import Bucket, Member
 from titan_dmuon.runtime.mode import DedicationMode, coalesces
 from titan_dmuon.runtime.streams import Streams
@@ -89,7 +89,7 @@ class GradientReducer:
         mesh, streams = self.mode.mesh, self.streams
         streams.wait_stream(streams.reduce)  # the reduce stream starts after the copy-in
         with streams.use(streams.reduce):
-            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, "dmuon.shard_reduce", self.stats,
+            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, CommLabel.SHARD_REDUCE, self.stats,
                         coalesce=mesh.coalesces) as launch:
                 for bucket, flat in items:
                     launch.reduce(flat, dst=bucket.shard_owner)
@@ -156,7 +156,7 @@ class GradientReducer:
             if flight.stage is Stage.SHARD and mesh.hsdp:
                 with streams.use(streams.replicate):
                     flight.in_flight.wait()  # the replicate stream (not compute) waits for the shard stage
-                    with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, "dmuon.replicate_reduce",
+                    with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, CommLabel.REPLICATE_REDUCE,
                                 self.stats, coalesce=mesh.coalesces) as launch:
                         for bucket, flat in mine:
                             launch.reduce(flat, dst=bucket.replicate_owner)
@@ -194,7 +194,7 @@ class GradientReducer:
             self._tp_coalesces = coalesces(tp.group, self.mode.mesh.device)
         streams.wait_stream(streams.reduce)
         with streams.use(streams.reduce):
-            with Launch(tp.group, tp.size, self.mode.mesh.device, "dmuon.tp_grad_reduce", self.stats,
+            with Launch(tp.group, tp.size, self.mode.mesh.device, CommLabel.TP_GRAD_REDUCE, self.stats,
                         coalesce=self._tp_coalesces) as launch:
                 for m, grad in partial:
                     launch.reduce(grad, dst=m.entry.tp_homes[0])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.streams import Streams
 
@@ -28,7 +28,7 @@ class ReplicaSync:
         self._in_flight: dict[int, InFlight] = {}  # unit index -> its broadcasts
 
     @torch.no_grad()
-    def broadcast(self, unit, *, source: str) -> None:
+    def broadcast(self, unit, *, source: CommLabel) -> None:
         """Send ``unit``'s held weights from their global owners (a program point on every rank)."""
         mesh = self.mode.mesh
         if not mesh.hsdp:

@@ -25,6 +25,9 @@ A sharded matrix moves (T-1)/T of its shards each way: 2(T-1)/T^2 of its full el
 replicated one (T-1) copies of it, back only. Everything else (momentum, weight decay, the update)
 stays elementwise on the shards, so the result is the single-device update of the full matrix:
 bitwise ``torch.optim.Muon``'s with ``ns_mode="exact"``.
+
+Outside the step a TP shard is turned into its full matrix and back by ``tp_full`` (export),
+``tp_local`` (loads, initialisation) and ``as_sharded`` (DCP's view of a shard as the full matrix).
 """
 
 from __future__ import annotations
@@ -33,12 +36,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_dmuon.muon_math import _put_rows, _take_rows
 from titan_dmuon.plan import TPMatrix
-from titan_dmuon.runtime.comm import CommStats, InFlight, Launch
+from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch, comm_source
+from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.mode import TensorParallelInfo
 from titan_dmuon.runtime.streams import Streams
+
+
+def tp_full(tp: TensorParallelInfo | None, member: Member, shard: torch.Tensor) -> torch.Tensor:
+    """The full matrix from this rank's TP-local ``shard`` of ``member`` (an all-gather on the TP
+    group: a collective); ``shard`` itself for a weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(tp.size)]
+    with comm_source(CommLabel.EXPORT):
+        dist.all_gather(parts, shard.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=member.entry.tp_dim)
+
+
+def tp_local(tp: TensorParallelInfo | None, member: Member, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP-local shard of a full value of ``member`` (a view); ``full`` itself for a
+    weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return full
+    return full.chunk(tp.size, dim=member.entry.tp_dim)[tp.rank]
+
+
+def as_sharded(tp: TensorParallelInfo | None, member: Member, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's TP shard of ``member``, e.g. its weight or momentum) as a DTensor of
+    the full matrix on the TP mesh, for DCP, which then saves and reshards whole matrices; ``local``
+    itself for a weight TP does not split."""
+    if member.entry.tp_dim is None:
+        return local
+    full = torch.Size(member.entry.full_shape)
+    return DTensor.from_local(local, tp.mesh, [Shard(member.entry.tp_dim)], run_check=False,
+                              shape=full, stride=torch.empty(full, device="meta").stride())
 
 
 @dataclass(eq=False)
@@ -81,7 +117,7 @@ class TensorParallelNewtonSchulz:
         per_source = sum(m.numel for m in matrices if m.dim is not None and m.home == me)
         received = send.new_empty(per_source * size)
         if sharded:  # (the same on every rank: nothing to send when the chunk holds replicated matrices only)
-            in_flight = self._issue("dmuon.tp_to_home", received, send, [per_source] * size,
+            in_flight = self._issue(CommLabel.TP_TO_HOME, received, send, [per_source] * size,
                                     self._home_splits(matrices, sharded_only=True))
         else:
             in_flight = InFlight()
@@ -116,7 +152,7 @@ class TensorParallelNewtonSchulz:
         send = torch.cat(parts) if parts else self._empty()
         received = sent.sent.new_empty(sum(m.numel for m in matrices))
         per_destination = sum(matrices[i].numel for i in homed)
-        in_flight = self._issue("dmuon.tp_from_home", received, send, self._home_splits(matrices),
+        in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
                                 [per_destination] * size)
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(blocks))
 
@@ -146,7 +182,7 @@ class TensorParallelNewtonSchulz:
         """Nothing to send (Newton–Schulz inputs are bf16)."""
         return torch.empty(0, dtype=torch.bfloat16, device=self.streams.device)
 
-    def _issue(self, source: str, output, input, output_splits, input_splits) -> InFlight:
+    def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream (after the current stream's writes of ``input``);
         the returned InFlight is what a reader of ``output`` waits for."""
         stream = self.streams.reduce

@@ -9,11 +9,12 @@ is done. The buffer is a small state machine::
 
     FREE --gather()--> GATHERING --wait()--> READY --free()--> FREE
 
-and the unit's place in the step is its ``Phase``. The four transitions
-(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``) are
-methods of the unit, as FSDP2's ``FSDPParamGroup`` owns its own; the hooks in
-``handle.py`` only call them. What units share (streams, the reducer, the
-forward order, counters) is the ``RuntimeContext``.
+and the unit's place in the step is its ``Phase`` (declared with the context,
+which checks the units' order by it). The four transitions (``pre_forward``,
+``post_forward``, ``pre_backward``, ``post_backward``) are methods of the unit,
+as FSDP2's ``FSDPParamGroup`` owns its own; the hooks in ``hooks.py`` only call
+them. What units share (streams, the reducer, the forward order, counters) is
+the ``RuntimeContext``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from titan_dmuon.runtime.comm import InFlight, Launch, alloc_storage, free_storage
-from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.comm import CommLabel, InFlight, Launch, alloc_storage, free_storage
+from titan_dmuon.runtime.context import Phase, RuntimeContext
 from titan_dmuon.runtime.members import Bucket, Member, Segment
 
 
@@ -34,13 +35,6 @@ class BufferState(enum.Enum):
     FREE = "free"  # no storage
     GATHERING = "gathering"  # broadcasts into it are in flight
     READY = "ready"  # holds this step's weights; the compute stream has waited for them
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"  # between steps, or after its backward
-    FORWARD = "forward"  # between pre- and post-forward
-    AWAITING_BACKWARD = "awaiting_backward"  # forward done; its gradients will come
-    BACKWARD = "backward"  # its backward started; gradients are accumulating
 
 
 @dataclass(eq=False)
@@ -83,7 +77,7 @@ class Unit:
         free_storage(storage)
 
     @torch.no_grad()
-    def gather(self, source: str) -> None:
+    def gather(self, source: CommLabel) -> None:
         """Start filling the buffer from the owners (no-op unless FREE), on the gather stream:
         after the last write of the weights it reads, never after the compute stream's queue."""
         if self.state is not BufferState.FREE:
@@ -97,7 +91,8 @@ class Unit:
             if mine:
                 views = [self.buffer[m.offset : m.offset + m.numel].view(m.shape) for m in mine]
                 torch._foreach_copy_(views, [m.param for m in mine])
-            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats, coalesce=mesh.coalesces) as launch:
+            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats,
+                        coalesce=mesh.coalesces) as launch:
                 for segment in self.segments:
                     launch.broadcast(self.buffer[segment.start : segment.stop], src=segment.shard_owner)
         self._in_flight = launch.in_flight
@@ -140,7 +135,7 @@ class Unit:
         FSDP2's all-gather for this one, which FSDP2's own pre-forward hook issued just before)."""
         ctx = self.ctx
         ctx.enter_forward(self)
-        self.gather("dmuon.forward_broadcast")  # no-op when prefetched
+        self.gather(CommLabel.FORWARD_BROADCAST)  # no-op when prefetched
         if not ctx.recording and self is ctx.forward_order[0]:
             with ctx.first_wait.timing():  # the first layer's broadcast was issued in the step: exposed?
                 self.wait()
@@ -148,7 +143,7 @@ class Unit:
             self.wait()
         following = ctx.neighbour(self, +1)
         if following is not None:
-            following.gather("dmuon.forward_broadcast")
+            following.gather(CommLabel.FORWARD_BROADCAST)
         self.phase = Phase.FORWARD
         self.swap_in()
 
@@ -174,12 +169,12 @@ class Unit:
         ctx = self.ctx
         ctx.check_backward_order(self)
         self.phase = Phase.BACKWARD
-        self.gather("dmuon.backward_broadcast")
+        self.gather(CommLabel.BACKWARD_BROADCAST)
         self.wait()
         if ctx.mode.reshard_after_forward and ctx.gradient_sync:
             preceding = ctx.neighbour(self, -1)
             if preceding is not None and preceding.phase is Phase.AWAITING_BACKWARD:
-                preceding.gather("dmuon.backward_broadcast")
+                preceding.gather(CommLabel.BACKWARD_BROADCAST)
 
     def post_backward(self) -> None:
         """Every gradient of the layer is computed (its inputs' gradients are): release the
