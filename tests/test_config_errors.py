@@ -19,9 +19,9 @@ cpu.enable()  # before anything imports TorchTitan's trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
 from titan_dmuon.integration.check import check, main  # noqa: E402
-from titan_dmuon.integration.config import ConfigError, load_config  # noqa: E402
-from titan_dmuon.integration.finalize import prepare_for_build  # noqa: E402
-from titan_dmuon.integration.validation import validate_dmuon  # noqa: E402
+from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.prepare.finalize import prepare_for_build  # noqa: E402
+from titan_dmuon.integration.prepare.validation import validate_dmuon  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = "train_configs/debug_model.toml"
@@ -66,20 +66,26 @@ def _one_line_error(fn, *args, **kwargs) -> str:
 
 # ---- the restructure -----------------------------------------------------------------------------
 def test_integration_modules_import_each_other_without_a_cycle():
-    """setup.py and trainer.py imported each other (hidden in function-level imports); every import
-    between integration modules, at any level, now goes one way."""
+    """setup.py (now doors/python_config.py) and trainer.py imported each other (hidden in
+    function-level imports); every import between integration modules, at any level and across its
+    subpackages, now goes one way."""
     folder = os.path.join(ROOT, "titan_dmuon", "integration")
     graph = {}
-    for name in sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py")):
-        with open(os.path.join(folder, f"{name}.py")) as f:
-            tree = ast.parse(f.read())
-        deps = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "titan_dmuon.integration":
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titan_dmuon.integration."):
-                deps.add(node.module.split(".")[2])
-        graph[name] = deps - {name}
+    for directory, _, files in os.walk(folder):
+        package = os.path.relpath(directory, folder).replace(os.sep, ".").strip(".")
+        for file in sorted(f for f in files if f.endswith(".py") and f != "__init__.py"):
+            name = f"{package}.{file[:-3]}" if package else file[:-3]
+            with open(os.path.join(directory, file)) as f:
+                tree = ast.parse(f.read())
+            deps = set()
+            for node in ast.walk(tree):
+                module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+                if module.startswith("titan_dmuon.integration"):
+                    inner = module[len("titan_dmuon.integration") :].lstrip(".")
+                    # ``from titan_dmuon.integration[.pkg] import x``: x is a module when it is one
+                    deps |= {f"{inner}.{a.name}".lstrip(".") for a in node.names} | {inner}
+            graph[name] = deps - {name, ""}
+    assert {"doors.python_config", "training.trainer", "cpu"} <= set(graph)  # the walk found the modules
 
     def reaches(start, target, seen=()):
         return any(d == target or (d not in seen and reaches(d, target, (*seen, d))) for d in graph.get(start, ()))
@@ -390,3 +396,14 @@ def test_cuda_graph_warning_only_after_overrides_and_where_capture_could_happen(
         prepare_for_build(_parse("--training.no-disable_cuda_graphs"))
     (warning,) = [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()]
     assert warning.startswith("training.disable_cuda_graphs = false: DMuon's hooks") and "Pass --training.disable_cuda_graphs" in warning
+
+
+def test_no_two_modules_of_the_package_share_a_base_name():
+    """titan_dmuon/optimizer.py and integration/optimizer.py (and two qk_clip.py) held different things
+    under one name: a newcomer (and a traceback) could not tell them apart. Base names are unique."""
+    seen = {}
+    for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
+        for file in files:
+            if file.endswith(".py") and file != "__init__.py":
+                seen.setdefault(file, []).append(os.path.relpath(os.path.join(directory, file), ROOT))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

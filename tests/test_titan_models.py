@@ -19,7 +19,7 @@ def test_fused_wqkv_blocks_are_torchtitans_q_k_v(family):
 
     from torchtitan.models.common.attention import FusedQKVLinear
 
-    from titan_dmuon.integration.parallelize import fused_qkv_blocks
+    from titan_dmuon.integration.training.parallelize import fused_qkv_blocks
 
     registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def _param_groups(rank, world):
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
 
-    from titan_dmuon.integration.trainer_config import dmuon_trainer_config
+    from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
 
     titan_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
     converted = dmuon_trainer_config(qwen3_debugmodel_moe_param_groups()).optimizer
@@ -336,7 +336,7 @@ def test_expert_parallel_limit():
     the limit and the error must not advise it (it did: "... or raise expert_parallel_degree").
     Within the limit experts stay local; under DDP every rank holds every expert, so each is
     dedicated; plain FSDP leaves the choice to dedicate_params ("auto")."""
-    from titan_dmuon.integration.parallelize import expert_sharding
+    from titan_dmuon.integration.training.parallelize import expert_sharding
 
     model = _meta_moe(experts=2)
     for ep in (2, 4):

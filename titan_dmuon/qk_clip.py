@@ -207,8 +207,8 @@ class QKClip:
         """Forwards inside are not the step's training batch and are not captured: e.g.
         torch.distributed.pipelining's metadata inference, which runs a later stage's forward on
         uninitialised tensors (``torch.empty``) at the first step (see
-        ``integration.qk_clip.pause_capture_in_metadata_inference``), and the backward of such a
-        forward (its recomputes of checkpointed blocks would count as a reentrant checkpoint's)."""
+        ``integration.training.attention_clip.pause_capture_in_metadata_inference``), and the backward
+        of such a forward (its recomputes of checkpointed blocks would count as a reentrant checkpoint's)."""
         previous, self._capturing[0] = self._capturing[0], False
         try:
             yield

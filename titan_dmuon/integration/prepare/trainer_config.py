@@ -13,10 +13,10 @@ import dataclasses
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
-from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.optimizer import CATCH_ALL, DMuonOptimizersContainer
-from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
-from titan_dmuon.integration.validation import ConfigError
+from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+from titan_dmuon.integration.training.optimizer_container import CATCH_ALL, DMuonOptimizersContainer
+from titan_dmuon.integration.training.trainer import DMuonMetricsProcessor, DMuonTrainer
+from titan_dmuon.integration.prepare.validation import ConfigError
 from titan_dmuon.options import ADAMW_KEYS
 
 
@@ -26,12 +26,12 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
 
     A config with a ``fault_tolerance`` section (TorchTitan's FaultTolerantTrainer.Config, e.g. its
     ``torchft.llama3`` registry), or ``fault_tolerant=True``, becomes DMuon's fault-tolerant one
-    (``integration/fault_tolerance.py``, imported only then)."""
+    (``integration/training/fault_tolerance.py``, imported only then)."""
     names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
     fault_tolerant = fault_tolerant or "fault_tolerance" in names
     trainer, optimizer, checkpoint = DMuonTrainer.Config, DMuonOptimizersContainer.Config, DMuonCheckpointManager.Config
     if fault_tolerant:
-        from titan_dmuon.integration import fault_tolerance as ft
+        from titan_dmuon.integration.training import fault_tolerance as ft
 
         trainer, optimizer, checkpoint = (ft.DMuonFaultTolerantTrainer.Config, ft.DMuonFTOptimizersContainer.Config,
                                           ft.DMuonFTCheckpointManager.Config)

@@ -23,7 +23,7 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.testing.baselines import NaiveFSDPMuon
-from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.muon_math import NS_METHODS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
 from titan_dmuon.options import DEFAULTS, JOB_KEYS, MUON_KEYS, OPTION_NAMES
@@ -120,7 +120,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         self._part_handles = handles = DedicatedParams.of(model)
         if self._job_options["qk_clip_threshold"] is not None:
-            from titan_dmuon.integration.qk_clip import attention_descriptions
+            from titan_dmuon.integration.training.attention_clip import attention_descriptions
 
             tp = next((h.mode.tp.size for h in handles if h.mode.tp is not None), 1)
             self._part_attention = attention_descriptions(model, tp_size=tp)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import typing
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.finalize import finalize
-from titan_dmuon.integration.optimizer import DEDICATION_KEYS, DMUON_OPTION_KEYS
-from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
-from titan_dmuon.integration.trainer_config import dmuon_trainer_config
-from titan_dmuon.integration.validation import ConfigError, validate_dmuon
-from titan_dmuon.integration.values import convert, describe
+from titan_dmuon.integration.prepare.finalize import finalize
+from titan_dmuon.integration.training.optimizer_container import DEDICATION_KEYS, DMUON_OPTION_KEYS
+from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
+from titan_dmuon.integration.prepare.validation import ConfigError, validate_dmuon
+from titan_dmuon.integration.doors.values import convert, describe
 
 __all__ = ["with_dmuon"]
 

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from titan_dmuon.integration.fault_tolerance_checks import fault_tolerance_problem, moe_problem
-from titan_dmuon.integration.models import ModelNotSupported, check_model
-from titan_dmuon.integration.optimizer import (
+from titan_dmuon.integration.prepare.fault_tolerance_checks import fault_tolerance_problem, moe_problem
+from titan_dmuon.integration.training.models import ModelNotSupported, check_model
+from titan_dmuon.integration.training.optimizer_container import (
     ADAMW_NAMES,
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
@@ -39,7 +39,7 @@ from titan_dmuon.integration.optimizer import (
     MUON_FAMILY_NAMES,
     DMuonOptimizersContainer,
 )
-from titan_dmuon.integration.parallelize import (
+from titan_dmuon.integration.training.parallelize import (
     DEFAULT_MUON_PARAMS,
     expert_parallel_limit,
     fused_qkv_blocks,
@@ -383,7 +383,7 @@ def _validate_against_model(config, world_size: int | None, names: Naming) -> li
 
 def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1) -> None:
     """QK-clip needs attention it knows the q/k row layout of, and those weights on Muon (dedicated)."""
-    from titan_dmuon.integration.qk_clip import QKClipNotSupported, attention_descriptions, clip_weights
+    from titan_dmuon.integration.training.attention_clip import QKClipNotSupported, attention_descriptions, clip_weights
 
     key = names.key("optimizer", "qk_clip_threshold")
     try:

@@ -38,8 +38,8 @@ from torchtitan.trainer import Trainer
 
 from titan_dmuon.cost_model import design_elements_per_rank
 from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.integration.finalize import prepare_for_build
-from titan_dmuon.integration.validation import ConfigError
+from titan_dmuon.integration.prepare.finalize import prepare_for_build
+from titan_dmuon.integration.prepare.validation import ConfigError
 from titan_dmuon.ledger import CommLedger
 
 
@@ -133,7 +133,7 @@ def prepare_pipeline_schedule(schedule, optimizers) -> None:
     """Adapt a torch.distributed.pipelining schedule to DMuon (DMuonTrainer does it once the
     schedule is built): each stage's dedicated gradients are reduced during its last
     micro-batch's backward, and QK-clip's capture is paused in the metadata inference."""
-    from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+    from titan_dmuon.integration.training.attention_clip import pause_capture_in_metadata_inference
     from titan_dmuon.runtime import DedicatedParams
 
     # (torch 2.14's schedules hold this rank's stages as _stages, or _stage for single-stage ones)

@@ -35,11 +35,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from titan_dmuon.integration.finalize import finalize
-from titan_dmuon.integration.models import config_function
-from titan_dmuon.integration.optimizer import ADAMW_NAMES
-from titan_dmuon.integration.trainer_config import dmuon_trainer_config
-from titan_dmuon.integration.validation import (
+from titan_dmuon.integration.prepare.finalize import finalize
+from titan_dmuon.integration.training.models import config_function
+from titan_dmuon.integration.training.optimizer_container import ADAMW_NAMES
+from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
+from titan_dmuon.integration.prepare.validation import (
     ConfigError,
     Naming,
     command_line,
@@ -47,7 +47,7 @@ from titan_dmuon.integration.validation import (
     validate_dmuon,
     validate_optimizer_keys,
 )
-from titan_dmuon.integration.values import convert, describe, is_boolean
+from titan_dmuon.integration.doors.values import convert, describe, is_boolean
 from titan_dmuon.options import ADAMW_KEYS
 
 if sys.version_info >= (3, 11):

@@ -18,8 +18,8 @@ import torch
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.parallelize import DMuonParallelize
-from titan_dmuon.integration.validation import ConfigError, validate_dmuon
+from titan_dmuon.integration.training.parallelize import DMuonParallelize
+from titan_dmuon.integration.prepare.validation import ConfigError, validate_dmuon
 
 
 def finalize(config, *, keep_cuda_graph_setting: bool = False):
