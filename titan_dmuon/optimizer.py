@@ -28,8 +28,19 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise, scalar
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
+from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
+
+
+class StepStat:
+    """The keys of ``DMuon.last_step_stats`` (the integration's per-step figures are made from them)."""
+
+    NS_MATRICES = "ns_matrices"  # Newton–Schulz matrices (blocks: a fused q/k/v counts 3) on this rank
+    NS_SECONDS = "ns_seconds"  # their time on the device
+    HOST_SECONDS = "host_seconds"  # the step's host time (Python, launches; on the CPU the work too)
+    QK_MAX_LOGIT = MAX_LOGIT_STAT  # QK-clip: the largest logit before clipping
+    QK_CLIPPED_HEADS = CLIPPED_HEADS_STAT  # QK-clip: the heads clipped
 
 
 class DMuon(torch.optim.Optimizer):
@@ -110,7 +121,8 @@ class DMuon(torch.optim.Optimizer):
         """This rank's last step: Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time
         (device), and the step's host time (Python, launches; on the CPU the work too)."""
         seconds = self._ns_timer.seconds() if self._ns_timer is not None else 0.0
-        stats = {"ns_matrices": self._ns_matrices, "ns_seconds": seconds, "host_seconds": self._host_seconds}
+        stats = {StepStat.NS_MATRICES: self._ns_matrices, StepStat.NS_SECONDS: seconds,
+                 StepStat.HOST_SECONDS: self._host_seconds}
         if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
             stats.update(self.qk_clip.stats())
         return stats

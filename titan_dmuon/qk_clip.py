@@ -156,6 +156,11 @@ class _HandleClip:
     gamma: torch.Tensor | None = None
 
 
+# the keys of ``QKClip.stats`` (in ``DMuon.last_step_stats``)
+MAX_LOGIT_STAT = "qk_max_logit"
+CLIPPED_HEADS_STAT = "qk_clipped_heads"
+
+
 class QKClip:
     """The capture hooks and the per-step rescale; DMuon builds and drives it."""
 
@@ -286,7 +291,7 @@ class QKClip:
         """The last step's largest logit before clipping and heads clipped (reads the device)."""
         if self._max_logit is None:
             return {}
-        return {"qk_max_logit": float(self._max_logit.item()), "qk_clipped_heads": int(self._clipped.item())}
+        return {MAX_LOGIT_STAT: float(self._max_logit.item()), CLIPPED_HEADS_STAT: int(self._clipped.item())}
 
 
 def _handle_of(param, handles, attention: QKClipAttention):

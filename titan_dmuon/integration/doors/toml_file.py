@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from titan_dmuon.integration.prepare.finalize import finalize
 from titan_dmuon.integration.training.models import config_function
-from titan_dmuon.integration.training.optimizer_container import ADAMW_NAMES
+from titan_dmuon.integration.names import ADAMW_NAMES
 from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
 from titan_dmuon.integration.prepare.validation import (
     ConfigError,

@@ -15,6 +15,8 @@ import urllib.parse
 
 import torch
 
+from titan_dmuon.integration.names import DMUON
+
 SEMI_SYNC_METHODS = ("diloco", "local_sgd")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CONNECT_TIMEOUT_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"  # TorchFT's own variable for its connections
@@ -112,7 +114,7 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
             "joining group sends what the checkpointer registers, and without checkpointing nothing is registered "
             "(torchtitan issue 4209); set checkpoint.enable = true (a large checkpoint.interval keeps saves rare)"
         )
-    if opt.name == "dmuon":
+    if opt.name == DMUON:
         if p.data_parallel_replicate_degree > 1:
             return (
                 f"{names.key('parallelism', 'data_parallel_replicate_degree')} = {p.data_parallel_replicate_degree} "

@@ -14,6 +14,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
 from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+from titan_dmuon.integration.names import ADAMW, ADAMW_NAMES
 from titan_dmuon.integration.training.optimizer_container import CATCH_ALL, DMuonOptimizersContainer
 from titan_dmuon.integration.training.trainer import DMuonMetricsProcessor, DMuonTrainer
 from titan_dmuon.integration.prepare.validation import ConfigError
@@ -83,7 +84,7 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
             f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
             "start from TorchTitan's OptimizersContainer.Config"
         )
-    groups = [g for g in base.param_groups if g.optimizer_name in ("AdamW", "Adam")]
+    groups = [g for g in base.param_groups if g.optimizer_name in ADAMW_NAMES]
     catch_all = next((g for g in groups if g.pattern == CATCH_ALL), None)
     flat = {
         k: (tuple(v) if k == "betas" else v)
@@ -91,7 +92,7 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
         if k in ADAMW_KEYS.values()
     }
     return cls(
-        name=catch_all.optimizer_name if catch_all else "AdamW",
+        name=catch_all.optimizer_name if catch_all else ADAMW,
         implementation=base.implementation,
         param_groups=[g for g in groups if g is not catch_all],
         **flat,

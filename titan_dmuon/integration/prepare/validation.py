@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from titan_dmuon.integration.prepare.fault_tolerance_checks import fault_tolerance_problem, moe_problem
+from titan_dmuon.integration.names import ADAMW_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
 from titan_dmuon.integration.training.models import ModelNotSupported, check_model
 from titan_dmuon.integration.training.optimizer_container import (
-    ADAMW_NAMES,
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
     MUON_FAMILY_KEYS,
-    MUON_FAMILY_NAMES,
     DMuonOptimizersContainer,
 )
 from titan_dmuon.integration.training.parallelize import (
@@ -119,7 +118,7 @@ def validate_dmuon(
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"{names.key('optimizer', 'muon_params')}: bad regex {pattern!r} ({e})") from None
-        if opt.name == "dmuon":
+        if opt.name == DMUON:
             try:
                 check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
                 check_model(config.model_spec)
@@ -127,7 +126,7 @@ def validate_dmuon(
                 raise ConfigError(f"{names.source('optimizer', 'name', text=str(e))}{e}") from None
         if opt.qk_clip_threshold is not None:
             key = names.key("optimizer", "qk_clip_threshold")
-            if opt.name != "dmuon":
+            if opt.name != DMUON:
                 raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: QK-clip runs with optimizer.name = 'dmuon' only")
             if config.compile.enable and "model" in config.compile.components:
                 raise ConfigError(
@@ -370,14 +369,14 @@ def _validate_against_model(config, world_size: int | None, names: Naming) -> li
         return []  # nothing below needs the model: do not build it
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
-    if opt.name == "dmuon" and opt.qk_clip_threshold is not None:
+    if opt.name == DMUON and opt.qk_clip_threshold is not None:
         _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
     if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
                                                    for m in model.modules() if hasattr(m, "routed_experts")):
         raise ConfigError(moe_problem(names))
     if p.expert_parallel_degree > 1 and experts:
-        _validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names)
+        _validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == DMUON, names=names)
     return warnings
 
 
@@ -523,7 +522,7 @@ def validate_optimizer_keys(opt, sources: Mapping[str, str], *, file_name: str |
                 f"{source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}; "
                 f"{_how_to_switch(opt, sources, config_file, switched)}"
             )
-        if opt.name == "naive_muon" and key == "reshard_after_forward":
+        if opt.name == NAIVE_MUON and key == "reshard_after_forward":
             raise ConfigError(
                 f"{source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; "
                 "naive_muon follows parallelism.fsdp_reshard_after_forward"

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
+from titan_dmuon.integration.names import DMUON
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 DEFAULT_MUON_PARAMS = (
@@ -73,7 +74,7 @@ class DMuonParallelize:
 
     def bind(self, optimizer_config) -> DMuonParallelize:
         dedication = None
-        if optimizer_config.name == "dmuon":
+        if optimizer_config.name == DMUON:
             dedication = DedicationSettings(
                 muon_params=tuple(optimizer_config.muon_params),
                 reshard_after_forward=optimizer_config.reshard_after_forward,
