@@ -407,3 +407,53 @@ def test_no_two_modules_of_the_package_share_a_base_name():
             if file.endswith(".py") and file != "__init__.py":
                 seen.setdefault(file, []).append(os.path.relpath(os.path.join(directory, file), ROOT))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_product_never_imports_the_testing_package():
+    """integration/optimizer.py imported titan_dmuon.testing's NaiveFSDPMuon for name = "naive_muon": the
+    package that says it is not part of DMuon was on the product's import path. Only tests and benchmarks
+    import it now (benchmarks/naive_muon_job.py registers the baseline with the container)."""
+    package = os.path.join(ROOT, "titan_dmuon")
+    scanned, importers = 0, []
+    for directory, _, files in os.walk(package):
+        if os.path.relpath(directory, package).split(os.sep)[0] == "testing":
+            continue
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, file)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            scanned += 1
+            for node in ast.walk(tree):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(m == "titan_dmuon.testing" or m.startswith("titan_dmuon.testing.") for m in modules):
+                    importers.append(os.path.relpath(path, ROOT))
+    assert scanned > 30 and importers == []
+
+
+def test_naive_muon_is_one_line_before_launch_unless_its_module_registered_it(tmp_path, monkeypatch, capsys):
+    """``name = "naive_muon"`` (the benchmarks' baseline) through the TOML door, where nothing registered
+    it: one line before launch naming the config module that does; through that module (TorchTitan's
+    ``--module``, as benchmarks/bench_debug_model.py runs it) the same file passes the check."""
+    import importlib
+
+    from titan_dmuon.integration.names import NAIVE_MUON
+    from titan_dmuon.integration.training import optimizer_container
+
+    monkeypatch.setattr(optimizer_container, "_REGISTERED", {})  # (this process may have imported the module)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = _toml(tmp_path, '[optimizer]\nname = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4\n')
+    message = _one_line_error(load_config, path, world_size=2)
+    assert "[optimizer] name = 'naive_muon': the benchmarks' baseline" in message
+    assert "MODULE=benchmarks.naive_muon_job CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml>" in message
+    assert main(["--config_file", path]) == 2
+    assert capsys.readouterr().err.startswith("config error: ")
+
+    job = importlib.import_module("benchmarks.naive_muon_job")
+    optimizer_container.register_optimizer(NAIVE_MUON, job.build_naive_fsdp_muon)  # (what its import does)
+    monkeypatch.setenv(job.CONFIG_FILE_ENV, path)
+    assert load_config(path, world_size=2).optimizer.name == NAIVE_MUON
+    assert main(["--module", "benchmarks.naive_muon_job", "--config", "from_toml"]) == 0, capsys.readouterr().err
+    with pytest.raises(ValueError, match="not one of the names registered optimizers take"):
+        optimizer_container.register_optimizer("dmuon", job.build_naive_fsdp_muon)

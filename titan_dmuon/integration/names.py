@@ -17,6 +17,7 @@ NAIVE_MUON = "naive_muon"  # the benchmarks' baseline, built only where it is re
 OPTIMIZER_NAMES = (DMUON, ADAMW, ADAM, NAIVE_MUON)  # in the order error messages list them
 ADAMW_NAMES = (ADAMW, ADAM)
 MUON_FAMILY_NAMES = (DMUON, NAIVE_MUON)  # names that read the Muon keys (momentum, ns_*, adamw_*, muon_params...)
+REGISTERED_NAMES = (NAIVE_MUON,)  # built by what a module registers (optimizer_container.register_optimizer)
 
 # ---- optimizer names in TorchTitan's container (ParamGroupConfig.optimizer_name) -------------------------
 DMUON_FACTORY = "DMuon"  # the param group of the Muon targets

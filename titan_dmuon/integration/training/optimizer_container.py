@@ -8,7 +8,8 @@ AdamW/Adam, fused or foreach as ``implementation`` says), so a config's
 groups (no weight decay on embeddings, Adam on the router, ...) keep their
 settings. The catch-all group (pattern ``.*``) takes the flat keys: ``lr``,
 ``betas``, ``eps``, ``weight_decay`` with AdamW/Adam, ``adamw_*`` with dmuon.
-``name = "AdamW"`` is then exactly TorchTitan's container.
+``name = "AdamW"`` is then exactly TorchTitan's container. ``name = "naive_muon"`` (the benchmarks'
+baseline, not part of DMuon) builds what a module registered in the process (``register_optimizer``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,8 +26,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.testing.baselines import NaiveFSDPMuon
-from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, DMUON, DMUON_FACTORY, NAIVE_MUON, OPTIMIZER_NAMES
+from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES, REGISTERED_NAMES
 from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
@@ -38,6 +39,36 @@ DEDICATION_KEYS = ("muon_params", "reshard_after_forward")
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
+
+# [optimizer] names whose optimizer a module registered in this process: name -> build(param_groups, *,
+# muon_patterns, ns_method). The one piece of process state here, by design: the product declares the
+# name (REGISTERED_NAMES, so every door and check knows it) but does not import what builds it.
+_REGISTERED: dict[str, Callable] = {}
+
+
+def register_optimizer(name: str, build: Callable) -> None:
+    """``[optimizer] name = <name>`` builds ``build(param_groups, *, muon_patterns, ns_method)`` in this
+    process: one optimizer over TorchTitan's catch-all param group (its parameters' names in
+    ``param_names``; DMuonOptions' per-group options as group settings), with ``optimizer.muon_params``
+    and ``optimizer.ns_method``. For the benchmarks' baseline (``benchmarks/naive_muon_job.py``), which
+    is not part of DMuon. Every process of the job must run this: the pre-launch check and each worker
+    (e.g. at the import of the config module TorchTitan's ``--module`` names)."""
+    if name not in REGISTERED_NAMES:
+        raise ValueError(f"register_optimizer: {name!r} is not one of the names registered optimizers take, "
+                         f"{REGISTERED_NAMES} (titan_dmuon.integration.names)")
+    _REGISTERED[name] = build
+
+
+def registered_optimizer(name: str) -> Callable | None:
+    """What ``register_optimizer`` registered for ``name`` in this process, or None."""
+    return _REGISTERED.get(name)
+
+
+def not_registered(name: str, key: str) -> str:
+    """The one-line error for a registered name that nothing registered in this process."""
+    return (f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
+            "run it through its config module, which registers it (MODULE=benchmarks.naive_muon_job "
+            "CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = \"dmuon\"")
 
 
 def _option_fields() -> list[tuple]:
@@ -82,11 +113,15 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self._part_handles: list = []
         self._part_attention: list = []
         self._job_options = {k: getattr(config, k) for k in JOB_KEYS}
-        if config.name == NAIVE_MUON:  # the benchmark baseline: one optimizer for everything
+        self._registered = registered_optimizer(config.name) if config.name in REGISTERED_NAMES else None
+        if config.name in REGISTERED_NAMES:  # (a benchmark baseline): one optimizer for everything
+            if self._registered is None:
+                raise ValueError(not_registered(config.name, "optimizer.name"))
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
-            config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
+            config.param_groups = [
+                ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=config.name, optimizer_kwargs=kwargs)]
             config.optimizer_factory_kwargs_by_name = {
-                "NaiveFSDPMuon": {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
+                config.name: {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
         else:
             config.param_groups = param_groups_with_catch_all(config)
             if config.name == DMUON:
@@ -100,12 +135,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
             handles, attention, job = self._part_handles, self._part_attention, self._job_options
             return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job,
                                                   **kwargs)
-        if name == "NaiveFSDPMuon":
-            return _naive_muon
+        if self._registered is not None and name == self._name:
+            return self._registered
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
-        if self._name == NAIVE_MUON:  # DMuon's classes have no fused/foreach variants
+        if self._registered is not None:  # DMuon's classes have no fused/foreach variants
             return OptimizersContainer._build_param_groups(model, param_group_configs, {})
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
@@ -153,7 +188,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return self._step_timer.seconds()
 
     def dmuon_optimizers(self) -> list[DMuon]:
-        return [o for o in self.optimizers if isinstance(o, DMuon) and not isinstance(o, NaiveFSDPMuon)]
+        """The DMuon optimizers of a dmuon job (one per model part with Muon targets); none otherwise
+        (a registered baseline may subclass DMuon, as NaiveFSDPMuon does, without dedicating)."""
+        return [o for o in self.optimizers if isinstance(o, DMuon)] if self._name == DMUON else []
 
 
 class _Named:
@@ -182,11 +219,3 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     extra = dict(catch_all.optimizer_kwargs) if catch_all is not None else {}
     return specific + [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})]
 
-
-def _naive_muon(param_groups, *, muon_patterns, ns_method):
-    patterns = [re.compile(p) for p in muon_patterns]
-    targets = [
-        p for group in param_groups for p, name in zip(group["params"], group["param_names"])
-        if any(pattern.search(name) for pattern in patterns)
-    ]
-    return NaiveFSDPMuon(param_groups, muon_params=targets, ns_method=ns_method)
