@@ -196,29 +196,48 @@ class DMuon(torch.optim.Optimizer):
         Experts that tensor parallelism splits and FSDP2 keeps in place follow in chunks of layers
         through the same pipeline (nothing is sent on after them)."""
         for handle in self._handles:
-            by_unit: dict[int, dict] = {}
-            for group in groups:
-                for p in group["params"]:
-                    member = handle.member_of(p)
-                    if member is None:
-                        if id(p) in self._dedicated_ids and not any(h.member_of(p) for h in self._handles):
-                            raise RuntimeError(
-                                "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
-                                "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
-                                "Build DMuon after the model is materialised, as with FSDP2."
-                            )
-                        continue
-                    if member.runs_ns and p.grad is not None:
-                        work = by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))
-                        work[1].append(_item(p, member))
-            jobs = []
-            for chunk in _pipeline_chunks(handle.step_units()):
-                work: dict[int, tuple[dict, list]] = {}
-                for unit in chunk:
-                    for key, (group, items) in by_unit.get(unit.index, {}).items():
-                        work.setdefault(key, (group, []))[1].extend(items)
-                jobs.append((chunk, work))
+            jobs = self._dedicated_jobs(handle, self._dedicated_work(handle, groups))
             self._run_pipelined(handle, jobs + self._local_tensor_parallel_jobs(handle, groups))
+        self._update_local_experts(groups)
+        if self.qk_clip is not None:
+            self.qk_clip.finish()
+
+    def _dedicated_work(self, handle, groups: list[dict]) -> dict[int, dict]:
+        """This handle's weights this rank runs Newton–Schulz for (with a gradient), by unit index, then
+        by param group: {unit: {id(group): (group, items)}}."""
+        by_unit: dict[int, dict] = {}
+        for group in groups:
+            for p in group["params"]:
+                member = handle.member_of(p)
+                if member is None:
+                    if id(p) in self._dedicated_ids and not any(h.member_of(p) for h in self._handles):
+                        raise RuntimeError(
+                            "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
+                            "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
+                            "Build DMuon after the model is materialised, as with FSDP2."
+                        )
+                    continue
+                if member.runs_ns and p.grad is not None:
+                    work = by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))
+                    work[1].append(_item(p, member))
+        return by_unit
+
+    @staticmethod
+    def _dedicated_jobs(handle, by_unit: dict[int, dict]) -> list:
+        """The jobs of ``_run_pipelined`` for the dedicated weights: the handle's step units in chunks
+        (``_pipeline_chunks``), each with its units' work merged by param group."""
+        jobs = []
+        for chunk in _pipeline_chunks(handle.step_units()):
+            work: dict[int, tuple[dict, list]] = {}
+            for unit in chunk:
+                for key, (group, items) in by_unit.get(unit.index, {}).items():
+                    work.setdefault(key, (group, []))[1].extend(items)
+            jobs.append((chunk, work))
+        return jobs
+
+    def _update_local_experts(self, groups: list[dict]) -> None:
+        """The experts this rank holds and updates in place (FSDP2's whole-expert shards, not split by
+        tensor parallelism), per param group; no communication follows them."""
         for group in groups:
             weights, blocks = [], []
             for p in group["params"]:
@@ -228,8 +247,6 @@ class DMuon(torch.optim.Optimizer):
                     blocks.append(experts.blocks)
             if weights:
                 self._update(group, weights, blocks, local_experts=True)
-        if self.qk_clip is not None:
-            self.qk_clip.finish()
 
     def _run_pipelined(self, handle, jobs: list) -> None:
         """``jobs``: (units sent on after it, {group: (group, items)}) in order. Plain items are updated

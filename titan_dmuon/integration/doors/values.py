@@ -14,57 +14,86 @@ from typing import Literal
 def convert(value, annotation, *, from_cli: bool):
     """``value`` as ``annotation`` (TOML/Python values; strings too when ``from_cli``), else
     TypeError/ValueError (an empty message: ``describe(annotation)`` says what was expected)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
-            return None
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return convert(value, option, from_cli=from_cli)
-            except (TypeError, ValueError):
-                pass
-        raise ValueError("")
+        return _convert_union(value, typing.get_args(annotation), from_cli)
     if origin is Literal:
-        if from_cli and not any(isinstance(a, str) for a in args):
-            value = convert(value, type(args[0]), from_cli=True)
-        if value not in args:
-            raise ValueError("")
-        return value
+        return _convert_literal(value, typing.get_args(annotation), from_cli)
     if origin in (list, tuple):
-        if from_cli and isinstance(value, str):
-            value = [v.strip() for v in value.split(",")] if value else []
-        if not isinstance(value, (list, tuple)):
-            raise TypeError("")
-        if origin is tuple:
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(convert(v, args[0], from_cli=from_cli) for v in value)
-            if len(value) != len(args):
-                raise ValueError(f"{len(args)} values")
-            return tuple(convert(v, a, from_cli=from_cli) for v, a in zip(value, args))
-        return [convert(v, args[0], from_cli=from_cli) for v in value] if args else list(value)
-    if annotation is bool:
-        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if not isinstance(value, bool):
-            raise TypeError("")
-        return value
-    if annotation is int:
-        if from_cli and isinstance(value, str):
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError("")
-        return value
-    if annotation is float:
-        if from_cli and isinstance(value, str):
-            value = float(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError("")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise TypeError("")
-        return value
+        return _convert_sequence(value, origin, typing.get_args(annotation), from_cli)
+    scalar = next((fn for t, fn in _SCALARS.items() if annotation is t), None)  # (no hashing of annotations)
+    if scalar is not None:
+        return scalar(value, from_cli)
     raise TypeError(f"this key cannot be set from a TOML file (type {annotation})")
+
+
+def _convert_union(value, args: tuple, from_cli: bool):
+    """The first of ``args`` that takes ``value``; None (also "none"/"null" on the command line) for an
+    optional value."""
+    if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+        return None
+    for option in (a for a in args if a is not type(None)):
+        try:
+            return convert(value, option, from_cli=from_cli)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError("")
+
+
+def _convert_literal(value, args: tuple, from_cli: bool):
+    if from_cli and not any(isinstance(a, str) for a in args):
+        value = convert(value, type(args[0]), from_cli=True)
+    if value not in args:
+        raise ValueError("")
+    return value
+
+
+def _convert_sequence(value, origin, args: tuple, from_cli: bool):
+    """A list or tuple (comma-separated on the command line), each item as its annotation."""
+    if from_cli and isinstance(value, str):
+        value = [v.strip() for v in value.split(",")] if value else []
+    if not isinstance(value, (list, tuple)):
+        raise TypeError("")
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(convert(v, args[0], from_cli=from_cli) for v in value)
+        if len(value) != len(args):
+            raise ValueError(f"{len(args)} values")
+        return tuple(convert(v, a, from_cli=from_cli) for v, a in zip(value, args))
+    return [convert(v, args[0], from_cli=from_cli) for v in value] if args else list(value)
+
+
+def _convert_bool(value, from_cli: bool) -> bool:
+    if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise TypeError("")
+    return value
+
+
+def _convert_int(value, from_cli: bool) -> int:
+    if from_cli and isinstance(value, str):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError("")
+    return value
+
+
+def _convert_float(value, from_cli: bool) -> float:
+    if from_cli and isinstance(value, str):
+        value = float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError("")
+    return float(value)
+
+
+def _convert_str(value, from_cli: bool) -> str:
+    if not isinstance(value, str):
+        raise TypeError("")
+    return value
+
+
+_SCALARS = {bool: _convert_bool, int: _convert_int, float: _convert_float, str: _convert_str}
 
 
 def is_boolean(annotation) -> bool:
