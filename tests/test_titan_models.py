@@ -323,8 +323,10 @@ def _meta_moe(experts):
 def _dims(*, shard, replicate=1, ep=1):
     from torchtitan.distributed import ParallelDims
 
-    return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep, world_size=shard * replicate,
-                        spmd_backend="partial_dtensor")
+    from titan_dmuon.integration.training.parallelize import ParallelDegrees
+
+    return ParallelDegrees.of(ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep,
+                                           world_size=shard * replicate, spmd_backend="partial_dtensor"))
 
 
 def test_expert_parallel_limit():

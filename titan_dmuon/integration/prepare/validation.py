@@ -43,6 +43,7 @@ from titan_dmuon.integration.training.optimizer_container import (
 from titan_dmuon.integration.training.parallelize import (
     DEFAULT_MUON_PARAMS,
     expert_parallel_limit,
+    expert_region_ranks,
     fused_qkv_blocks,
     routed_expert_counts,
 )
@@ -362,7 +363,7 @@ def _expert_region_ranks(p, world_size: int | None) -> int | None:
             return None
         shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
                                * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    return shard * p.context_parallel_degree * p.tensor_parallel_degree
+    return expert_region_ranks(shard=shard, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree)
 
 
 # ---- checks against the model's parameters (built on the meta device) ----------------------
