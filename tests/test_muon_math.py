@@ -25,6 +25,8 @@ from titan_dmuon.muon_math import (
     row_blocks,
 )
 
+pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
+
 BATCHED_ULPS = 4.0  # batched vs per-matrix Newton-Schulz, in bf16 ulps at the output's scale
 # Weights after a few batched steps vs torch.optim.Muon: each step's update is lr * scale * NS, off by
 # at most BATCHED_ULPS ulps of NS's scale (2^-8 relative at |NS| < 1): lr 0.05 * 1.5 * 4 * 2^-8 ~ 1e-3.

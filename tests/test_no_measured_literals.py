@@ -13,6 +13,10 @@ design figure named in ``DESIGN_FIGURES`` with why it is exact. (Counts are inte
 import ast
 import os
 
+import pytest
+
+pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 SIGNIFICANT = 4  # 0.9329 is flagged, 0.5, 1e-3, 0.0008 and 2.5 are not

@@ -23,6 +23,8 @@ from tests.helpers import PAPER_POLAR_EXPRESS, PAPER_SAFETY, paper_schedule, ref
 from titan_dmuon import muon_math
 from titan_dmuon.muon_math import NS_COEFFICIENTS, NS_METHODS, newton_schulz, ns_flops, ns_schedule, uses_gram
 
+pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
+
 BATCHED_ULPS = 4.0  # as test_muon_math.py: batched vs per-matrix GEMM rounding, in bf16 ulps at the output's scale
 U = 2.0**-8  # bf16 unit round-off (8 significant bits, rounding to nearest)
 STEPS = 5

@@ -9,6 +9,8 @@ from tests.plan_reference import reference_build_plan
 from titan_dmuon.muon_math import ns_flops
 from titan_dmuon.plan import MatrixSpec, build_plan
 
+pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
+
 
 def _specs(shapes, unit_size=3):
     return [
