@@ -55,10 +55,15 @@ class DMuonOptions:
     (betas as TorchTitan's)."""
 
     lr: float = 1e-3
+    """Muon's learning rate."""
     weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
     momentum: float = 0.95
+    """Muon momentum."""
     nesterov: bool = True
+    """Muon Nesterov momentum."""
     ns_steps: int = NS_STEPS
+    """Newton–Schulz iterations."""
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
     eps: float = NS_EPS
     adjust_lr_fn: Literal[ADJUST_LR_FN_NAMES] | None = None
@@ -72,6 +77,8 @@ class DMuonOptions:
     ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
     in checkpoints)."""
     adamw_lr: float = 1e-3
+    """AdamW learning rate of the non-Muon parameters (with TorchTitan: of the catch-all param group,
+    pattern ".*"; other param groups keep their own settings)."""
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.1

@@ -14,12 +14,17 @@ baseline, not part of DMuon) builds what a module registered in the process (``r
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import re
+import textwrap
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
@@ -71,17 +76,44 @@ def not_registered(name: str, key: str) -> str:
             "CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = \"dmuon\"")
 
 
+# what the flat keys mean here, where the optimizer name decides it (the others: DMuonOptions' words)
+_CONTAINER_HELP = {
+    "lr": 'Learning rate: Muon\'s with name = "dmuon", else AdamW\'s.',
+    "weight_decay": 'Decoupled weight decay: Muon\'s with name = "dmuon", else AdamW\'s.',
+    "betas": 'AdamW betas (name = "AdamW"/"Adam").',
+    "eps": 'AdamW epsilon (name = "AdamW"/"Adam").',
+}
+
+
 def _option_fields() -> list[tuple]:
     """The container's option fields, from DMuonOptions: ``name``, then ``lr``, ``weight_decay``, the flat
     AdamW keys (typed and defaulted as their ``adamw_*`` option) and the other options, each with its
-    DMuonOptions type (its Literal lists included) and default."""
+    DMuonOptions type (its Literal lists included), default and attribute docstring (as the help text of
+    TorchTitan's command line: ``Annotated``, which ``typing.get_type_hints`` drops for the doors)."""
     hints = typing.get_type_hints(DMuonOptions)
     defaults = {f.name: f.default for f in dataclasses.fields(DMuonOptions)}
+    docs = {**attribute_docstrings(DMuonOptions), **_CONTAINER_HELP}
     keys = ["lr", "weight_decay", *ADAMW_ONLY_KEYS, *(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay"))]
     option = {k: f"adamw_{k}" if k in ADAMW_ONLY_KEYS else k for k in keys}
+
+    def annotated(key):
+        hint = hints[option[key]]
+        return Annotated[hint, tyro.conf.arg(help=docs[key])] if key in docs else hint
+
     return [("name", Literal[OPTIMIZER_NAMES], field(default=ADAMW))] + [
-        (k, hints[option[k]], field(default=defaults[option[k]])) for k in keys
+        (k, annotated(k), field(default=defaults[option[k]])) for k in keys
     ]
+
+
+def attribute_docstrings(cls) -> dict[str, str]:
+    """A dataclass's field docstrings (the string literal after a field, on one line), read from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        node.target.id: " ".join(after.value.value.split())
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+    }
 
 
 # (a module-level class, named as it is, so that configs pickle and deep-copy)
