@@ -44,8 +44,8 @@ from titan_dmuon.muon_math import NS_METHODS  # noqa: E402
 ADAMW = 'name = "AdamW"\nlr = 8e-4'
 NAIVE = 'name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4'
 DMUON = 'name = "dmuon"\nlr = 0.05\nadamw_lr = 8e-4'
-# The naive baseline is not part of DMuon: its rows run through the config module that registers it,
-# in every process of the job (benchmarks/naive_muon_job.py), on TorchTitan's entry point.
+# The naive baseline is not part of DMuon: its rows run through its config module (benchmarks/naive_muon_job.py,
+# whose optimizer config builds a container that builds it), on TorchTitan's entry point.
 NAIVE_JOB = {"MODULE": "benchmarks.naive_muon_job", "CONFIG": "from_toml"}
 NAIVE_JOB_FILE = "NAIVE_MUON_CONFIG_FILE"  # naive_muon_job.CONFIG_FILE_ENV (not imported: it imports TorchTitan)
 

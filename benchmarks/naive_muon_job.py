@@ -3,18 +3,20 @@
     MODULE=benchmarks.naive_muon_job CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=job.toml ./run_train.sh [overrides]
 
 The baseline (``titan_dmuon.testing.baselines.NaiveFSDPMuon``) is not part of DMuon, so the
-product does not import it: importing this module registers it with DMuon's optimizer container
-(``register_optimizer``). TorchTitan's entry point imports the ``--module`` in every process of
-the job (the pre-launch check and each worker) before it calls the config function, so the name
-builds wherever it is used. ``from_toml`` is the job of a TOML file, read by the TOML door
-(``load_config``) as ``CONFIG_FILE=job.toml ./run_train.sh`` reads it; the command line's overrides
-are TorchTitan's (``--checkpoint.enable``, not ``--checkpoint.enable true``).
+product does not import it: the config carries it. ``from_toml`` is the job of a TOML file, read by
+the TOML door (``load_config``) as ``CONFIG_FILE=job.toml ./run_train.sh`` reads it, with this
+module's ``NaiveMuonContainer.Config`` as the optimizer config (the same settings); TorchTitan's
+``config.optimizer.build()`` then makes a NaiveMuonContainer, which builds NaiveFSDPMuon for that
+name. TorchTitan's entry point calls the config function in every process of the job (the
+pre-launch check and each worker), so the config is this module's wherever it is used. The command
+line's overrides are TorchTitan's (``--checkpoint.enable``, not ``--checkpoint.enable true``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from titan_dmuon.integration import cpu
 
@@ -23,7 +25,7 @@ cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 from titan_dmuon.integration.assets import ensure_debug_assets  # noqa: E402
 from titan_dmuon.integration.doors.toml_file import load_config  # noqa: E402
 from titan_dmuon.integration.names import NAIVE_MUON  # noqa: E402
-from titan_dmuon.integration.training.optimizer_container import register_optimizer  # noqa: E402
+from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.testing.baselines import NaiveFSDPMuon  # noqa: E402
 
 CONFIG_FILE_ENV = "NAIVE_MUON_CONFIG_FILE"
@@ -41,7 +43,16 @@ def build_naive_fsdp_muon(param_groups, *, muon_patterns, ns_method):
     return NaiveFSDPMuon(param_groups, muon_params=targets, ns_method=ns_method)
 
 
-register_optimizer(NAIVE_MUON, build_naive_fsdp_muon)
+class NaiveMuonContainer(DMuonOptimizersContainer):
+    """DMuon's optimizer container that also builds ``name = "naive_muon"``: NaiveFSDPMuon."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DMuonOptimizersContainer.Config):
+        """DMuon's optimizer config whose ``build()`` makes a NaiveMuonContainer (TorchTitan's Configurable)."""
+
+    @classmethod
+    def baseline_optimizer(cls, name: str):
+        return build_naive_fsdp_muon if name == NAIVE_MUON else None
 
 
 def from_toml():
@@ -54,4 +65,4 @@ def from_toml():
     with open(path) as f:
         if DEBUG_ASSETS in f.read():
             ensure_debug_assets(DEBUG_ASSETS)
-    return load_config(path)
+    return load_config(path, optimizer_config=NaiveMuonContainer.Config)

@@ -412,7 +412,7 @@ def test_no_two_modules_of_the_package_share_a_base_name():
 def test_the_product_never_imports_the_testing_package():
     """integration/optimizer.py imported titan_dmuon.testing's NaiveFSDPMuon for name = "naive_muon": the
     package that says it is not part of DMuon was on the product's import path. Only tests and benchmarks
-    import it now (benchmarks/naive_muon_job.py registers the baseline with the container)."""
+    import it now (benchmarks/naive_muon_job.py's container subclass builds the baseline)."""
     package = os.path.join(ROOT, "titan_dmuon")
     scanned, importers = 0, []
     for directory, _, files in os.walk(package):
@@ -432,16 +432,57 @@ def test_the_product_never_imports_the_testing_package():
     assert scanned > 30 and importers == []
 
 
-def test_naive_muon_is_one_line_before_launch_unless_its_module_registered_it(tmp_path, monkeypatch, capsys):
-    """``name = "naive_muon"`` (the benchmarks' baseline) through the TOML door, where nothing registered
-    it: one line before launch naming the config module that does; through that module (TorchTitan's
-    ``--module``, as benchmarks/bench_debug_model.py runs it) the same file passes the check."""
+_MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "discard",
+             "remove"}
+# FSDP2's own memo of generated classes (torch's _fully_shard.py: cls_to_fsdp_cls): one class per module class,
+# so that compiled code does not see a new type per module; it caches a pure function, it owns no job's state
+_MEMOS = {"titan_dmuon/runtime/handle.py": {"_ROOT_CLASSES"}}
+
+
+def test_no_module_level_state_in_the_package():
+    """optimizer_container.py kept a module-level registry (``_REGISTERED``, filled when a benchmark module
+    was imported) and runtime/comm.py a process-wide launch counter: state no object owned. No module of
+    the package binds a name at module level that it then mutates (a method that changes it, an item
+    assignment, ``next()``, ``global``), memos of pure functions named above aside."""
+    found = []
+    for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, file)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            module_names = {
+                t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)
+            } - _MEMOS.get(os.path.relpath(path, ROOT).replace(os.sep, "/"), set())
+            for node in ast.walk(tree):
+                mutated = None
+                if isinstance(node, ast.Global):
+                    mutated = ",".join(node.names)
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in _MUTATORS:
+                    mutated = getattr(node.func.value, "id", None)
+                elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "next" and node.args:
+                    mutated = getattr(node.args[0], "id", None)
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    mutated = getattr(node.value, "id", None)
+                if mutated is not None and (isinstance(node, ast.Global) or mutated in module_names):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {mutated}")
+    assert found == []
+
+
+def test_naive_muon_is_one_line_before_launch_outside_its_config_module(tmp_path, monkeypatch, capsys):
+    """``name = "naive_muon"`` (the benchmarks' baseline) through the TOML door, whose optimizer config is
+    DMuon's (its container builds no baseline): one line before launch naming the config module whose
+    container does, and the same line if DMuon's container is built anyway; through that module
+    (TorchTitan's ``--module``, as benchmarks/bench_debug_model.py runs it) the same file passes the check,
+    in this process too (nothing a module did at import decides it: the config's class does)."""
     import importlib
 
-    from titan_dmuon.integration.names import NAIVE_MUON
-    from titan_dmuon.integration.training import optimizer_container
+    import torch
 
-    monkeypatch.setattr(optimizer_container, "_REGISTERED", {})  # (this process may have imported the module)
+    from titan_dmuon.integration.names import NAIVE_MUON
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+
+    job = importlib.import_module("benchmarks.naive_muon_job")  # (imported first: it must not change the product)
     monkeypatch.setenv("WORLD_SIZE", "2")
     path = _toml(tmp_path, '[optimizer]\nname = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4\n')
     message = _one_line_error(load_config, path, world_size=2)
@@ -449,11 +490,10 @@ def test_naive_muon_is_one_line_before_launch_unless_its_module_registered_it(tm
     assert "MODULE=benchmarks.naive_muon_job CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml>" in message
     assert main(["--config_file", path]) == 2
     assert capsys.readouterr().err.startswith("config error: ")
+    with pytest.raises(ValueError, match="optimizer.name = 'naive_muon': the benchmarks' baseline"):
+        DMuonOptimizersContainer.Config(name=NAIVE_MUON).build(model_parts=[torch.nn.Linear(2, 2)])
 
-    job = importlib.import_module("benchmarks.naive_muon_job")
-    optimizer_container.register_optimizer(NAIVE_MUON, job.build_naive_fsdp_muon)  # (what its import does)
     monkeypatch.setenv(job.CONFIG_FILE_ENV, path)
-    assert load_config(path, world_size=2).optimizer.name == NAIVE_MUON
+    config = job.from_toml()
+    assert type(config.optimizer) is job.NaiveMuonContainer.Config and config.optimizer.name == NAIVE_MUON
     assert main(["--module", "benchmarks.naive_muon_job", "--config", "from_toml"]) == 0, capsys.readouterr().err
-    with pytest.raises(ValueError, match="not one of the names registered optimizers take"):
-        optimizer_container.register_optimizer("dmuon", job.build_naive_fsdp_muon)

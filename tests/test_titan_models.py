@@ -389,19 +389,20 @@ def test_each_expert_weight_is_in_one_dmuon_group_only(pool2, pool4, experts, wo
             assert where == [("DMuon", True)], (fqn, where)
 
 
-# ---- a registered optimizer: the benchmarks' naive FSDP2 + Muon ------------------------------------------------
-def _registered_naive_muon(rank, world):
-    """Losses with ``name = "naive_muon"`` as the container builds it from benchmarks/naive_muon_job.py's
-    registration, and with NaiveFSDPMuon built by hand on the same model (same seed, same options)."""
+# ---- a baseline built by the benchmark's container: naive FSDP2 + Muon ----------------------------------------
+def _naive_muon_through_its_container(rank, world):
+    """Losses with ``name = "naive_muon"`` as benchmarks/naive_muon_job.py's config builds it (its
+    NaiveMuonContainer), and with NaiveFSDPMuon built by hand on the same model (same seed, same options)."""
     import re
 
-    import benchmarks.naive_muon_job  # noqa: F401 (registers "naive_muon" in this worker, as in each of a job's)
+    from benchmarks.naive_muon_job import NaiveMuonContainer
     from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
     from titan_dmuon.testing.baselines import NaiveFSDPMuon
 
     data = th.batches(2, world)
-    model, container = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="naive_muon", seed=3, lr=0.02)
-    built = [type(o).__name__ for o in container.optimizers], container.dmuon_optimizers()
+    model, container = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="naive_muon", seed=3, lr=0.02,
+                                optimizer_config=NaiveMuonContainer.Config)
+    built = type(container).__name__, [type(o).__name__ for o in container.optimizers], container.dmuon_optimizers()
     losses = th.train(model, container, th.parallel_dims(world), data)
     model, _ = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="AdamW", seed=3)
     targets = [p for n, p in model.named_parameters() if any(re.search(r, n) for r in DEFAULT_MUON_PARAMS)]
@@ -409,11 +410,11 @@ def _registered_naive_muon(rank, world):
     return built, losses, th.train(model, by_hand, th.parallel_dims(world), data)
 
 
-def test_naive_muon_is_built_from_its_registration(pool2):
-    """The product does not import titan_dmuon.testing: ``name = "naive_muon"`` builds what the benchmark's
-    config module registers (one NaiveFSDPMuon over every parameter, no fused/foreach kwargs, not counted
-    as a DMuon optimizer), and it trains exactly as NaiveFSDPMuon built by hand (bitwise: same class,
-    options and model)."""
-    for built, losses, by_hand in pool2.run(_registered_naive_muon):
-        assert built == (["NaiveFSDPMuon"], [])
+def test_naive_muon_is_built_by_the_benchmarks_container(pool2):
+    """The product does not import titan_dmuon.testing: ``name = "naive_muon"`` builds through the benchmark's
+    config class (``NaiveMuonContainer.Config.build()`` makes its container, whose ``baseline_optimizer`` is
+    NaiveFSDPMuon: one over every parameter, no fused/foreach kwargs, not counted as a DMuon optimizer), and
+    it trains exactly as NaiveFSDPMuon built by hand (bitwise: same class, options and model)."""
+    for built, losses, by_hand in pool2.run(_naive_muon_through_its_container):
+        assert built == ("NaiveMuonContainer", ["NaiveFSDPMuon"], [])
         assert losses == by_hand and losses[1] < losses[0]

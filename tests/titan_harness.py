@@ -124,11 +124,12 @@ def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
 
 def build(
     model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
-    param_dtype: str = "bfloat16", ac_config=None, **optimizer_kwargs,
+    param_dtype: str = "bfloat16", ac_config=None, optimizer_config: type | None = None, **optimizer_kwargs,
 ):
     """(model, optimizer container) as TorchTitan's Trainer would build them (``param_dtype``:
     training.mixed_precision_param, FSDP2's compute dtype; ``ac_config``: TorchTitan's
-    activation checkpointing, e.g. ``SelectiveAC.Config()``)."""
+    activation checkpointing, e.g. ``SelectiveAC.Config()``; ``optimizer_config``: the container's
+    config class, default DMuon's)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
@@ -172,7 +173,8 @@ def build(
             for k, v in state.items()
         })
     model.train()
-    config = DMuonOptimizersContainer.Config(name=optimizer, implementation="for-loop", **optimizer_kwargs)
+    config = (optimizer_config or DMuonOptimizersContainer.Config)(
+        name=optimizer, implementation="for-loop", **optimizer_kwargs)
     container = config.build(model_parts=[model])
     if spec.post_optimizer_build_fn is not None:
         spec.post_optimizer_build_fn(container, [model], dims)

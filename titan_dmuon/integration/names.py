@@ -13,11 +13,11 @@ from __future__ import annotations
 DMUON = "dmuon"  # Muon on the dedicated weights (and experts), AdamW on the rest
 ADAMW = "AdamW"  # TorchTitan's own optimizers: every parameter from the flat keys (lr, betas, eps, weight_decay)
 ADAM = "Adam"
-NAIVE_MUON = "naive_muon"  # the benchmarks' baseline, built only where it is registered (register_optimizer)
+NAIVE_MUON = "naive_muon"  # the benchmarks' baseline, built only by its config module's container
 OPTIMIZER_NAMES = (DMUON, ADAMW, ADAM, NAIVE_MUON)  # in the order error messages list them
 ADAMW_NAMES = (ADAMW, ADAM)
 MUON_FAMILY_NAMES = (DMUON, NAIVE_MUON)  # names that read the Muon keys (momentum, ns_*, adamw_*, muon_params...)
-REGISTERED_NAMES = (NAIVE_MUON,)  # built by what a module registers (optimizer_container.register_optimizer)
+BASELINE_NAMES = (NAIVE_MUON,)  # built only by a container subclass that says so (baseline_optimizer)
 
 # ---- optimizer names in TorchTitan's container (ParamGroupConfig.optimizer_name) -------------------------
 DMUON_FACTORY = "DMuon"  # the param group of the Muon targets

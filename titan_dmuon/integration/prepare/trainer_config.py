@@ -54,10 +54,10 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
     if without_cuda_graphs:  # TorchTitan's checks of the new object refuse pipeline parallelism with them on
         values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
     values["optimizer"] = _dmuon_optimizer_config(config.optimizer, optimizer)
-    values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
-    values["checkpoint"] = _as_subclass(checkpoint, config.checkpoint, "checkpoint")
+    values["metrics"] = as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
+    values["checkpoint"] = as_subclass(checkpoint, config.checkpoint, "checkpoint")
     if fault_tolerant:
-        values["fault_tolerance"] = _as_subclass(
+        values["fault_tolerance"] = as_subclass(
             ft.DMuonTorchFTManager.Config, values.get("fault_tolerance") or ft.DMuonTorchFTManager.Config(), "fault_tolerance"
         )
     return cls(**values)
@@ -78,7 +78,7 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     if isinstance(base, cls):
         return base
     if isinstance(base, DMuonOptimizersContainer.Config):  # (DMuon's, for a fault-tolerant job now)
-        return _as_subclass(cls, base, "optimizer")
+        return as_subclass(cls, base, "optimizer")
     if not _same_fields(base, OptimizersContainer.Config):  # (TorchTitan's, or TorchFT's: no settings of its own)
         raise ConfigError(
             f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
@@ -100,7 +100,9 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     )
 
 
-def _as_subclass(cls, instance, section: str):
+def as_subclass(cls, instance, section: str):
+    """``instance`` (a section's config) as ``cls``, a subclass of its class, with the same field values
+    (``dataclasses.replace`` keeps the class); a ConfigError when ``cls`` does not extend it."""
     if isinstance(instance, cls):
         return instance
     if not issubclass(cls, type(instance)):

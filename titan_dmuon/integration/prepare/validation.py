@@ -30,15 +30,14 @@ import torch
 from torch import nn
 
 from titan_dmuon.integration.prepare.fault_tolerance_checks import fault_tolerance_problem, moe_problem
-from titan_dmuon.integration.names import ADAMW_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON, REGISTERED_NAMES
+from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
 from titan_dmuon.integration.training.models import ModelNotSupported, check_model
 from titan_dmuon.integration.training.optimizer_container import (
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
     MUON_FAMILY_KEYS,
     DMuonOptimizersContainer,
-    not_registered,
-    registered_optimizer,
+    baseline_not_built,
 )
 from titan_dmuon.integration.training.parallelize import (
     DEFAULT_MUON_PARAMS,
@@ -111,8 +110,8 @@ def validate_dmuon(
     opt = config.optimizer
     if not isinstance(opt, DMuonOptimizersContainer.Config):
         raise ConfigError(f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)")
-    if opt.name in REGISTERED_NAMES and registered_optimizer(opt.name) is None:
-        raise ConfigError(not_registered(opt.name, names.key("optimizer", "name")))
+    if opt.name in BASELINE_NAMES and not opt.builds_baseline(opt.name):
+        raise ConfigError(baseline_not_built(opt.name, names.key("optimizer", "name")))
     if opt.name in MUON_FAMILY_NAMES:
         try:
             DMuonOptions(**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS})

@@ -9,7 +9,8 @@ groups (no weight decay on embeddings, Adam on the router, ...) keep their
 settings. The catch-all group (pattern ``.*``) takes the flat keys: ``lr``,
 ``betas``, ``eps``, ``weight_decay`` with AdamW/Adam, ``adamw_*`` with dmuon.
 ``name = "AdamW"`` is then exactly TorchTitan's container. ``name = "naive_muon"`` (the benchmarks'
-baseline, not part of DMuon) builds what a module registered in the process (``register_optimizer``).
+baseline, not part of DMuon) builds only in a subclass whose ``baseline_optimizer`` returns its factory
+(benchmarks/naive_muon_job.py's), chosen by the config's class: this container builds none.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES, REGISTERED_NAMES
+from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
 from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
@@ -45,34 +46,11 @@ MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
 
-# [optimizer] names whose optimizer a module registered in this process: name -> build(param_groups, *,
-# muon_patterns, ns_method). The one piece of process state here, by design: the product declares the
-# name (REGISTERED_NAMES, so every door and check knows it) but does not import what builds it.
-_REGISTERED: dict[str, Callable] = {}
 
-
-def register_optimizer(name: str, build: Callable) -> None:
-    """``[optimizer] name = <name>`` builds ``build(param_groups, *, muon_patterns, ns_method)`` in this
-    process: one optimizer over TorchTitan's catch-all param group (its parameters' names in
-    ``param_names``; DMuonOptions' per-group options as group settings), with ``optimizer.muon_params``
-    and ``optimizer.ns_method``. For the benchmarks' baseline (``benchmarks/naive_muon_job.py``), which
-    is not part of DMuon. Every process of the job must run this: the pre-launch check and each worker
-    (e.g. at the import of the config module TorchTitan's ``--module`` names)."""
-    if name not in REGISTERED_NAMES:
-        raise ValueError(f"register_optimizer: {name!r} is not one of the names registered optimizers take, "
-                         f"{REGISTERED_NAMES} (titan_dmuon.integration.names)")
-    _REGISTERED[name] = build
-
-
-def registered_optimizer(name: str) -> Callable | None:
-    """What ``register_optimizer`` registered for ``name`` in this process, or None."""
-    return _REGISTERED.get(name)
-
-
-def not_registered(name: str, key: str) -> str:
-    """The one-line error for a registered name that nothing registered in this process."""
+def baseline_not_built(name: str, key: str) -> str:
+    """The one-line error for a baseline name whose optimizer config's container does not build it."""
     return (f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
-            "run it through its config module, which registers it (MODULE=benchmarks.naive_muon_job "
+            "run it through its config module, whose container builds it (MODULE=benchmarks.naive_muon_job "
             "CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = \"dmuon\"")
 
 
@@ -140,15 +118,30 @@ class DMuonOptimizersContainer(OptimizersContainer):
         reshard_after_forward: bool | None = None
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
 
+        @classmethod
+        def builds_baseline(cls, name: str) -> bool:
+            """Whether the container this config builds (TorchTitan's ``_owner``, what ``build()`` makes)
+            builds the baseline ``name``: what validation asks before launch."""
+            return cls._owner.baseline_optimizer(name) is not None
+
+    @classmethod
+    def baseline_optimizer(cls, name: str) -> Callable | None:
+        """The factory of a baseline name (BASELINE_NAMES), ``build(param_groups, *, muon_patterns, ns_method)``:
+        one optimizer over TorchTitan's catch-all param group (its parameters' names in ``param_names``;
+        DMuonOptions' per-group options as group settings), with ``optimizer.muon_params`` and
+        ``optimizer.ns_method``. DMuon builds none (None); a benchmark's subclass, with its own nested
+        Config, returns its baseline's (benchmarks/naive_muon_job.py: NaiveFSDPMuon)."""
+        return None
+
     def __init__(self, config: Config, *, model_parts) -> None:
         self._muon_kwargs = None
         self._part_handles: list = []
         self._part_attention: list = []
         self._job_options = {k: getattr(config, k) for k in JOB_KEYS}
-        self._registered = registered_optimizer(config.name) if config.name in REGISTERED_NAMES else None
-        if config.name in REGISTERED_NAMES:  # (a benchmark baseline): one optimizer for everything
-            if self._registered is None:
-                raise ValueError(not_registered(config.name, "optimizer.name"))
+        self._baseline = self.baseline_optimizer(config.name) if config.name in BASELINE_NAMES else None
+        if config.name in BASELINE_NAMES:  # (a benchmark baseline): one optimizer for everything
+            if self._baseline is None:
+                raise ValueError(baseline_not_built(config.name, "optimizer.name"))
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
             config.param_groups = [
                 ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=config.name, optimizer_kwargs=kwargs)]
@@ -167,12 +160,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
             handles, attention, job = self._part_handles, self._part_attention, self._job_options
             return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job,
                                                   **kwargs)
-        if self._registered is not None and name == self._name:
-            return self._registered
+        if self._baseline is not None and name == self._name:
+            return self._baseline
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
-        if self._registered is not None:  # DMuon's classes have no fused/foreach variants
+        if self._baseline is not None:  # DMuon's classes have no fused/foreach variants
             return OptimizersContainer._build_param_groups(model, param_group_configs, {})
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
@@ -221,7 +214,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def dmuon_optimizers(self) -> list[DMuon]:
         """The DMuon optimizers of a dmuon job (one per model part with Muon targets); none otherwise
-        (a registered baseline may subclass DMuon, as NaiveFSDPMuon does, without dedicating)."""
+        (a baseline may subclass DMuon, as NaiveFSDPMuon does, without dedicating)."""
         return [o for o in self.optimizers if isinstance(o, DMuon)] if self._name == DMUON else []
 
 
