@@ -44,6 +44,30 @@ from titan_dmuon.muon_math import NS_METHODS  # noqa: E402
 ADAMW = 'name = "AdamW"\nlr = 8e-4'
 NAIVE = 'name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4'
 DMUON = 'name = "dmuon"\nlr = 0.05\nadamw_lr = 8e-4'
+# The naive baseline is not part of DMuon: its rows run through its config module (benchmarks/naive_muon_job.py,
+# whose optimizer config builds a container that builds it), on TorchTitan's entry point.
+NAIVE_JOB = {"MODULE": "benchmarks.naive_muon_job", "CONFIG": "from_toml"}
+NAIVE_JOB_FILE = "NAIVE_MUON_CONFIG_FILE"  # naive_muon_job.CONFIG_FILE_ENV (not imported: it imports TorchTitan)
+
+
+def job_env(config_path: str, optimizer: str) -> dict[str, str]:
+    """run_train.sh's variables for the job of ``config_path`` with this [optimizer] table: the TOML
+    door, or the naive baseline's config module reading the same file."""
+    if is_naive(optimizer):
+        return {**NAIVE_JOB, NAIVE_JOB_FILE: config_path}
+    return {"CONFIG_FILE": config_path}
+
+
+def is_naive(optimizer: str) -> bool:
+    return 'name = "naive_muon"' in optimizer
+
+
+def job_args(args: list[str], optimizer: str) -> list[str]:
+    """``train_args`` as the job's door spells them: TorchTitan's entry point (the naive rows) has the
+    dump folder at the top (``--dump_folder``), the TOML door under ``[job]``."""
+    if not is_naive(optimizer):
+        return args
+    return ["--dump_folder" if a == "--job.dump_folder" else a for a in args]
 
 
 def configurations(ns_methods=("torch",), naive: bool = True) -> dict[str, tuple[str, str]]:
@@ -121,8 +145,8 @@ def train_args(workdir: str, seed: str | None, tag: str) -> list[str]:
     folder = os.path.join(workdir, "out", tag)
     shutil.rmtree(folder, ignore_errors=True)
     args = ["--job.dump_folder", folder]
-    if seed is not None:
-        args += ["--checkpoint.enable", "true", "--checkpoint.initial_load_path", seed, "--checkpoint.interval", "100000"]
+    if seed is not None:  # (TorchTitan's flag spelling, which both doors take)
+        args += ["--checkpoint.enable", "--checkpoint.initial_load_path", seed, "--checkpoint.interval", "100000"]
     return args
 
 
@@ -131,9 +155,9 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None,
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
-    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(ngpu), "PYTHON": sys.executable}
+    env = {**os.environ, **job_env(path, optimizer), "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
-        ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
+        ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )
     if out.returncode != 0:

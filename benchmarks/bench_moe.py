@@ -38,7 +38,16 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import LINE, NS_METHODS, ROOT, bar_panels, seed_checkpoint, train_args  # noqa: E402
+from bench_debug_model import (  # noqa: E402
+    LINE,
+    NS_METHODS,
+    ROOT,
+    bar_panels,
+    job_args,
+    job_env,
+    seed_checkpoint,
+    train_args,
+)
 
 CONFIGS = {  # name -> [optimizer] table
     "FSDP2+AdamW": 'name = "AdamW"\nlr = 8e-4',
@@ -91,9 +100,9 @@ def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[di
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
         f.write(TEMPLATE.format(optimizer=optimizer_table(name), steps=args.steps, seq=args.seq, batch=args.batch))
-    env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
+    env = {**os.environ, **job_env(path, optimizer_table(name)), "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
-        ["./run_train.sh", *train_args(workdir, seed, re.sub(r"\W+", "_", name))],
+        ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer_table(name))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
     )
     log = out.stdout + out.stderr

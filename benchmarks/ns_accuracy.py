@@ -73,7 +73,7 @@ def debug_model_momenta(steps: int = 5, seed: int = 0) -> list[torch.Tensor]:
     import torchtitan.models.llama3 as llama3
 
     from titan_dmuon.integration.assets import dataset_dir, ensure_debug_assets, tokenizer_dir
-    from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
+    from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 
     root = ensure_debug_assets(os.path.join(ROOT, "assets", "debug"))
     tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir(root), "tokenizer.json"))

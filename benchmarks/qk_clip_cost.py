@@ -34,7 +34,7 @@ def main() -> None:
 
     from torchtitan.models.llama3 import model_registry
 
-    from titan_dmuon.integration.qk_clip import attention_descriptions
+    from titan_dmuon.integration.training.attention_clip import attention_descriptions
     from titan_dmuon.qk_clip import _capture
     from titan_dmuon.qk_clip_math import clip_factors, role_exponent, row_map, scale_rows
 

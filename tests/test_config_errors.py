@@ -19,9 +19,9 @@ cpu.enable()  # before anything imports TorchTitan's trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
 from titan_dmuon.integration.check import check, main  # noqa: E402
-from titan_dmuon.integration.config import ConfigError, load_config  # noqa: E402
-from titan_dmuon.integration.finalize import prepare_for_build  # noqa: E402
-from titan_dmuon.integration.validation import validate_dmuon  # noqa: E402
+from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.prepare.finalize import prepare_for_build  # noqa: E402
+from titan_dmuon.integration.prepare.validation import validate_dmuon  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = "train_configs/debug_model.toml"
@@ -66,20 +66,26 @@ def _one_line_error(fn, *args, **kwargs) -> str:
 
 # ---- the restructure -----------------------------------------------------------------------------
 def test_integration_modules_import_each_other_without_a_cycle():
-    """setup.py and trainer.py imported each other (hidden in function-level imports); every import
-    between integration modules, at any level, now goes one way."""
+    """setup.py (now doors/python_config.py) and trainer.py imported each other (hidden in
+    function-level imports); every import between integration modules, at any level and across its
+    subpackages, now goes one way."""
     folder = os.path.join(ROOT, "titan_dmuon", "integration")
     graph = {}
-    for name in sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py")):
-        with open(os.path.join(folder, f"{name}.py")) as f:
-            tree = ast.parse(f.read())
-        deps = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "titan_dmuon.integration":
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titan_dmuon.integration."):
-                deps.add(node.module.split(".")[2])
-        graph[name] = deps - {name}
+    for directory, _, files in os.walk(folder):
+        package = os.path.relpath(directory, folder).replace(os.sep, ".").strip(".")
+        for file in sorted(f for f in files if f.endswith(".py") and f != "__init__.py"):
+            name = f"{package}.{file[:-3]}" if package else file[:-3]
+            with open(os.path.join(directory, file)) as f:
+                tree = ast.parse(f.read())
+            deps = set()
+            for node in ast.walk(tree):
+                module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+                if module.startswith("titan_dmuon.integration"):
+                    inner = module[len("titan_dmuon.integration") :].lstrip(".")
+                    # ``from titan_dmuon.integration[.pkg] import x``: x is a module when it is one
+                    deps |= {f"{inner}.{a.name}".lstrip(".") for a in node.names} | {inner}
+            graph[name] = deps - {name, ""}
+    assert {"doors.python_config", "training.trainer", "cpu"} <= set(graph)  # the walk found the modules
 
     def reaches(start, target, seen=()):
         return any(d == target or (d not in seen and reaches(d, target, (*seen, d))) for d in graph.get(start, ()))
@@ -390,3 +396,104 @@ def test_cuda_graph_warning_only_after_overrides_and_where_capture_could_happen(
         prepare_for_build(_parse("--training.no-disable_cuda_graphs"))
     (warning,) = [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()]
     assert warning.startswith("training.disable_cuda_graphs = false: DMuon's hooks") and "Pass --training.disable_cuda_graphs" in warning
+
+
+def test_no_two_modules_of_the_package_share_a_base_name():
+    """titan_dmuon/optimizer.py and integration/optimizer.py (and two qk_clip.py) held different things
+    under one name: a newcomer (and a traceback) could not tell them apart. Base names are unique."""
+    seen = {}
+    for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
+        for file in files:
+            if file.endswith(".py") and file != "__init__.py":
+                seen.setdefault(file, []).append(os.path.relpath(os.path.join(directory, file), ROOT))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_product_never_imports_the_testing_package():
+    """integration/optimizer.py imported titan_dmuon.testing's NaiveFSDPMuon for name = "naive_muon": the
+    package that says it is not part of DMuon was on the product's import path. Only tests and benchmarks
+    import it now (benchmarks/naive_muon_job.py's container subclass builds the baseline)."""
+    package = os.path.join(ROOT, "titan_dmuon")
+    scanned, importers = 0, []
+    for directory, _, files in os.walk(package):
+        if os.path.relpath(directory, package).split(os.sep)[0] == "testing":
+            continue
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, file)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            scanned += 1
+            for node in ast.walk(tree):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(m == "titan_dmuon.testing" or m.startswith("titan_dmuon.testing.") for m in modules):
+                    importers.append(os.path.relpath(path, ROOT))
+    assert scanned > 30 and importers == []
+
+
+_MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "discard",
+             "remove"}
+# FSDP2's own memo of generated classes (torch's _fully_shard.py: cls_to_fsdp_cls): one class per module class,
+# so that compiled code does not see a new type per module; it caches a pure function, it owns no job's state
+_MEMOS = {"titan_dmuon/runtime/handle.py": {"_ROOT_CLASSES"}}
+
+
+def test_no_module_level_state_in_the_package():
+    """optimizer_container.py kept a module-level registry (``_REGISTERED``, filled when a benchmark module
+    was imported) and runtime/comm.py a process-wide launch counter: state no object owned. No module of
+    the package binds a name at module level that it then mutates (a method that changes it, an item
+    assignment, ``next()``, ``global``), memos of pure functions named above aside."""
+    found = []
+    for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, file)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            module_names = {
+                t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)
+            } - _MEMOS.get(os.path.relpath(path, ROOT).replace(os.sep, "/"), set())
+            for node in ast.walk(tree):
+                mutated = None
+                if isinstance(node, ast.Global):
+                    mutated = ",".join(node.names)
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in _MUTATORS:
+                    mutated = getattr(node.func.value, "id", None)
+                elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "next" and node.args:
+                    mutated = getattr(node.args[0], "id", None)
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    mutated = getattr(node.value, "id", None)
+                if mutated is not None and (isinstance(node, ast.Global) or mutated in module_names):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {mutated}")
+    assert found == []
+
+
+def test_naive_muon_is_one_line_before_launch_outside_its_config_module(tmp_path, monkeypatch, capsys):
+    """``name = "naive_muon"`` (the benchmarks' baseline) through the TOML door, whose optimizer config is
+    DMuon's (its container builds no baseline): one line before launch naming the config module whose
+    container does, and the same line if DMuon's container is built anyway; through that module
+    (TorchTitan's ``--module``, as benchmarks/bench_debug_model.py runs it) the same file passes the check,
+    in this process too (nothing a module did at import decides it: the config's class does)."""
+    import importlib
+
+    import torch
+
+    from titan_dmuon.integration.names import NAIVE_MUON
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+
+    job = importlib.import_module("benchmarks.naive_muon_job")  # (imported first: it must not change the product)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = _toml(tmp_path, '[optimizer]\nname = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4\n')
+    message = _one_line_error(load_config, path, world_size=2)
+    assert "[optimizer] name = 'naive_muon': the benchmarks' baseline" in message
+    assert "MODULE=benchmarks.naive_muon_job CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml>" in message
+    assert main(["--config_file", path]) == 2
+    assert capsys.readouterr().err.startswith("config error: ")
+    with pytest.raises(ValueError, match="optimizer.name = 'naive_muon': the benchmarks' baseline"):
+        DMuonOptimizersContainer.Config(name=NAIVE_MUON).build(model_parts=[torch.nn.Linear(2, 2)])
+
+    monkeypatch.setenv(job.CONFIG_FILE_ENV, path)
+    config = job.from_toml()
+    assert type(config.optimizer) is job.NaiveMuonContainer.Config and config.optimizer.name == NAIVE_MUON
+    assert main(["--module", "benchmarks.naive_muon_job", "--config", "from_toml"]) == 0, capsys.readouterr().err

@@ -424,7 +424,7 @@ def test_its_1b_configs_are_valid():
 
     cpu.enable()
     from benchmarks.gpu_configs import llama3_1b_adamw, llama3_1b_dmuon
-    from titan_dmuon.integration.validation import validate_dmuon
+    from titan_dmuon.integration.prepare.validation import validate_dmuon
 
     dmuon, adamw = llama3_1b_dmuon(), llama3_1b_adamw()
     assert dmuon.optimizer.name == "dmuon" and dmuon.model_spec.flavor == "1B" == adamw.model_spec.flavor
@@ -443,7 +443,7 @@ def test_every_job_parses_through_its_own_door(tmp_path):
     from torchtitan.config import ConfigManager
 
     from benchmarks.gpu_check import JOBS
-    from titan_dmuon.integration.config import load_config
+    from titan_dmuon.integration.doors.toml_file import load_config
 
     graphs = {}
     for job in JOBS:

@@ -16,7 +16,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states  # noqa: E402
-from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 4

@@ -27,7 +27,7 @@ from tests.helpers import (  # noqa: E402
     reference_newton_schulz,
     torch_muon_newton_schulz,
 )
-from titan_dmuon.integration.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 2

@@ -283,7 +283,7 @@ class _Job:
         from torchtitan.components.optimizer import LRSchedulersContainer
 
         from tests.helpers import Counter
-        from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
+        from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
 
         self.dims = th.parallel_dims(world, tp=tp)
         model, self.container = th.build(_model("qwen3", CHECKPOINT_EXPERTS), self.dims, state=state, lr=0.02)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from titan_dmuon.integration.names import Metric
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)\s+grad_norm:\s+([\d.]+)")
 DMUON = re.compile(r"dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M")
@@ -53,7 +55,7 @@ def test_main_job_trains_and_logs_dmuon_figures(tmp_path):
     assert comm[0][0] == pytest.approx(7.6677 + 0.4260, abs=1e-4)
     assert "--config_file train_configs/debug_model.toml" in result.stdout  # run_train.sh prints its command
     tags = _tensorboard_tags(tmp_path)
-    assert {"dmuon/comm_elements_per_rank", "dmuon/ns_ms", "dmuon/owner_imbalance", "grad_norm"} <= tags
+    assert {Metric.COMM_ELEMENTS, Metric.NS_MS, Metric.OWNER_IMBALANCE, "grad_norm"} <= tags
 
 
 def _tensorboard_tags(folder):

@@ -19,7 +19,7 @@ def test_fused_wqkv_blocks_are_torchtitans_q_k_v(family):
 
     from torchtitan.models.common.attention import FusedQKVLinear
 
-    from titan_dmuon.integration.parallelize import fused_qkv_blocks
+    from titan_dmuon.integration.training.parallelize import fused_qkv_blocks
 
     registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def _param_groups(rank, world):
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
 
-    from titan_dmuon.integration.trainer_config import dmuon_trainer_config
+    from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
 
     titan_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
     converted = dmuon_trainer_config(qwen3_debugmodel_moe_param_groups()).optimizer
@@ -323,8 +323,10 @@ def _meta_moe(experts):
 def _dims(*, shard, replicate=1, ep=1):
     from torchtitan.distributed import ParallelDims
 
-    return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep, world_size=shard * replicate,
-                        spmd_backend="partial_dtensor")
+    from titan_dmuon.integration.training.parallelize import ParallelDegrees
+
+    return ParallelDegrees.of(ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep,
+                                           world_size=shard * replicate, spmd_backend="partial_dtensor"))
 
 
 def test_expert_parallel_limit():
@@ -336,7 +338,7 @@ def test_expert_parallel_limit():
     the limit and the error must not advise it (it did: "... or raise expert_parallel_degree").
     Within the limit experts stay local; under DDP every rank holds every expert, so each is
     dedicated; plain FSDP leaves the choice to dedicate_params ("auto")."""
-    from titan_dmuon.integration.parallelize import expert_sharding
+    from titan_dmuon.integration.training.parallelize import expert_sharding
 
     model = _meta_moe(experts=2)
     for ep in (2, 4):
@@ -385,3 +387,34 @@ def test_each_expert_weight_is_in_one_dmuon_group_only(pool2, pool4, experts, wo
             assert set(places) <= set(dedicated) and not local
         for fqn, where in places.items():
             assert where == [("DMuon", True)], (fqn, where)
+
+
+# ---- a baseline built by the benchmark's container: naive FSDP2 + Muon ----------------------------------------
+def _naive_muon_through_its_container(rank, world):
+    """Losses with ``name = "naive_muon"`` as benchmarks/naive_muon_job.py's config builds it (its
+    NaiveMuonContainer), and with NaiveFSDPMuon built by hand on the same model (same seed, same options)."""
+    import re
+
+    from benchmarks.naive_muon_job import NaiveMuonContainer
+    from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
+    from titan_dmuon.testing.baselines import NaiveFSDPMuon
+
+    data = th.batches(2, world)
+    model, container = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="naive_muon", seed=3, lr=0.02,
+                                optimizer_config=NaiveMuonContainer.Config)
+    built = type(container).__name__, [type(o).__name__ for o in container.optimizers], container.dmuon_optimizers()
+    losses = th.train(model, container, th.parallel_dims(world), data)
+    model, _ = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="AdamW", seed=3)
+    targets = [p for n, p in model.named_parameters() if any(re.search(r, n) for r in DEFAULT_MUON_PARAMS)]
+    by_hand = NaiveFSDPMuon(list(model.parameters()), muon_params=targets, lr=0.02)
+    return built, losses, th.train(model, by_hand, th.parallel_dims(world), data)
+
+
+def test_naive_muon_is_built_by_the_benchmarks_container(pool2):
+    """The product does not import titan_dmuon.testing: ``name = "naive_muon"`` builds through the benchmark's
+    config class (``NaiveMuonContainer.Config.build()`` makes its container, whose ``baseline_optimizer`` is
+    NaiveFSDPMuon: one over every parameter, no fused/foreach kwargs, not counted as a DMuon optimizer), and
+    it trains exactly as NaiveFSDPMuon built by hand (bitwise: same class, options and model)."""
+    for built, losses, by_hand in pool2.run(_naive_muon_through_its_container):
+        assert built == ("NaiveMuonContainer", ["NaiveFSDPMuon"], [])
+        assert losses == by_hand and losses[1] < losses[0]

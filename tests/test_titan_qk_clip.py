@@ -11,13 +11,15 @@ import torch.nn.functional as F
 from tests.test_config_errors import MOE, _one_line_error, _parse, _toml, in_repo_root  # noqa: F401
 from tests.test_titan_checkpoint_e2e import CKPT, _assert_same, _checkpoint, _losses
 from tests.test_titan_e2e import STEP, run_train
+from titan_dmuon.integration.names import Metric
+from titan_dmuon.optimizer import StepStat
 
 QK = r"QK-clip: max logit ([\d.]+) before clipping, (\d+) heads clipped"
 
 
 # ---- config ------------------------------------------------------------------------------------------
 def test_keys_reach_the_container_from_toml_and_the_command_line(tmp_path):
-    from titan_dmuon.integration.config import load_config
+    from titan_dmuon.integration.doors.toml_file import load_config
 
     body = '[model]\nname = "llama3"\nflavor = "debugmodel"\n[optimizer]\nname = "dmuon"\nqk_clip_threshold = 50.0\n'
     opt = load_config(_toml(tmp_path, body), ["--optimizer.qk_clip_alpha", "0.25"], world_size=2).optimizer
@@ -27,7 +29,7 @@ def test_keys_reach_the_container_from_toml_and_the_command_line(tmp_path):
 
 
 def test_bad_values_and_qwen3_and_compile_are_refused(tmp_path):
-    from titan_dmuon.integration.config import load_config
+    from titan_dmuon.integration.doors.toml_file import load_config
 
     llama = '[model]\nname = "llama3"\nflavor = "debugmodel"\n[optimizer]\nname = "dmuon"\n'
     message = _one_line_error(load_config, _toml(tmp_path, llama + "qk_clip_threshold = -1.0\n"), world_size=2)
@@ -172,7 +174,7 @@ def test_llama3_debug_trains_with_bounded_logits_and_resumes_bit_exactly(tmp_pat
     assert max(s for s, _ in qk) < 0.9 * max(s for s, _ in free_qk)
     from tests.test_titan_e2e import _tensorboard_tags
 
-    assert {"dmuon/qk_max_logit", "dmuon/qk_clipped_heads"} <= _tensorboard_tags(tmp_path / "straight")
+    assert {Metric.QK_MAX_LOGIT, Metric.QK_CLIPPED_HEADS} <= _tensorboard_tags(tmp_path / "straight")
     first = run_train(tmp_path / "resumed", "--training.steps", "5", *CLIP)
     second = run_train(tmp_path / "resumed", "--training.steps", "10", *CLIP)
     assert first.returncode == 0 and second.returncode == 0, second.stdout[-3000:]
@@ -349,12 +351,13 @@ def test_log_figure_shows_a_stage_s_nan():
     behind the other stage's figure (Interleaved1F1B's first rank logged 0.5953, a NaN stage unseen)."""
     import math
 
-    from titan_dmuon.integration.trainer import qk_clip_figures
+    from titan_dmuon.integration.training.trainer import qk_clip_figures
 
-    for stats in ([{"qk_max_logit": 0.6, "qk_clipped_heads": 2}, {"qk_max_logit": math.nan, "qk_clipped_heads": 0}],
-                  [{"qk_max_logit": math.nan, "qk_clipped_heads": 0}, {"qk_max_logit": 0.6, "qk_clipped_heads": 2}]):
+    logit, heads = StepStat.QK_MAX_LOGIT, StepStat.QK_CLIPPED_HEADS
+    for stats in ([{logit: 0.6, heads: 2}, {logit: math.nan, heads: 0}],
+                  [{logit: math.nan, heads: 0}, {logit: 0.6, heads: 2}]):
         figures = qk_clip_figures(stats)
-        assert math.isnan(figures["dmuon/qk_max_logit"]) and figures["dmuon/qk_clipped_heads"] == 2.0
-    assert qk_clip_figures([{"qk_max_logit": 0.6, "qk_clipped_heads": 1}, {"qk_max_logit": 0.7, "qk_clipped_heads": 3},
-                            {"ns_matrices": 4}]) == {"dmuon/qk_max_logit": 0.7, "dmuon/qk_clipped_heads": 4.0}
-    assert qk_clip_figures([{"ns_matrices": 4}]) == {}
+        assert math.isnan(figures[Metric.QK_MAX_LOGIT]) and figures[Metric.QK_CLIPPED_HEADS] == 2.0
+    assert qk_clip_figures([{logit: 0.6, heads: 1}, {logit: 0.7, heads: 3}, {StepStat.NS_MATRICES: 4}]) == {
+        Metric.QK_MAX_LOGIT: 0.7, Metric.QK_CLIPPED_HEADS: 4.0}
+    assert qk_clip_figures([{StepStat.NS_MATRICES: 4}]) == {}

@@ -124,15 +124,20 @@ def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
 
 def build(
     model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
-    param_dtype: str = "bfloat16", ac_config=None, **optimizer_kwargs,
+    param_dtype: str = "bfloat16", ac_config=None, optimizer_config: type | None = None, **optimizer_kwargs,
 ):
     """(model, optimizer container) as TorchTitan's Trainer would build them (``param_dtype``:
     training.mixed_precision_param, FSDP2's compute dtype; ``ac_config``: TorchTitan's
-    activation checkpointing, e.g. ``SelectiveAC.Config()``)."""
+    activation checkpointing, e.g. ``SelectiveAC.Config()``; ``optimizer_config``: the container's
+    config class, default DMuon's)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
-    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
-    from titan_dmuon.integration.parallelize import DedicationSettings, parallelize_with_dmuon, parallelize_without_dmuon
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.training.parallelize import (
+        DedicationSettings,
+        parallelize_with_dmuon,
+        parallelize_without_dmuon,
+    )
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -168,7 +173,8 @@ def build(
             for k, v in state.items()
         })
     model.train()
-    config = DMuonOptimizersContainer.Config(name=optimizer, implementation="for-loop", **optimizer_kwargs)
+    config = (optimizer_config or DMuonOptimizersContainer.Config)(
+        name=optimizer, implementation="for-loop", **optimizer_kwargs)
     container = config.build(model_parts=[model])
     if spec.post_optimizer_build_fn is not None:
         spec.post_optimizer_build_fn(container, [model], dims)
@@ -192,7 +198,7 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
     default DMuon's; each step's norm is appended to ``norms`` if given, and its max-norm, by DMuon's
     clip with norm_type inf before the clip, to ``inf_norms``)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.trainer import dmuon_handles
+    from titan_dmuon.integration.training.trainer import dmuon_handles
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -287,8 +293,8 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
-    from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
-    from titan_dmuon.integration.parallelize import DMuonParallelize
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.training.parallelize import DMuonParallelize
 
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)
@@ -329,7 +335,7 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
                 if isinstance(current[k], DTensor) else state[k] for k in current
             })
     container = opt_config.build(model_parts=parts)
-    from titan_dmuon.integration.trainer import prepare_pipeline_schedule
+    from titan_dmuon.integration.training.trainer import prepare_pipeline_schedule
 
     prepare_pipeline_schedule(schedule_obj, container)  # as DMuonTrainer does
     return schedule_obj, parts, has_first, has_last, container
@@ -340,7 +346,7 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
     gradient sync deferred to one reduce per step as DMuonTrainer does; global mean loss per step on
     the last stage's ranks, None elsewhere (the loss lives there)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.trainer import dmuon_handles
+    from titan_dmuon.integration.training.trainer import dmuon_handles
 
     schedule, parts, has_first, has_last, container = built
     dp = dims.dp_shard * dims.dp_replicate

@@ -12,7 +12,7 @@ The TorchTitan-free core:
   ``titan_dmuon.cost_model`` gives the figures the design promises.
 
 ``titan_dmuon.with_dmuon(config, lr=...)`` turns a TorchTitan 0.3.0
-``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.setup``); it is
+``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.doors.python_config``); it is
 imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 """
 
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "with_dmuon":  # the TorchTitan plugin, loaded only when asked for
-        from titan_dmuon.integration.setup import with_dmuon
+        from titan_dmuon.integration.doors.python_config import with_dmuon
 
         return with_dmuon
     raise AttributeError(f"module 'titan_dmuon' has no attribute {name!r}")

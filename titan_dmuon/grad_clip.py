@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,53 +43,73 @@ def clip_grad_norm_(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     params = list(parameters)
-    handles = handles_for(params, dedicated)
-    owned, sharded, replicated = [], [], []
-    meshes = []
-    for p in params:
-        handle = next((h for h in handles if h.member_of(p) is not None), None)
-        if handle is not None:
-            meshes.append(handle.mesh)
-            if p.grad is not None:
-                owned.append(p.grad)
-        elif p.grad is None:
-            continue
-        elif isinstance(p.grad, DTensor):
-            meshes.append(p.grad.device_mesh)
-            sharded.append(p.grad)
-        else:
-            replicated.append(p.grad)
-    device = _device_of(params)
-    is_inf = math.isinf(norm_type)
-
-    reduced = _power_sum(owned, norm_type, device)
-    by_factor: dict[int, list[torch.Tensor]] = {}
-    for g in sharded:
-        by_factor.setdefault(_replication_factor(g), []).append(g.to_local())
-    for factor, locals_ in by_factor.items():
-        part = _power_sum(locals_, norm_type, device)
-        reduced = torch.maximum(reduced, part) if is_inf else reduced + part / factor
-    mesh = _common_mesh(meshes)
-    if mesh is not None:
-        for dim in range(mesh.ndim):
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
-    local = _power_sum(replicated, norm_type, device)
-    total = torch.maximum(reduced, local) if is_inf else reduced + local  # this rank's stages
-    if pp_mesh is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=pp_mesh.get_group())
-    if not is_inf:
-        total = total ** (1.0 / norm_type)
-
+    grads = _Gradients.of(params, handles_for(params, dedicated))
+    total = _total_norm(grads, norm_type, _device_of(params), pp_mesh)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
             "set error_if_nonfinite=False to skip this check"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grads in (owned, [g.to_local() for g in sharded], replicated):
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    _scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+@dataclass
+class _Gradients:
+    """This rank's gradients by how the global gradient counts them (see the module docstring), and
+    the meshes of the owned and sharded ones."""
+
+    owned: list[torch.Tensor] = field(default_factory=list)  # dedicated weights' (on their owner)
+    sharded: list[DTensor] = field(default_factory=list)
+    replicated: list[torch.Tensor] = field(default_factory=list)
+    meshes: list = field(default_factory=list)
+
+    @staticmethod
+    def of(params: list[torch.Tensor], handles: list) -> _Gradients:
+        grads = _Gradients()
+        for p in params:
+            handle = next((h for h in handles if h.member_of(p) is not None), None)
+            if handle is not None:
+                grads.meshes.append(handle.mesh)
+                if p.grad is not None:
+                    grads.owned.append(p.grad)
+            elif p.grad is None:
+                continue
+            elif isinstance(p.grad, DTensor):
+                grads.meshes.append(p.grad.device_mesh)
+                grads.sharded.append(p.grad)
+            else:
+                grads.replicated.append(p.grad)
+        return grads
+
+
+def _total_norm(grads: _Gradients, norm_type: float, device: torch.device, pp_mesh) -> torch.Tensor:
+    """The global norm: owned and sharded power sums reduced over their common mesh (a shard divided by
+    its replication factor), plus the local replicated ones, then over the pipeline stages."""
+    is_inf = math.isinf(norm_type)
+    reduced = _power_sum(grads.owned, norm_type, device)
+    by_factor: dict[int, list[torch.Tensor]] = {}
+    for g in grads.sharded:
+        by_factor.setdefault(_replication_factor(g), []).append(g.to_local())
+    for factor, locals_ in by_factor.items():
+        part = _power_sum(locals_, norm_type, device)
+        reduced = torch.maximum(reduced, part) if is_inf else reduced + part / factor
+    mesh = _common_mesh(grads.meshes)
+    if mesh is not None:
+        for dim in range(mesh.ndim):
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    local = _power_sum(grads.replicated, norm_type, device)
+    total = torch.maximum(reduced, local) if is_inf else reduced + local  # this rank's stages
+    if pp_mesh is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return total if is_inf else total ** (1.0 / norm_type)
+
+
+def _scale_(grads: _Gradients, coef: torch.Tensor) -> None:
+    """Every gradient times ``coef`` (on its device), in place."""
+    for tensors in (grads.owned, [g.to_local() for g in grads.sharded], grads.replicated):
+        if tensors:
+            torch._foreach_mul_(tensors, coef.to(tensors[0].device))
 
 
 def _power_sum(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

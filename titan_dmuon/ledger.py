@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_dmuon.gloo_exit import install_exit_guard
-from titan_dmuon.runtime.comm import CommLabel, comm_source, current_launch, current_source
+from titan_dmuon.runtime.comm import CommLabel, LaunchId, comm_source, current_launch, current_source
 
 __all__ = ["CommLabel", "CommLedger", "CommRecord", "comm_source"]
 
@@ -44,7 +44,7 @@ class CommRecord:
     group_ranks: tuple[int, ...]
     numel: int  # S in the formulas above
     dtype: torch.dtype
-    launch: int | None = None  # id of the DMuon group it went out in; None: on its own (FSDP2's, DDP's)
+    launch: LaunchId | None = None  # identity of the DMuon group it went out in; None: on its own (FSDP2's, DDP's)
     coalesced: bool = False  # that group ran as one launch (NCCL); gloo runs a group one by one
 
     @property

@@ -28,8 +28,19 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise, scalar
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
+from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
+
+
+class StepStat:
+    """The keys of ``DMuon.last_step_stats`` (the integration's per-step figures are made from them)."""
+
+    NS_MATRICES = "ns_matrices"  # Newton–Schulz matrices (blocks: a fused q/k/v counts 3) on this rank
+    NS_SECONDS = "ns_seconds"  # their time on the device
+    HOST_SECONDS = "host_seconds"  # the step's host time (Python, launches; on the CPU the work too)
+    QK_MAX_LOGIT = MAX_LOGIT_STAT  # QK-clip: the largest logit before clipping
+    QK_CLIPPED_HEADS = CLIPPED_HEADS_STAT  # QK-clip: the heads clipped
 
 
 class DMuon(torch.optim.Optimizer):
@@ -110,7 +121,8 @@ class DMuon(torch.optim.Optimizer):
         """This rank's last step: Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time
         (device), and the step's host time (Python, launches; on the CPU the work too)."""
         seconds = self._ns_timer.seconds() if self._ns_timer is not None else 0.0
-        stats = {"ns_matrices": self._ns_matrices, "ns_seconds": seconds, "host_seconds": self._host_seconds}
+        stats = {StepStat.NS_MATRICES: self._ns_matrices, StepStat.NS_SECONDS: seconds,
+                 StepStat.HOST_SECONDS: self._host_seconds}
         if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
             stats.update(self.qk_clip.stats())
         return stats
@@ -184,29 +196,48 @@ class DMuon(torch.optim.Optimizer):
         Experts that tensor parallelism splits and FSDP2 keeps in place follow in chunks of layers
         through the same pipeline (nothing is sent on after them)."""
         for handle in self._handles:
-            by_unit: dict[int, dict] = {}
-            for group in groups:
-                for p in group["params"]:
-                    member = handle.member_of(p)
-                    if member is None:
-                        if id(p) in self._dedicated_ids and not any(h.member_of(p) for h in self._handles):
-                            raise RuntimeError(
-                                "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
-                                "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
-                                "Build DMuon after the model is materialised, as with FSDP2."
-                            )
-                        continue
-                    if member.runs_ns and p.grad is not None:
-                        work = by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))
-                        work[1].append(_item(p, member))
-            jobs = []
-            for chunk in _pipeline_chunks(handle.step_units()):
-                work: dict[int, tuple[dict, list]] = {}
-                for unit in chunk:
-                    for key, (group, items) in by_unit.get(unit.index, {}).items():
-                        work.setdefault(key, (group, []))[1].extend(items)
-                jobs.append((chunk, work))
+            jobs = self._dedicated_jobs(handle, self._dedicated_work(handle, groups))
             self._run_pipelined(handle, jobs + self._local_tensor_parallel_jobs(handle, groups))
+        self._update_local_experts(groups)
+        if self.qk_clip is not None:
+            self.qk_clip.finish()
+
+    def _dedicated_work(self, handle, groups: list[dict]) -> dict[int, dict]:
+        """This handle's weights this rank runs Newton–Schulz for (with a gradient), by unit index, then
+        by param group: {unit: {id(group): (group, items)}}."""
+        by_unit: dict[int, dict] = {}
+        for group in groups:
+            for p in group["params"]:
+                member = handle.member_of(p)
+                if member is None:
+                    if id(p) in self._dedicated_ids and not any(h.member_of(p) for h in self._handles):
+                        raise RuntimeError(
+                            "a dedicated parameter held by DMuon is no longer the module's parameter: it was "
+                            "replaced after DMuon was built (e.g. by model.to_empty() on a meta-device model). "
+                            "Build DMuon after the model is materialised, as with FSDP2."
+                        )
+                    continue
+                if member.runs_ns and p.grad is not None:
+                    work = by_unit.setdefault(member.unit, {}).setdefault(id(group), (group, []))
+                    work[1].append(_item(p, member))
+        return by_unit
+
+    @staticmethod
+    def _dedicated_jobs(handle, by_unit: dict[int, dict]) -> list:
+        """The jobs of ``_run_pipelined`` for the dedicated weights: the handle's step units in chunks
+        (``_pipeline_chunks``), each with its units' work merged by param group."""
+        jobs = []
+        for chunk in _pipeline_chunks(handle.step_units()):
+            work: dict[int, tuple[dict, list]] = {}
+            for unit in chunk:
+                for key, (group, items) in by_unit.get(unit.index, {}).items():
+                    work.setdefault(key, (group, []))[1].extend(items)
+            jobs.append((chunk, work))
+        return jobs
+
+    def _update_local_experts(self, groups: list[dict]) -> None:
+        """The experts this rank holds and updates in place (FSDP2's whole-expert shards, not split by
+        tensor parallelism), per param group; no communication follows them."""
         for group in groups:
             weights, blocks = [], []
             for p in group["params"]:
@@ -216,8 +247,6 @@ class DMuon(torch.optim.Optimizer):
                     blocks.append(experts.blocks)
             if weights:
                 self._update(group, weights, blocks, local_experts=True)
-        if self.qk_clip is not None:
-            self.qk_clip.finish()
 
     def _run_pipelined(self, handle, jobs: list) -> None:
         """``jobs``: (units sent on after it, {group: (group, items)}) in order. Plain items are updated

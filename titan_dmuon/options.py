@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,6 +24,7 @@ from titan_dmuon.muon_math import (
     exact_mode_refusal,
 )
 
+ADJUST_LR_FN_NAMES = tuple(f for f in ADJUST_LR_FNS if f is not None)  # (unset: None)
 LR_KEYS = ("lr", "adamw_lr")  # may be a 1-element tensor, as torch.optim.Muon's and AdamW's lr
 
 
@@ -53,22 +55,30 @@ class DMuonOptions:
     (betas as TorchTitan's)."""
 
     lr: float = 1e-3
+    """Muon's learning rate."""
     weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
     momentum: float = 0.95
+    """Muon momentum."""
     nesterov: bool = True
+    """Muon Nesterov momentum."""
     ns_steps: int = NS_STEPS
+    """Newton–Schulz iterations."""
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
     eps: float = NS_EPS
-    adjust_lr_fn: str | None = None
-    ns_mode: str = "batched"
+    adjust_lr_fn: Literal[ADJUST_LR_FN_NAMES] | None = None
+    """Muon per-shape learning-rate scaling, as torch.optim.Muon's (unset = "original")."""
+    ns_mode: Literal[NS_MODES] = "batched"
     """"batched": equally shaped matrices share one Newton–Schulz call (fast; torch.optim.Muon up to
     GEMM rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise on any kernel)."""
-    ns_method: str = "torch"
+    ns_method: Literal[NS_METHODS] = "torch"
     """Newton–Schulz method: "torch" (torch.optim.Muon's coefficients), "polar_express" (the Polar Express
     per-step schedule) or "gram" (the same, by Gram Newton–Schulz where that takes fewer FLOPs); see
     ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
     in checkpoints)."""
     adamw_lr: float = 1e-3
+    """AdamW learning rate of the non-Muon parameters (with TorchTitan: of the catch-all param group,
+    pattern ".*"; other param groups keep their own settings)."""
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.1

@@ -156,6 +156,11 @@ class _HandleClip:
     gamma: torch.Tensor | None = None
 
 
+# the keys of ``QKClip.stats`` (in ``DMuon.last_step_stats``)
+MAX_LOGIT_STAT = "qk_max_logit"
+CLIPPED_HEADS_STAT = "qk_clipped_heads"
+
+
 class QKClip:
     """The capture hooks and the per-step rescale; DMuon builds and drives it."""
 
@@ -207,8 +212,8 @@ class QKClip:
         """Forwards inside are not the step's training batch and are not captured: e.g.
         torch.distributed.pipelining's metadata inference, which runs a later stage's forward on
         uninitialised tensors (``torch.empty``) at the first step (see
-        ``integration.qk_clip.pause_capture_in_metadata_inference``), and the backward of such a
-        forward (its recomputes of checkpointed blocks would count as a reentrant checkpoint's)."""
+        ``integration.training.attention_clip.pause_capture_in_metadata_inference``), and the backward
+        of such a forward (its recomputes of checkpointed blocks would count as a reentrant checkpoint's)."""
         previous, self._capturing[0] = self._capturing[0], False
         try:
             yield
@@ -286,7 +291,7 @@ class QKClip:
         """The last step's largest logit before clipping and heads clipped (reads the device)."""
         if self._max_logit is None:
             return {}
-        return {"qk_max_logit": float(self._max_logit.item()), "qk_clipped_heads": int(self._clipped.item())}
+        return {MAX_LOGIT_STAT: float(self._max_logit.item()), CLIPPED_HEADS_STAT: int(self._clipped.item())}
 
 
 def _handle_of(param, handles, attention: QKClipAttention):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -59,9 +58,16 @@ class CommLabel(str, enum.Enum):
         return cls.TP_TO_HOME, cls.TP_FROM_HOME, cls.TP_GRAD_REDUCE
 
 
+class LaunchId:
+    """A launch's identity in the ledger's records: a fresh object per launch, compared by identity
+    (unique while a record holds it; a process-wide counter would be module-level state)."""
+
+    __slots__ = ()
+
+
 _source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default=CommLabel.OTHER.value)
-_launch: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("dmuon_comm_launch", default=None)
-_launch_ids = itertools.count(1)
+_launch: contextvars.ContextVar[tuple[LaunchId, bool] | None] = contextvars.ContextVar(
+    "dmuon_comm_launch", default=None)
 
 
 @contextlib.contextmanager
@@ -78,7 +84,7 @@ def current_source() -> str:
     return _source.get()
 
 
-def current_launch() -> tuple[int, bool] | None:
+def current_launch() -> tuple[LaunchId, bool] | None:
     """(id, coalesced) of the group of DMuon's collectives being issued, or None. One group is one
     launch where the backend coalesces (NCCL); gloo runs its collectives one by one."""
     return _launch.get()
@@ -165,7 +171,7 @@ class Launch:
         self._tokens = None
 
     def __enter__(self) -> Launch:
-        self._tokens = (_source.set(self.source), _launch.set((next(_launch_ids), self._coalesce)))
+        self._tokens = (_source.set(self.source), _launch.set((LaunchId(), self._coalesce)))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

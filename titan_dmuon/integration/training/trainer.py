@@ -38,9 +38,11 @@ from torchtitan.trainer import Trainer
 
 from titan_dmuon.cost_model import design_elements_per_rank
 from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.integration.finalize import prepare_for_build
-from titan_dmuon.integration.validation import ConfigError
+from titan_dmuon.integration.names import Metric
+from titan_dmuon.integration.prepare.finalize import prepare_for_build
+from titan_dmuon.integration.prepare.validation import ConfigError
 from titan_dmuon.ledger import CommLedger
+from titan_dmuon.optimizer import StepStat
 
 
 def dmuon_handles(optimizers) -> list:
@@ -133,7 +135,7 @@ def prepare_pipeline_schedule(schedule, optimizers) -> None:
     """Adapt a torch.distributed.pipelining schedule to DMuon (DMuonTrainer does it once the
     schedule is built): each stage's dedicated gradients are reduced during its last
     micro-batch's backward, and QK-clip's capture is paused in the metadata inference."""
-    from titan_dmuon.integration.qk_clip import pause_capture_in_metadata_inference
+    from titan_dmuon.integration.training.attention_clip import pause_capture_in_metadata_inference
     from titan_dmuon.runtime import DedicatedParams
 
     # (torch 2.14's schedules hold this rank's stages as _stages, or _stage for single-stage ones)
@@ -227,33 +229,35 @@ class DMuonMetricsProcessor(MetricsProcessor):
             global_avg_loss, global_max_loss = self._last_stage_loss(global_avg_loss, global_max_loss)
         figures = self.step_figures(step)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **figures})
-        parts = [f"step {figures['time/step(s)']:.3f}s, optimizer {1e3 * figures['time/optimizer_step(s)']:.1f} ms"]
-        if "comm/elements_per_rank" in figures:
+        parts = [f"step {figures[Metric.STEP_SECONDS]:.3f}s, "
+                 f"optimizer {1e3 * figures[Metric.OPTIMIZER_STEP_SECONDS]:.1f} ms"]
+        if Metric.ALL_COMM_ELEMENTS in figures:
             parts.append(
-                f"all comm {figures['comm/elements_per_rank'] / 1e6:.4f}M elements/rank/step "
-                f"({figures['comm/MB_per_rank']:.3f} MB; {figures['comm/launches_per_rank']:.0f} launches)"
+                f"all comm {figures[Metric.ALL_COMM_ELEMENTS] / 1e6:.4f}M elements/rank/step "
+                f"({figures[Metric.ALL_COMM_MB]:.3f} MB; {figures[Metric.ALL_COMM_LAUNCHES]:.0f} launches)"
             )
-        if "dmuon/comm_elements_per_rank" in figures:
+        if Metric.COMM_ELEMENTS in figures:
             sync = (f"{self.microbatches_per_step} micro-batch(es)" if not self.deferred_reduce
                     else "gradient sync once per pipeline step")
             i = 0
-            while f"dmuon/part{i}/comm_elements_per_rank" in figures:  # per pipeline stage on this rank
-                sync += (f"; part {i} {figures[f'dmuon/part{i}/comm_elements_per_rank'] / 1e6:.4f}M, "
-                         f"design {figures[f'dmuon/part{i}/design_elements_per_rank'] / 1e6:.4f}M")
+            while Metric.part_comm_elements(i) in figures:  # per pipeline stage on this rank
+                sync += (f"; part {i} {figures[Metric.part_comm_elements(i)] / 1e6:.4f}M, "
+                         f"design {figures[Metric.part_design_elements(i)] / 1e6:.4f}M")
                 i += 1
             parts.append(
-                f"dmuon: comm {figures['dmuon/comm_elements_per_rank'] / 1e6:.4f}M elements/rank/step "
-                f"({figures['dmuon/comm_MB_per_rank']:.3f} MB; design {figures['dmuon/design_elements_per_rank'] / 1e6:.4f}M "
-                f"averaged over ranks, {sync}; {figures['dmuon/launches_per_step']:.0f} launches)  "
-                f"NS: {figures['dmuon/ns_matrices']:.0f} matrices on this rank, "
-                f"{figures['dmuon/ns_ms']:.1f} ms  owner balance (NS FLOPs max/mean): "
-                f"{figures['dmuon/owner_imbalance']:.2f}  peak buffers {figures['dmuon/peak_buffer_MB']:.2f} MB  "
-                f"host {figures['dmuon/host_ms']:.1f} ms  first layer waited {figures['dmuon/first_layer_wait_ms']:.2f} ms"
+                f"dmuon: comm {figures[Metric.COMM_ELEMENTS] / 1e6:.4f}M elements/rank/step "
+                f"({figures[Metric.COMM_MB]:.3f} MB; design {figures[Metric.DESIGN_ELEMENTS] / 1e6:.4f}M "
+                f"averaged over ranks, {sync}; {figures[Metric.LAUNCHES]:.0f} launches)  "
+                f"NS: {figures[Metric.NS_MATRICES]:.0f} matrices on this rank, "
+                f"{figures[Metric.NS_MS]:.1f} ms  owner balance (NS FLOPs max/mean): "
+                f"{figures[Metric.OWNER_IMBALANCE]:.2f}  peak buffers {figures[Metric.PEAK_BUFFER_MB]:.2f} MB  "
+                f"host {figures[Metric.HOST_MS]:.1f} ms  "
+                f"first layer waited {figures[Metric.FIRST_LAYER_WAIT_MS]:.2f} ms"
             )
-        if "dmuon/qk_max_logit" in figures:
+        if Metric.QK_MAX_LOGIT in figures:
             parts.append(
-                f"QK-clip: max logit {figures['dmuon/qk_max_logit']:.4f} before clipping, "
-                f"{figures['dmuon/qk_clipped_heads']:.0f} heads clipped"
+                f"QK-clip: max logit {figures[Metric.QK_MAX_LOGIT]:.4f} before clipping, "
+                f"{figures[Metric.QK_CLIPPED_HEADS]:.0f} heads clipped"
             )
         parts += [source.describe(figures) for source in self.figure_sources]
         logger.info("titan_dmuon: " + "  ".join(parts))
@@ -283,16 +287,16 @@ class DMuonMetricsProcessor(MetricsProcessor):
         now = time.perf_counter()
         started = self._time_of_last_figures if self._time_of_last_figures is not None else now
         figures = {
-            "time/step(s)": (now - started) / steps,
-            "time/optimizer_step(s)": getattr(self.optimizers, "last_step_seconds", 0.0),
+            Metric.STEP_SECONDS: (now - started) / steps,
+            Metric.OPTIMIZER_STEP_SECONDS: getattr(self.optimizers, "last_step_seconds", 0.0),
         }
         self._steps_since_figures, self._time_of_last_figures = 0, now
         for source in self.figure_sources:
             figures.update(source.figures(steps))
         if self.ledger is not None:
-            figures["comm/elements_per_rank"] = float(self.ledger.elements()) / steps
-            figures["comm/MB_per_rank"] = float(self.ledger.bytes()) / steps / 1e6
-            figures["comm/launches_per_rank"] = self.ledger.launch_groups() / steps  # as NCCL launches them
+            figures[Metric.ALL_COMM_ELEMENTS] = float(self.ledger.elements()) / steps
+            figures[Metric.ALL_COMM_MB] = float(self.ledger.bytes()) / steps / 1e6
+            figures[Metric.ALL_COMM_LAUNCHES] = self.ledger.launch_groups() / steps  # as NCCL launches them
             self.ledger.records.clear()
         handles = dmuon_handles(self.optimizers)
         if handles:
@@ -303,8 +307,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 part_elements = sum(e for e, _, _ in popped.values())
                 part_design = design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
                 if len(handles) > 1:
-                    figures[f"dmuon/part{part}/comm_elements_per_rank"] = float(part_elements / steps)
-                    figures[f"dmuon/part{part}/design_elements_per_rank"] = float(part_design)
+                    figures[Metric.part_comm_elements(part)] = float(part_elements / steps)
+                    figures[Metric.part_design_elements(part)] = float(part_design)
                 elements += part_elements
                 design += part_design
                 nbytes += sum(b for _, b, _ in popped.values())
@@ -313,19 +317,19 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]
             figures.update({
-                "dmuon/comm_elements_per_rank": float(elements / steps),
-                "dmuon/comm_MB_per_rank": float(nbytes / steps) / 1e6,
-                "dmuon/design_elements_per_rank": float(design),
-                "dmuon/launches_per_step": launches / steps,
-                "dmuon/ns_matrices": sum(s.get("ns_matrices", 0) for s in stats),
-                "dmuon/ns_ms": 1e3 * sum(s.get("ns_seconds", 0.0) for s in stats),
-                "dmuon/owner_imbalance": max(h.plan.imbalance for h in handles),
-                "dmuon/peak_buffer_MB": peak / 1e6,
+                Metric.COMM_ELEMENTS: float(elements / steps),
+                Metric.COMM_MB: float(nbytes / steps) / 1e6,
+                Metric.DESIGN_ELEMENTS: float(design),
+                Metric.LAUNCHES: launches / steps,
+                Metric.NS_MATRICES: sum(s.get(StepStat.NS_MATRICES, 0) for s in stats),
+                Metric.NS_MS: 1e3 * sum(s.get(StepStat.NS_SECONDS, 0.0) for s in stats),
+                Metric.OWNER_IMBALANCE: max(h.plan.imbalance for h in handles),
+                Metric.PEAK_BUFFER_MB: peak / 1e6,
                 # host time per step in DMuon's hooks and its optimizer step (Python, launches; on the
                 # CPU also the work and gloo's waits), and how long the first layer's weights kept the
                 # next forward waiting (its broadcast starts as soon as the step updated that layer)
-                "dmuon/host_ms": 1e3 * (host / steps + sum(s.get("host_seconds", 0.0) for s in stats)),
-                "dmuon/first_layer_wait_ms": 1e3 * max(h.first_layer_wait_seconds for h in handles),
+                Metric.HOST_MS: 1e3 * (host / steps + sum(s.get(StepStat.HOST_SECONDS, 0.0) for s in stats)),
+                Metric.FIRST_LAYER_WAIT_MS: 1e3 * max(h.first_layer_wait_seconds for h in handles),
             })
             figures.update(qk_clip_figures(stats))
         return figures
@@ -335,11 +339,11 @@ def qk_clip_figures(stats: list[dict]) -> dict[str, float]:
     """QK-clip's figures over this rank's DMuon optimizers (pipeline stages): the last step's
     largest logit before clipping (NaN if any stage saw one: Python's ``max`` would hide it
     behind the other stages' figures) and the heads clipped."""
-    clipped = [s for s in stats if "qk_max_logit" in s]
+    clipped = [s for s in stats if StepStat.QK_MAX_LOGIT in s]
     if not clipped:
         return {}
-    maxima = [s["qk_max_logit"] for s in clipped]
+    maxima = [s[StepStat.QK_MAX_LOGIT] for s in clipped]
     return {
-        "dmuon/qk_max_logit": math.nan if any(math.isnan(m) for m in maxima) else max(maxima),
-        "dmuon/qk_clipped_heads": float(sum(s["qk_clipped_heads"] for s in clipped)),
+        Metric.QK_MAX_LOGIT: math.nan if any(math.isnan(m) for m in maxima) else max(maxima),
+        Metric.QK_CLIPPED_HEADS: float(sum(s[StepStat.QK_CLIPPED_HEADS] for s in clipped)),
     }

@@ -1,6 +1,6 @@
 """What DMuon checks before a fault-tolerant (TorchFT) job starts: settings, torchft, the lighthouse.
 
-Apart from ``integration/fault_tolerance.py`` (the trainer side) so that validation can run these
+Apart from ``integration/training/fault_tolerance.py`` (the trainer side) so that validation can run these
 without importing the trainer: every check returns the problem as one line (or None) and
 ``validation.validate_dmuon`` raises it as its ConfigError.
 """
@@ -14,6 +14,8 @@ import time
 import urllib.parse
 
 import torch
+
+from titan_dmuon.integration.names import DMUON
 
 SEMI_SYNC_METHODS = ("diloco", "local_sgd")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -112,7 +114,7 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
             "joining group sends what the checkpointer registers, and without checkpointing nothing is registered "
             "(torchtitan issue 4209); set checkpoint.enable = true (a large checkpoint.interval keeps saves rare)"
         )
-    if opt.name == "dmuon":
+    if opt.name == DMUON:
         if p.data_parallel_replicate_degree > 1:
             return (
                 f"{names.key('parallelism', 'data_parallel_replicate_degree')} = {p.data_parallel_replicate_degree} "

@@ -53,10 +53,10 @@ from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
 from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.fault_tolerance_checks import ASYNC_QUORUM_REASON
-from titan_dmuon.integration.optimizer import DMuonOptimizersContainer
-from titan_dmuon.integration.trainer import DMuonTrainer, _replaced, dmuon_handles
+from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+from titan_dmuon.integration.prepare.fault_tolerance_checks import ASYNC_QUORUM_REASON
+from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+from titan_dmuon.integration.training.trainer import DMuonTrainer, _replaced, dmuon_handles
 from titan_dmuon.runtime import DedicatedParams
 
 

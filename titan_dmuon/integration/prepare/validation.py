@@ -29,19 +29,20 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from titan_dmuon.integration.fault_tolerance_checks import fault_tolerance_problem, moe_problem
-from titan_dmuon.integration.models import ModelNotSupported, check_model
-from titan_dmuon.integration.optimizer import (
-    ADAMW_NAMES,
+from titan_dmuon.integration.prepare.fault_tolerance_checks import fault_tolerance_problem, moe_problem
+from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
+from titan_dmuon.integration.training.models import ModelNotSupported, check_model
+from titan_dmuon.integration.training.optimizer_container import (
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
     MUON_FAMILY_KEYS,
-    MUON_FAMILY_NAMES,
     DMuonOptimizersContainer,
+    baseline_not_built,
 )
-from titan_dmuon.integration.parallelize import (
+from titan_dmuon.integration.training.parallelize import (
     DEFAULT_MUON_PARAMS,
     expert_parallel_limit,
+    expert_region_ranks,
     fused_qkv_blocks,
     routed_expert_counts,
 )
@@ -109,6 +110,8 @@ def validate_dmuon(
     opt = config.optimizer
     if not isinstance(opt, DMuonOptimizersContainer.Config):
         raise ConfigError(f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)")
+    if opt.name in BASELINE_NAMES and not opt.builds_baseline(opt.name):
+        raise ConfigError(baseline_not_built(opt.name, names.key("optimizer", "name")))
     if opt.name in MUON_FAMILY_NAMES:
         try:
             DMuonOptions(**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS})
@@ -119,7 +122,7 @@ def validate_dmuon(
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"{names.key('optimizer', 'muon_params')}: bad regex {pattern!r} ({e})") from None
-        if opt.name == "dmuon":
+        if opt.name == DMUON:
             try:
                 check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)
                 check_model(config.model_spec)
@@ -127,7 +130,7 @@ def validate_dmuon(
                 raise ConfigError(f"{names.source('optimizer', 'name', text=str(e))}{e}") from None
         if opt.qk_clip_threshold is not None:
             key = names.key("optimizer", "qk_clip_threshold")
-            if opt.name != "dmuon":
+            if opt.name != DMUON:
                 raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: QK-clip runs with optimizer.name = 'dmuon' only")
             if config.compile.enable and "model" in config.compile.components:
                 raise ConfigError(
@@ -359,7 +362,7 @@ def _expert_region_ranks(p, world_size: int | None) -> int | None:
             return None
         shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
                                * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    return shard * p.context_parallel_degree * p.tensor_parallel_degree
+    return expert_region_ranks(shard=shard, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree)
 
 
 # ---- checks against the model's parameters (built on the meta device) ----------------------
@@ -370,20 +373,20 @@ def _validate_against_model(config, world_size: int | None, names: Naming) -> li
         return []  # nothing below needs the model: do not build it
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
-    if opt.name == "dmuon" and opt.qk_clip_threshold is not None:
+    if opt.name == DMUON and opt.qk_clip_threshold is not None:
         _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
     if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
                                                    for m in model.modules() if hasattr(m, "routed_experts")):
         raise ConfigError(moe_problem(names))
     if p.expert_parallel_degree > 1 and experts:
-        _validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == "dmuon", names=names)
+        _validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == DMUON, names=names)
     return warnings
 
 
 def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1) -> None:
     """QK-clip needs attention it knows the q/k row layout of, and those weights on Muon (dedicated)."""
-    from titan_dmuon.integration.qk_clip import QKClipNotSupported, attention_descriptions, clip_weights
+    from titan_dmuon.integration.training.attention_clip import QKClipNotSupported, attention_descriptions, clip_weights
 
     key = names.key("optimizer", "qk_clip_threshold")
     try:
@@ -523,7 +526,7 @@ def validate_optimizer_keys(opt, sources: Mapping[str, str], *, file_name: str |
                 f"{source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}; "
                 f"{_how_to_switch(opt, sources, config_file, switched)}"
             )
-        if opt.name == "naive_muon" and key == "reshard_after_forward":
+        if opt.name == NAIVE_MUON and key == "reshard_after_forward":
             raise ConfigError(
                 f"{source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; "
                 "naive_muon follows parallelism.fsdp_reshard_after_forward"

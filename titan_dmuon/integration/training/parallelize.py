@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
+from titan_dmuon.integration.names import DMUON
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 DEFAULT_MUON_PARAMS = (
@@ -73,7 +74,7 @@ class DMuonParallelize:
 
     def bind(self, optimizer_config) -> DMuonParallelize:
         dedication = None
-        if optimizer_config.name == "dmuon":
+        if optimizer_config.name == DMUON:
             dedication = DedicationSettings(
                 muon_params=tuple(optimizer_config.muon_params),
                 reshard_after_forward=optimizer_config.reshard_after_forward,
@@ -93,6 +94,50 @@ class DMuonParallelize:
         return model
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParallelDegrees:
+    """What DMuon's dedication reads of TorchTitan's ParallelDims, decoded once per model part
+    (``parallelize_with_dmuon``): the degrees, and the layouts they make."""
+
+    replicate: int  # dp_replicate
+    shard: int  # dp_shard
+    cp: int
+    tp: int
+    ep: int
+    pipelined: bool
+
+    @staticmethod
+    def of(parallel_dims) -> ParallelDegrees:
+        return ParallelDegrees(replicate=parallel_dims.dp_replicate, shard=parallel_dims.dp_shard, cp=parallel_dims.cp,
+                               tp=parallel_dims.tp, ep=parallel_dims.ep, pipelined=parallel_dims.pp_enabled)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the other parameters (FSDP or HSDP)."""
+        return self.shard > 1
+
+    @property
+    def ddp(self) -> bool:
+        """Data parallelism by replicas only: every rank holds every parameter."""
+        return self.shard == 1 and self.replicate > 1
+
+    @property
+    def expert_region_ranks(self) -> int:
+        return expert_region_ranks(shard=self.shard, cp=self.cp, tp=self.tp)
+
+    @property
+    def storage_ranks(self) -> int:
+        """The ranks of FSDP2's storage mesh under tensor parallelism (spmd_types): replicate x shard x cp x tp."""
+        return self.replicate * self.shard * self.cp * self.tp
+
+
+def expert_region_ranks(*, shard: int, cp: int, tp: int) -> int:
+    """The ranks TorchTitan splits into expert-FSDP x EP: dp_shard x cp x tp, whatever the EP degree
+    (its efsdp = dp_shard * cp * tp / ep). One rule for the check before launch (the config's degrees)
+    and the dedication (ParallelDims)."""
+    return shard * cp * tp
+
+
 def parallelize_with_dmuon(
     model: nn.Module,
     *,
@@ -109,8 +154,9 @@ def parallelize_with_dmuon(
     """TorchTitan ``parallelize_fn``: the family's own ``base_fn`` with DMuon's dedication (the config
     was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds).
     ``earlier_parts``: handles of the other model parts (pipeline stages) this rank holds."""
-    dedication = _Dedication(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                             settings=settings, earlier_parts=list(earlier_parts))
+    degrees = ParallelDegrees.of(parallel_dims)
+    dedication = _Dedication(model, parallel_dims=parallel_dims, degrees=degrees, training=training,
+                             parallelism=parallelism, settings=settings, earlier_parts=list(earlier_parts))
     with _ignoring_dedicated_weights(dedication):
         model = base_fn(
             model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
@@ -122,7 +168,7 @@ def parallelize_with_dmuon(
             "at the first one (TorchTitan's apply_fsdp_to_decoder); use optimizer.name = 'AdamW' for this model"
         )
     if dedication.handle is not None:
-        _initialise_as_titan_would(dedication.handle, sharded=parallel_dims.dp_shard > 1, parallel_dims=parallel_dims)
+        _initialise_as_titan_would(dedication.handle, degrees=degrees, parallel_dims=parallel_dims)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
     return model
@@ -132,9 +178,11 @@ class _Dedication:
     """Dedicates the Muon targets once, when TorchTitan is about to shard the model."""
 
     def __init__(
-        self, model: nn.Module, *, parallel_dims, training, parallelism, settings: DedicationSettings, earlier_parts: list
+        self, model: nn.Module, *, parallel_dims, degrees: ParallelDegrees, training, parallelism,
+        settings: DedicationSettings, earlier_parts: list,
     ) -> None:
         self.model, self.parallel_dims, self.training, self.parallelism = model, parallel_dims, training, parallelism
+        self.degrees = degrees
         self.settings = settings
         self.earlier_parts = earlier_parts
         self.handle = None
@@ -153,35 +201,36 @@ class _Dedication:
         from torchtitan.config import TORCH_DTYPE_MAP
         from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 
-        dims, model = self.parallel_dims, self.model
+        dims, degrees, model = self.parallel_dims, self.degrees, self.model
         fsdp_reshard = get_fsdp_reshard_after_forward_policy(
-            self.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled
+            self.parallelism.fsdp_reshard_after_forward, pp_enabled=degrees.pipelined
         )
-        ddp_like = dims.dp_shard == 1 and dims.dp_replicate > 1
         reshard = self.settings.reshard_after_forward
         if reshard is None:
-            reshard = False if ddp_like else fsdp_reshard
+            reshard = False if degrees.ddp else fsdp_reshard
         targets = muon_parameters(model, self.settings.muon_params)
         if not targets:
             return None
         tp_mesh, tp_dims = None, None
-        if dims.tp_enabled:
+        if degrees.tp > 1:
             tp_mesh = dims.get_mesh("tp")
             names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
             tp_dims = {p: tensor_parallel_dim(names[id(p)], p) for p in targets}
         return dedicate_params(
             model,
             targets,
-            dedication_mesh(dims, self.parallelism.spmd_backend != "partial_dtensor"),
+            dedication_mesh(dims, degrees, self.parallelism.spmd_backend != "partial_dtensor"),
             reshard_after_forward=reshard,
             mp_policy=MixedPrecisionPolicy(
                 param_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_param],
                 reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
                 cast_forward_inputs=False,
             ),
-            split_rows={p: blocks for p, blocks in fused_qkv_blocks(model, dims.tp).items() if any(p is t for t in targets)},
+            split_rows={
+                p: blocks for p, blocks in fused_qkv_blocks(model, degrees.tp).items() if any(p is t for t in targets)
+            },
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
-            expert_sharding=expert_sharding(model, dims),
+            expert_sharding=expert_sharding(model, degrees),
             initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
             tp_mesh=tp_mesh,
             tp_shard_dims=tp_dims,
@@ -230,7 +279,7 @@ def _ignoring_dedicated_weights(dedication: _Dedication):
             module.fully_shard = torch_fully_shard
 
 
-def expert_sharding(model: nn.Module, parallel_dims) -> str:
+def expert_sharding(model: nn.Module, degrees: ParallelDegrees) -> str:
     """``dedicate_params``'s ``expert_sharding`` for TorchTitan: under DDP every rank would hold
     every expert, so each is dedicated; under expert parallelism experts are whole on their EP
     rank and stay there (when TorchTitan keeps them whole: at most as many expert-FSDP x EP ranks
@@ -241,16 +290,14 @@ def expert_sharding(model: nn.Module, parallel_dims) -> str:
     experts = routed_expert_counts(model)
     if not experts:
         return "auto"
-    if parallel_dims.ep > 1:
-        efsdp_ep = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
-        if efsdp_ep > min(experts):
-            raise NotImplementedError(expert_parallel_limit(efsdp_ep, min(experts)))
+    if degrees.ep > 1:
+        if degrees.expert_region_ranks > min(experts):
+            raise NotImplementedError(expert_parallel_limit(degrees.expert_region_ranks, min(experts)))
         return "local"
-    if parallel_dims.dp_shard == 1:
+    if not degrees.sharded:
         return "dedicated"
-    if parallel_dims.tp > 1:
-        storage = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
-        return "local" if min(experts) >= storage else "dedicated"
+    if degrees.tp > 1:
+        return "local" if min(experts) >= degrees.storage_ranks else "dedicated"
     return "auto"
 
 
@@ -271,14 +318,15 @@ def routed_expert_counts(model: nn.Module) -> list[int]:
     return [m.routed_experts.inner_experts.num_experts for m in model.modules() if hasattr(m, "routed_experts")]
 
 
-def _initialise_as_titan_would(handle, *, sharded: bool, parallel_dims) -> None:
+def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dims) -> None:
     """TorchTitan initialises weights after parallelizing, on every rank, on FSDP2's DTensor
     shards (or DDP's full replicas). While a module initialises, its dedicated weights take
     that form (``DedicatedParams.initialising``), so TorchTitan's initialisers run unchanged,
     every rank draws exactly the random numbers it draws without DMuon, and for the same
     ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
     Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
-    layout = _fsdp_tp_layout(parallel_dims) if handle.mode.tp is not None else None
+    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp) if handle.mode.tp is not None else None
+    sharded = degrees.sharded
     for module in handle.owning_modules:
         init_states = module.init_states
 
@@ -290,7 +338,7 @@ def _initialise_as_titan_would(handle, *, sharded: bool, parallel_dims) -> None:
         module.init_states = init_like_titan
 
 
-def _fsdp_tp_layout(parallel_dims):
+def _fsdp_tp_layout(parallel_dims, *, tp: int):
     """``layout`` for ``DedicatedParams.initialising`` under tensor parallelism: the DTensor FSDP2 makes
     of a TP-local weight (TorchTitan's dense storage mesh: replicate x shard x tp), so initialisers
     draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard (dim 1 of an
@@ -302,7 +350,6 @@ def _fsdp_tp_layout(parallel_dims):
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
 
     mesh, _ = resolve_fsdp_mesh(parallel_dims)
-    tp = parallel_dims.tp
 
     def layout(member):
         dim = member.entry.tp_dim
@@ -374,9 +421,9 @@ def fused_qkv_blocks(model: nn.Module, tp: int = 1) -> dict[nn.Parameter, list[l
     return blocks
 
 
-def dedication_mesh(parallel_dims, spmd: bool):
+def dedication_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
     shard_name = "dp_shard" if spmd else "fsdp"
-    replicate, shard = parallel_dims.dp_replicate, parallel_dims.dp_shard
+    replicate, shard = degrees.replicate, degrees.shard
     if replicate > 1 and shard > 1:
         return parallel_dims.get_mesh(["dp_replicate", shard_name])
     if shard > 1:

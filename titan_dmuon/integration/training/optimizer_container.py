@@ -8,25 +8,34 @@ AdamW/Adam, fused or foreach as ``implementation`` says), so a config's
 groups (no weight decay on embeddings, Adam on the router, ...) keep their
 settings. The catch-all group (pattern ``.*``) takes the flat keys: ``lr``,
 ``betas``, ``eps``, ``weight_decay`` with AdamW/Adam, ``adamw_*`` with dmuon.
-``name = "AdamW"`` is then exactly TorchTitan's container.
+``name = "AdamW"`` is then exactly TorchTitan's container. ``name = "naive_muon"`` (the benchmarks'
+baseline, not part of DMuon) builds only in a subclass whose ``baseline_optimizer`` returns its factory
+(benchmarks/naive_muon_job.py's), chosen by the config's class: this container builds none.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import re
+import textwrap
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.testing.baselines import NaiveFSDPMuon
-from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
-from titan_dmuon.muon_math import NS_METHODS
+from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
+from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DeviceTimer, DMuon
-from titan_dmuon.options import DEFAULTS, JOB_KEYS, MUON_KEYS, OPTION_NAMES
+from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime import DedicatedParams
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
@@ -34,93 +43,135 @@ from titan_dmuon.runtime import DedicatedParams
 DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients", "eps"))
 DEDICATION_KEYS = ("muon_params", "reshard_after_forward")
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
-ADAMW_ONLY_KEYS = ("betas", "eps")
-MUON_FAMILY_NAMES = ("dmuon", "naive_muon")  # optimizer.name values that read the Muon keys
-ADAMW_NAMES = ("AdamW", "Adam")  # TorchTitan's own: every parameter from the flat keys
+ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
+
+
+def baseline_not_built(name: str, key: str) -> str:
+    """The one-line error for a baseline name whose optimizer config's container does not build it."""
+    return (f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
+            "run it through its config module, whose container builds it (MODULE=benchmarks.naive_muon_job "
+            "CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = \"dmuon\"")
+
+
+# what the flat keys mean here, where the optimizer name decides it (the others: DMuonOptions' words)
+_CONTAINER_HELP = {
+    "lr": 'Learning rate: Muon\'s with name = "dmuon", else AdamW\'s.',
+    "weight_decay": 'Decoupled weight decay: Muon\'s with name = "dmuon", else AdamW\'s.',
+    "betas": 'AdamW betas (name = "AdamW"/"Adam").',
+    "eps": 'AdamW epsilon (name = "AdamW"/"Adam").',
+}
+
+
+def _option_fields() -> list[tuple]:
+    """The container's option fields, from DMuonOptions: ``name``, then ``lr``, ``weight_decay``, the flat
+    AdamW keys (typed and defaulted as their ``adamw_*`` option) and the other options, each with its
+    DMuonOptions type (its Literal lists included), default and attribute docstring (as the help text of
+    TorchTitan's command line: ``Annotated``, which ``typing.get_type_hints`` drops for the doors)."""
+    hints = typing.get_type_hints(DMuonOptions)
+    defaults = {f.name: f.default for f in dataclasses.fields(DMuonOptions)}
+    docs = {**attribute_docstrings(DMuonOptions), **_CONTAINER_HELP}
+    keys = ["lr", "weight_decay", *ADAMW_ONLY_KEYS, *(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay"))]
+    option = {k: f"adamw_{k}" if k in ADAMW_ONLY_KEYS else k for k in keys}
+
+    def annotated(key):
+        hint = hints[option[key]]
+        return Annotated[hint, tyro.conf.arg(help=docs[key])] if key in docs else hint
+
+    return [("name", Literal[OPTIMIZER_NAMES], field(default=ADAMW))] + [
+        (k, annotated(k), field(default=defaults[option[k]])) for k in keys
+    ]
+
+
+def attribute_docstrings(cls) -> dict[str, str]:
+    """A dataclass's field docstrings (the string literal after a field, on one line), read from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        node.target.id: " ".join(after.value.value.split())
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+    }
+
+
+# (a module-level class, named as it is, so that configs pickle and deep-copy)
+DMuonOptionFields = dataclasses.make_dataclass(
+    "DMuonOptionFields", _option_fields(), bases=(OptimizersContainer.Config,), kw_only=True, slots=True
+)
+DMuonOptionFields.__module__ = __name__  # (make_dataclass's ``module=`` is Python 3.12's)
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
-        name: Literal["dmuon", "AdamW", "Adam", "naive_muon"] = "AdamW"  # MUON_FAMILY_NAMES + ADAMW_NAMES
-        """"dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest; "AdamW"/"Adam":
-        TorchTitan's own; "naive_muon": FSDP2 + Muon with a full-gradient all-gather in step (a
-        benchmark baseline; orthogonalises a fused q/k/v weight as one matrix)."""
-        lr: float = DEFAULTS.lr
-        """Learning rate: Muon's with name = "dmuon", else AdamW's."""
-        weight_decay: float = DEFAULTS.weight_decay
-        """Decoupled weight decay: Muon's with name = "dmuon", else AdamW's."""
-        betas: tuple[float, float] = DEFAULTS.adamw_betas
-        """AdamW betas (name = "AdamW"/"Adam")."""
-        eps: float = DEFAULTS.adamw_eps
-        """AdamW epsilon (name = "AdamW"/"Adam")."""
-        momentum: float = DEFAULTS.momentum
-        """Muon momentum."""
-        nesterov: bool = DEFAULTS.nesterov
-        """Muon Nesterov momentum."""
-        ns_steps: int = DEFAULTS.ns_steps
-        """Newton–Schulz iterations."""
-        adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] | None = DEFAULTS.adjust_lr_fn
-        """Muon per-shape learning-rate scaling, as torch.optim.Muon (unset = "original")."""
-        ns_mode: Literal["batched", "exact"] = DEFAULTS.ns_mode
-        """"batched": equally shaped matrices share one Newton–Schulz call (torch.optim.Muon up to GEMM
-        rounding); "exact": each matrix through torch.optim.Muon's own update (bitwise, slower)."""
-        ns_method: Literal[NS_METHODS] = DEFAULTS.ns_method
-        """Newton–Schulz method (muon_math.NS_METHODS): "torch" (torch.optim.Muon's coefficients),
-        "polar_express" (the Polar Express per-step schedule), "gram" (the same, by Gram Newton–Schulz
-        where that takes fewer FLOPs). ns_mode "exact" runs "torch" only."""
-        adamw_lr: float = DEFAULTS.adamw_lr
-        """AdamW learning rate of the catch-all param group (pattern ".*"), for the non-Muon
-        parameters (embeddings, norms, head); other param groups keep their own settings."""
-        adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas
-        adamw_eps: float = DEFAULTS.adamw_eps
-        adamw_weight_decay: float = DEFAULTS.adamw_weight_decay
+    class Config(DMuonOptionFields):
+        """``name``: "dmuon": Muon on dedicated attention/MLP projections + AdamW on the rest;
+        "AdamW"/"Adam": TorchTitan's own; "naive_muon": FSDP2 + Muon with a full-gradient all-gather
+        in step (a benchmark baseline; orthogonalises a fused q/k/v weight as one matrix).
+        The options are DMuonOptions' fields (their types, defaults and meanings; ``lr`` and
+        ``weight_decay`` are Muon's with name = "dmuon", else AdamW's; ``betas`` and ``eps`` are AdamW's
+        with name = "AdamW"/"Adam"); ``adamw_*`` set the catch-all param group (pattern ".*") of a dmuon
+        job, for the non-Muon parameters (embeddings, norms, head); other param groups keep their own
+        settings."""
+
         muon_params: list[str] = field(default_factory=lambda: list(DEFAULT_MUON_PARAMS))
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
         reshard_after_forward: bool | None = None
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
-        qk_clip_threshold: float | None = DEFAULTS.qk_clip_threshold
-        """QK-clip (MuonClip): after each step, rescale the q/k rows of every attention head whose largest
-        pre-softmax logit over the step's global batch exceeded this threshold (unset: off)."""
-        qk_clip_alpha: float = DEFAULTS.qk_clip_alpha
-        """QK-clip's split between q (gamma ** alpha) and k (gamma ** (1 - alpha)) rows (MHA, MLA's non-rotary parts)."""
+
+        @classmethod
+        def builds_baseline(cls, name: str) -> bool:
+            """Whether the container this config builds (TorchTitan's ``_owner``, what ``build()`` makes)
+            builds the baseline ``name``: what validation asks before launch."""
+            return cls._owner.baseline_optimizer(name) is not None
+
+    @classmethod
+    def baseline_optimizer(cls, name: str) -> Callable | None:
+        """The factory of a baseline name (BASELINE_NAMES), ``build(param_groups, *, muon_patterns, ns_method)``:
+        one optimizer over TorchTitan's catch-all param group (its parameters' names in ``param_names``;
+        DMuonOptions' per-group options as group settings), with ``optimizer.muon_params`` and
+        ``optimizer.ns_method``. DMuon builds none (None); a benchmark's subclass, with its own nested
+        Config, returns its baseline's (benchmarks/naive_muon_job.py: NaiveFSDPMuon)."""
+        return None
 
     def __init__(self, config: Config, *, model_parts) -> None:
         self._muon_kwargs = None
         self._part_handles: list = []
         self._part_attention: list = []
         self._job_options = {k: getattr(config, k) for k in JOB_KEYS}
-        if config.name == "naive_muon":  # the benchmark baseline: one optimizer for everything
+        self._baseline = self.baseline_optimizer(config.name) if config.name in BASELINE_NAMES else None
+        if config.name in BASELINE_NAMES:  # (a benchmark baseline): one optimizer for everything
+            if self._baseline is None:
+                raise ValueError(baseline_not_built(config.name, "optimizer.name"))
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
-            config.param_groups = [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name="NaiveFSDPMuon", optimizer_kwargs=kwargs)]
+            config.param_groups = [
+                ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=config.name, optimizer_kwargs=kwargs)]
             config.optimizer_factory_kwargs_by_name = {
-                "NaiveFSDPMuon": {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
+                config.name: {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
         else:
             config.param_groups = param_groups_with_catch_all(config)
-            if config.name == "dmuon":
+            if config.name == DMUON:
                 self._muon_kwargs = {k: getattr(config, k) for k in MUON_KEYS if k in DMUON_OPTION_KEYS}
         self._name = config.name
         super().__init__(config, model_parts=model_parts)
         self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)
 
     def _resolve_optimizer_factory(self, name: str):
-        if name == "DMuon":  # (the model part whose groups were just built: TorchTitan goes part by part)
+        if name == DMUON_FACTORY:  # (the model part whose groups were just built: TorchTitan goes part by part)
             handles, attention, job = self._part_handles, self._part_attention, self._job_options
             return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job,
                                                   **kwargs)
-        if name == "NaiveFSDPMuon":
-            return _naive_muon
+        if self._baseline is not None and name == self._name:
+            return self._baseline
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
-        if self._name == "naive_muon":  # DMuon's classes have no fused/foreach variants
+        if self._baseline is not None:  # DMuon's classes have no fused/foreach variants
             return OptimizersContainer._build_param_groups(model, param_group_configs, {})
         if self._muon_kwargs is None:
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         self._part_handles = handles = DedicatedParams.of(model)
         if self._job_options["qk_clip_threshold"] is not None:
-            from titan_dmuon.integration.qk_clip import attention_descriptions
+            from titan_dmuon.integration.training.attention_clip import attention_descriptions
 
             tp = next((h.mode.tp.size for h in handles if h.mode.tp is not None), 1)
             self._part_attention = attention_descriptions(model, tp_size=tp)
@@ -139,7 +190,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         if not muon:  # (a pipeline stage without Muon targets, e.g. the token embedding alone)
             return groups, patterns
         muon_group = {"params": [p for _, p in muon], "param_names": [canonical_fqn(n) for n, _ in muon], **self._muon_kwargs}
-        return {"DMuon": [muon_group], **groups}, {"DMuon": ["optimizer.muon_params"], **patterns}
+        return {DMUON_FACTORY: [muon_group], **groups}, {DMUON_FACTORY: ["optimizer.muon_params"], **patterns}
 
     def step(self, closure=None):
         """Each optimizer once. (Not ``super().step()``: once any plain OptimizersContainer has been
@@ -162,7 +213,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return self._step_timer.seconds()
 
     def dmuon_optimizers(self) -> list[DMuon]:
-        return [o for o in self.optimizers if isinstance(o, DMuon) and not isinstance(o, NaiveFSDPMuon)]
+        """The DMuon optimizers of a dmuon job (one per model part with Muon targets); none otherwise
+        (a baseline may subclass DMuon, as NaiveFSDPMuon does, without dedicating)."""
+        return [o for o in self.optimizers if isinstance(o, DMuon)] if self._name == DMUON else []
 
 
 class _Named:
@@ -177,12 +230,12 @@ class _Named:
 
 def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     """The config's param groups, with the catch-all group (added if missing) set from the flat keys."""
-    if config.name == "dmuon":
+    if config.name == DMUON:
         flat = dict(
             lr=config.adamw_lr, betas=tuple(config.adamw_betas), eps=config.adamw_eps,
             weight_decay=config.adamw_weight_decay,
         )
-        optimizer_name = "AdamW"
+        optimizer_name = ADAMW_FACTORY
     else:
         flat = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
         optimizer_name = config.name
@@ -191,11 +244,3 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     extra = dict(catch_all.optimizer_kwargs) if catch_all is not None else {}
     return specific + [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})]
 
-
-def _naive_muon(param_groups, *, muon_patterns, ns_method):
-    patterns = [re.compile(p) for p in muon_patterns]
-    targets = [
-        p for group in param_groups for p, name in zip(group["params"], group["param_names"])
-        if any(pattern.search(name) for pattern in patterns)
-    ]
-    return NaiveFSDPMuon(param_groups, muon_params=targets, ns_method=ns_method)

@@ -13,10 +13,11 @@ import dataclasses
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
-from titan_dmuon.integration.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.optimizer import CATCH_ALL, DMuonOptimizersContainer
-from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
-from titan_dmuon.integration.validation import ConfigError
+from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+from titan_dmuon.integration.names import ADAMW, ADAMW_NAMES
+from titan_dmuon.integration.training.optimizer_container import CATCH_ALL, DMuonOptimizersContainer
+from titan_dmuon.integration.training.trainer import DMuonMetricsProcessor, DMuonTrainer
+from titan_dmuon.integration.prepare.validation import ConfigError
 from titan_dmuon.options import ADAMW_KEYS
 
 
@@ -26,12 +27,12 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
 
     A config with a ``fault_tolerance`` section (TorchTitan's FaultTolerantTrainer.Config, e.g. its
     ``torchft.llama3`` registry), or ``fault_tolerant=True``, becomes DMuon's fault-tolerant one
-    (``integration/fault_tolerance.py``, imported only then)."""
+    (``integration/training/fault_tolerance.py``, imported only then)."""
     names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
     fault_tolerant = fault_tolerant or "fault_tolerance" in names
     trainer, optimizer, checkpoint = DMuonTrainer.Config, DMuonOptimizersContainer.Config, DMuonCheckpointManager.Config
     if fault_tolerant:
-        from titan_dmuon.integration import fault_tolerance as ft
+        from titan_dmuon.integration.training import fault_tolerance as ft
 
         trainer, optimizer, checkpoint = (ft.DMuonFaultTolerantTrainer.Config, ft.DMuonFTOptimizersContainer.Config,
                                           ft.DMuonFTCheckpointManager.Config)
@@ -53,10 +54,10 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
     if without_cuda_graphs:  # TorchTitan's checks of the new object refuse pipeline parallelism with them on
         values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
     values["optimizer"] = _dmuon_optimizer_config(config.optimizer, optimizer)
-    values["metrics"] = _as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
-    values["checkpoint"] = _as_subclass(checkpoint, config.checkpoint, "checkpoint")
+    values["metrics"] = as_subclass(DMuonMetricsProcessor.Config, config.metrics, "metrics")
+    values["checkpoint"] = as_subclass(checkpoint, config.checkpoint, "checkpoint")
     if fault_tolerant:
-        values["fault_tolerance"] = _as_subclass(
+        values["fault_tolerance"] = as_subclass(
             ft.DMuonTorchFTManager.Config, values.get("fault_tolerance") or ft.DMuonTorchFTManager.Config(), "fault_tolerance"
         )
     return cls(**values)
@@ -77,13 +78,13 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     if isinstance(base, cls):
         return base
     if isinstance(base, DMuonOptimizersContainer.Config):  # (DMuon's, for a fault-tolerant job now)
-        return _as_subclass(cls, base, "optimizer")
+        return as_subclass(cls, base, "optimizer")
     if not _same_fields(base, OptimizersContainer.Config):  # (TorchTitan's, or TorchFT's: no settings of its own)
         raise ConfigError(
             f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
             "start from TorchTitan's OptimizersContainer.Config"
         )
-    groups = [g for g in base.param_groups if g.optimizer_name in ("AdamW", "Adam")]
+    groups = [g for g in base.param_groups if g.optimizer_name in ADAMW_NAMES]
     catch_all = next((g for g in groups if g.pattern == CATCH_ALL), None)
     flat = {
         k: (tuple(v) if k == "betas" else v)
@@ -91,7 +92,7 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
         if k in ADAMW_KEYS.values()
     }
     return cls(
-        name=catch_all.optimizer_name if catch_all else "AdamW",
+        name=catch_all.optimizer_name if catch_all else ADAMW,
         implementation=base.implementation,
         param_groups=[g for g in groups if g is not catch_all],
         **flat,
@@ -99,7 +100,9 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     )
 
 
-def _as_subclass(cls, instance, section: str):
+def as_subclass(cls, instance, section: str):
+    """``instance`` (a section's config) as ``cls``, a subclass of its class, with the same field values
+    (``dataclasses.replace`` keeps the class); a ConfigError when ``cls`` does not extend it."""
     if isinstance(instance, cls):
         return instance
     if not issubclass(cls, type(instance)):

@@ -18,8 +18,9 @@ import torch
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.parallelize import DMuonParallelize
-from titan_dmuon.integration.validation import ConfigError, validate_dmuon
+from titan_dmuon.integration.names import DMUON
+from titan_dmuon.integration.training.parallelize import DMuonParallelize
+from titan_dmuon.integration.prepare.validation import ConfigError, validate_dmuon
 
 
 def finalize(config, *, keep_cuda_graph_setting: bool = False):
@@ -57,7 +58,7 @@ def _without_cuda_graphs(config, *, warn: bool) -> None:
     """TorchTitan captures forward+backward in a CUDA graph by default on NVIDIA and then only
     replays it: DMuon's hooks would not run and its buffers would be replayed into. Off; a warning
     only where capture could happen and the setting came from the job (after overrides)."""
-    if config.optimizer.name != "dmuon" or config.training.disable_cuda_graphs:
+    if config.optimizer.name != DMUON or config.training.disable_cuda_graphs:
         return
     if warn:
         logger.warning(

@@ -11,12 +11,13 @@ from __future__ import annotations
 import typing
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.finalize import finalize
-from titan_dmuon.integration.optimizer import DEDICATION_KEYS, DMUON_OPTION_KEYS
-from titan_dmuon.integration.parallelize import DEFAULT_MUON_PARAMS
-from titan_dmuon.integration.trainer_config import dmuon_trainer_config
-from titan_dmuon.integration.validation import ConfigError, validate_dmuon
-from titan_dmuon.integration.values import convert, describe
+from titan_dmuon.integration.names import DMUON
+from titan_dmuon.integration.prepare.finalize import finalize
+from titan_dmuon.integration.training.optimizer_container import DEDICATION_KEYS, DMUON_OPTION_KEYS
+from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
+from titan_dmuon.integration.prepare.validation import ConfigError, validate_dmuon
+from titan_dmuon.integration.doors.values import convert, describe
 
 __all__ = ["with_dmuon"]
 
@@ -24,10 +25,10 @@ __all__ = ["with_dmuon"]
 def with_dmuon(config, **options):
     """``config`` (any TorchTitan ``Trainer.Config``) trained with DMuon: a DMuonTrainer.Config.
 
-    The keywords are the TOML ``[optimizer]`` keys of ``name = "dmuon"`` (``lr``,
-    ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``, ``adjust_lr_fn``,
-    ``ns_mode``, ``ns_method``, ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
-    ``muon_params``, ``reshard_after_forward``), with the same meaning and checks.
+    The keywords are the TOML ``[optimizer]`` keys of ``name = "dmuon"``, with the same meaning
+    and checks: the fields of ``titan_dmuon.options.DMuonOptions`` but the Newton–Schulz constants
+    (``lr``, ``momentum``, ``ns_method``, ``adamw_lr``, ``qk_clip_threshold``, ...: ``DMUON_OPTION_KEYS``),
+    and ``muon_params``, ``reshard_after_forward`` (``DEDICATION_KEYS``).
     One left out keeps the config's value; on a plain TorchTitan config that is
     what TOML gives an unset key: ``lr`` and ``weight_decay`` from its AdamW, the
     others DMuon's defaults (``reshard_after_forward=None`` mirrors
@@ -43,7 +44,7 @@ def with_dmuon(config, **options):
     cpu.enable()  # a user's registry module may be the first DMuon code TorchTitan imports
     config = dmuon_trainer_config(config, without_cuda_graphs=True)
     optimizer = config.optimizer
-    optimizer.name = "dmuon"
+    optimizer.name = DMUON
     hints = typing.get_type_hints(type(optimizer))
     for key, value in options.items():
         if key == "muon_params" and value is None:

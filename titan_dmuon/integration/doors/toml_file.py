@@ -35,11 +35,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from titan_dmuon.integration.finalize import finalize
-from titan_dmuon.integration.models import config_function
-from titan_dmuon.integration.optimizer import ADAMW_NAMES
-from titan_dmuon.integration.trainer_config import dmuon_trainer_config
-from titan_dmuon.integration.validation import (
+from titan_dmuon.integration.prepare.finalize import finalize
+from titan_dmuon.integration.training.models import config_function
+from titan_dmuon.integration.names import ADAMW_NAMES
+from titan_dmuon.integration.prepare.trainer_config import as_subclass, dmuon_trainer_config
+from titan_dmuon.integration.prepare.validation import (
     ConfigError,
     Naming,
     command_line,
@@ -47,7 +47,7 @@ from titan_dmuon.integration.validation import (
     validate_dmuon,
     validate_optimizer_keys,
 )
-from titan_dmuon.integration.values import convert, describe, is_boolean
+from titan_dmuon.integration.doors.values import convert, describe, is_boolean
 from titan_dmuon.options import ADAMW_KEYS
 
 if sys.version_info >= (3, 11):
@@ -76,9 +76,14 @@ class _Setting:
     flag: str | None = None  # the command-line word of a flag (--section.key / --section.no-key)
 
 
-def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int | None = None, this_machine: bool = False):
+def load_config(
+    config_file: str, cli_args: list[str] = (), *, world_size: int | None = None, this_machine: bool = False,
+    optimizer_config: type | None = None,
+):
     """The TorchTitan ``Trainer.Config`` (DMuon-aware subclass) for a TOML file plus overrides
-    (``this_machine``: the job is about to run here; see ``validate_dmuon``)."""
+    (``this_machine``: the job is about to run here; see ``validate_dmuon``). ``optimizer_config``: a
+    subclass of DMuon's optimizer config whose container the job builds instead (a benchmark's, which
+    builds its baseline: benchmarks/naive_muon_job.py), given the same settings before they are checked."""
     from_file = _read_toml(config_file)
     settings = {section: dict(table) for section, table in from_file.items()}
     for section, key, setting in _parse_cli(cli_args):
@@ -94,6 +99,8 @@ def load_config(config_file: str, cli_args: list[str] = (), *, world_size: int |
 
     # a [fault_tolerance] section (or --fault_tolerance.* overrides): DMuon's fault-tolerant trainer (TorchFT)
     config = dmuon_trainer_config(_base_config(settings.get("model", {})), fault_tolerant=FAULT_TOLERANCE in settings)
+    if optimizer_config is not None:
+        config.optimizer = as_subclass(optimizer_config, config.optimizer, "optimizer")
     file_optimizer = _file_optimizer_name(from_file, config.optimizer.name)
     for key, setting in settings.get("job", {}).items():
         value = _check_plain(setting, "job", key, JOB_KEYS)
