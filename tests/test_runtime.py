@@ -2,6 +2,7 @@
 launches, hooks that come off, and DDP with activation checkpointing."""
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -76,14 +77,23 @@ def host_syncs_in_steady_steps(setup, rank, world, *, after_step=None) -> list:
     return counter.syncs
 
 
-def _host_syncs(rank, world, mode):
-    return host_syncs_in_steady_steps(distribute(toy_model(), mode, world), rank, world)
+def _host_syncs(rank, world, mode, ns_method="torch"):
+    setup = distribute(toy_model(), mode, world, opt_kwargs={"ns_method": ns_method})
+    return host_syncs_in_steady_steps(setup, rank, world)
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2", "ddp"])
 def test_no_host_sync_in_a_steady_state_step(pool2, mode):
     """forward, backward, DMuon's clip and step: nothing waits for a device value on the host."""
     for syncs in pool2.run(_host_syncs, mode):
+        assert syncs == []
+
+
+@pytest.mark.parametrize("ns_method", ["polar_express", "gram"])
+def test_no_host_sync_with_each_newton_schulz_method(pool2, ns_method):
+    """The other methods' schedules and Gram Newton–Schulz's restarts are decided from shapes and step
+    numbers, never from a device value."""
+    for syncs in pool2.run(_host_syncs, "z3", ns_method):
         assert syncs == []
 
 
@@ -214,13 +224,19 @@ def _finish_in_flight(rank, world, mode):
     train(setup, data[:2], rank, world)
     units = setup.handle._units
     launched = sum(u.state is BufferState.GATHERING for u in units)
+    synchronized = []  # the host's waits (a stream wait would leave an accelerator's broadcast running)
+    for unit in units:
+        if unit.state is BufferState.GATHERING:
+            flight = unit._in_flight
+            unit._in_flight = types.SimpleNamespace(
+                synchronize=lambda flight=flight: (synchronized.append(1), flight.synchronize()), wait=flight.wait)
     setup.handle.finish_in_flight()
     left = sum(u.state is not BufferState.FREE or u._in_flight is not None for u in units)
     left += len(setup.handle._ctx.replicas._in_flight)
     train(setup, data[2:], rank, world)  # the next forward gathers again
     straight = distribute(toy_model(), mode, world)
     train(straight, data, rank, world)
-    return launched, left, bitwise_equal(full_state(setup), full_state(straight))
+    return launched, len(synchronized), left, bitwise_equal(full_state(setup), full_state(straight))
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
@@ -229,10 +245,11 @@ def test_finish_in_flight_leaves_no_collective_and_training_goes_on(pool2, mode)
     after the last step. A 4-rank TP job on CI aborted at exit (SIGABRT, rank 3, after its last
     step logged): a gloo worker finishing that broadcast while the interpreter shut down. The
     trainer now calls ``finish_in_flight`` after training (test_titan_checks.py); here: the step
-    had launched one, afterwards nothing is gathering or in flight, and training goes on bitwise as
-    the same job without the call (same kernels in the same order: only waits and frees differ)."""
-    for launched, left, same in pool2.run(_finish_in_flight, mode):
-        assert launched == 1 and left == 0
+    had launched one, the host waited for it (not only a stream), afterwards nothing is gathering or
+    in flight, and training goes on bitwise as the same job without the call (same kernels in the same
+    order: only waits and frees differ)."""
+    for launched, synchronized, left, same in pool2.run(_finish_in_flight, mode):
+        assert launched == synchronized == 1 and left == 0
         assert same
 
 

@@ -293,6 +293,8 @@ class DedicatedParams:
         a gloo worker still finishing one while the interpreter shuts down aborts the process.
         Hooks stay; the next forward gathers again."""
         self.wait_for_replicate_broadcasts(host=True)
+        for unit in self._units:
+            unit.synchronize()
         self.discard_gathered_weights()
 
     def weights_changed(self) -> None:

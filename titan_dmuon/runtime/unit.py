@@ -105,6 +105,12 @@ class Unit:
             self._in_flight = None
             self.state = BufferState.READY
 
+    def synchronize(self) -> None:
+        """The host waits for the broadcasts in flight, if any (before the process groups go: a stream
+        wait would leave them running on an accelerator). The state stays: ``free`` releases."""
+        if self.state is BufferState.GATHERING:
+            self._in_flight.synchronize()
+
     def free(self) -> None:
         """Release the buffer. Its memory belongs to the gather stream, which reuses it: if compute
         read it, the gather stream first waits for compute's last use (an event, no host wait)."""
