@@ -96,7 +96,7 @@ hf_assets_path = "./assets/debug/tokenizer"
 [optimizer]
 {optimizer}
 [lr_scheduler]
-warmup_steps = 2
+warmup_steps = {warmup_steps}
 [training]
 local_batch_size = 2
 seq_len = 256
@@ -112,8 +112,13 @@ log_freq = 1
 disable_color_printing = true
 count_all_comm = true
 [debug]
-seed = 0
+seed = {seed}
 """
+
+
+def job_toml(optimizer: str, *, steps: int, reshard: str = "always", warmup_steps: int = 2, seed: int = 0) -> str:
+    """The llama3 debug job every benchmark of this model runs, with this ``[optimizer]`` table."""
+    return TEMPLATE.format(optimizer=optimizer, steps=steps, reshard=reshard, warmup_steps=warmup_steps, seed=seed)
 
 LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
@@ -154,7 +159,7 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None,
     optimizer, reshard = configs[name]
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     with open(path, "w") as f:
-        f.write(TEMPLATE.format(optimizer=optimizer, reshard=reshard, steps=steps))
+        f.write(job_toml(optimizer, steps=steps, reshard=reshard))
     env = {**os.environ, **job_env(path, optimizer), "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer)],
@@ -221,7 +226,7 @@ def measure(args) -> dict[str, list[dict]]:
             print("seed checkpoint ...", flush=True)
             path = os.path.join(workdir, "seed.toml")
             with open(path, "w") as f:
-                f.write(TEMPLATE.format(optimizer=ADAMW, reshard="always", steps=args.steps))
+                f.write(job_toml(ADAMW, steps=args.steps))
             seed = seed_checkpoint(path, workdir)
         for r in range(args.rounds):
             for name in configs:

@@ -24,36 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_debug_model import ADAMW, DMUON, NS_METHODS, ROOT, train_args  # noqa: E402
-
-TEMPLATE = """
-[job]
-description = "convergence"
-[model]
-name = "llama3"
-flavor = "debugmodel"
-hf_assets_path = "./assets/debug/tokenizer"
-[optimizer]
-{optimizer}
-[lr_scheduler]
-warmup_steps = 10
-[training]
-local_batch_size = 2
-seq_len = 256
-steps = {steps}
-max_norm = 1.0
-[dataloader]
-dataset_path = "./assets/debug/text"
-[parallelism]
-fsdp_reshard_after_forward = "always"
-[activation_checkpoint]
-mode = "none"
-[metrics]
-log_freq = 1
-disable_color_printing = true
-[debug]
-seed = {seed}
-"""
+from bench_debug_model import ADAMW, DMUON, NS_METHODS, ROOT, job_toml, train_args  # noqa: E402
 
 LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)")
 
@@ -71,7 +42,7 @@ def train(name: str, optimizer: str, seed: int, args, workdir: str) -> list[floa
     tag = re.sub(r"\W+", "_", name)
     path = os.path.join(workdir, tag + ".toml")
     with open(path, "w") as f:
-        f.write(TEMPLATE.format(optimizer=optimizer, steps=args.steps, seed=seed))
+        f.write(job_toml(optimizer, steps=args.steps, warmup_steps=10, seed=seed))
     env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(["./run_train.sh", *train_args(workdir, None, tag)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=6 * 3600)
