@@ -185,8 +185,8 @@ def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
     import titan_dmuon.muon_math as math
 
     batches = []
-    original = math._newton_schulz_wide_
-    monkeypatch.setattr(math, "_newton_schulz_wide_", lambda x, *a: batches.append(tuple(x.shape)) or original(x, *a))
+    original = math._orthogonalise_wide_
+    monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(tuple(x.shape)) or original(x, **k))
     torch.manual_seed(0)
     params = [torch.randn(12, 8), torch.randn(8, 12), torch.randn(24, 8)]  # w1, w2, a fused (8; 8; 8) q/k/v
     reference = [torch.nn.Parameter(p.clone()) for p in params[:2]] + [torch.nn.Parameter(t.clone()) for t in params[2].split(8)]
@@ -212,12 +212,12 @@ def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
     def run(cap):
         monkeypatch.setattr(math, "MAX_STACK_BYTES", cap)
         batches = []
-        original = math._newton_schulz_wide_
-        monkeypatch.setattr(math, "_newton_schulz_wide_", lambda x, *a: batches.append(x.shape[0]) or original(x, *a))
+        original = math._orthogonalise_wide_
+        monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
         out = [p.clone() for p in params]
         muon_step(out, grads, [torch.zeros_like(p) for p in params], [row_blocks(p.shape) for p in params],
                   lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
-        monkeypatch.setattr(math, "_newton_schulz_wide_", original)
+        monkeypatch.setattr(math, "_orthogonalise_wide_", original)
         return out, batches
 
     whole, whole_batches = run(2**30)

@@ -136,20 +136,13 @@ def ns_input_scale(ns_method: str) -> float:
 
 
 def _orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float) -> torch.Tensor:
-    """``ns_method`` on a bf16 batch with rows <= cols, which it normalises in place."""
-    if ns_method == "torch":
-        return _newton_schulz_wide_(x, steps, coefficients, eps)
+    """``ns_method`` on a bf16 batch with rows <= cols, which it normalises in place ("torch": as
+    torch.optim.Muon, ``coefficients`` every step and no input scale)."""
     schedule = ns_schedule(ns_method, steps, coefficients)
     _normalise_(x, eps, ns_input_scale(ns_method))
     if ns_method == "gram" and uses_gram(x.size(-2), x.size(-1), steps):
         return _gram_newton_schulz(x, schedule)
     return _iterate(x, schedule)
-
-
-def _newton_schulz_wide_(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float) -> torch.Tensor:
-    """Newton–Schulz on a bf16 batch with rows <= cols; normalises ``x`` in place (as torch.optim.Muon)."""
-    _normalise_(x, eps)
-    return _iterate(x, (tuple(coefficients),) * steps)
 
 
 def _normalise_(x: torch.Tensor, eps: float, scale: float = 1.0) -> None:
