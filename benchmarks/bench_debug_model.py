@@ -1,25 +1,29 @@
-"""Side by side on this machine: DMuon-Z2/Z3 vs FSDP2+AdamW vs naive FSDP2+Muon.
+"""Side by side on this machine, per batch: DMuon-Z2/Z3 vs FSDP2+AdamW vs naive FSDP2+Muon.
 
-    python benchmarks/bench_debug_model.py [--steps 10] [--rounds 2] [--ngpu 2] [--out bench_out]
-                                           [--ns-methods torch polar_express gram] [--no-naive]
-                                           [--seed-checkpoint] [--from-raw bench_out/debug_model_raw.json]
+    python benchmarks/bench_debug_model.py [--batches 2x256 4x1024 16x1024] [--steps 10] [--rounds 2]
+                                           [--ngpu 2] [--out bench_out] [--ns-methods torch polar_express gram]
+                                           [--no-naive] [--no-z2] [--seed-checkpoint]
+                                           [--from-raw bench_out/debug_model_raw.json]
 
-Trains TorchTitan's llama3 debug model with each configuration through
-run_train.sh (rounds interleave the configurations, so machine noise hits all
-of them alike; all start from the same weights: the same ``[debug] seed`` gives
-DMuon TorchTitan's own initial model, or ``--seed-checkpoint`` loads one TorchTitan
-seed checkpoint in every run), then prints one table of ratios against FSDP2+AdamW (same
-reshard mode) and writes bench_out/debug_model.png. Times are medians over
-the steps after the first two; communication is counted by the CommLedger
-(every collective of a step, FSDP2's included), and so are launches per rank
-per step, as NCCL runs them (``CommLedger.launch_groups()``: each of DMuon's
-groups, one unit in one direction, is one coalesced launch; gloo here runs a
-group's broadcasts/reduces one by one). Memory: the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
-packed-buffer peak, which is P_M per rank in Z2 and about two layers in Z3. DMuon's host time per
-step (its hooks and optimizer step; on a CPU this includes the work itself and gloo's waits) and how
-long the next forward's first layer waited for its weights (its broadcast starts in the step, as
-soon as that layer is updated) come from DMuon's log line. ``--ns-methods``: one DMuon-Z3 and one
-DMuon-Z2 row per Newton–Schulz method (``[optimizer] ns_method``; default "torch" only).
+Trains TorchTitan's llama3 debug model (d = 256) with each configuration through run_train.sh at each
+batch (tokens per rank per step, ``<local_batch_size>x<seq_len>``). Newton–Schulz costs about 5·d/B of
+the model's FLOPs (B: the job's tokens per optimizer step), so the batch decides how much of a step
+Muon can cost at all: 125% of the model's FLOPs at 2 x 256 tokens on 2 ranks, 3.9% at 16 x 1024 (the
+largest this CPU trains in seconds; an 8B model at 4M tokens per step is at ~0.5%). Each table row
+gives its batch's 5d/B. Rounds interleave the configurations, so machine noise hits all of them alike;
+all start from the same weights (the same ``[debug] seed`` gives DMuon TorchTitan's own initial model,
+or ``--seed-checkpoint`` loads one TorchTitan seed checkpoint in every run) and see the same batches.
+
+Per row: the step time (median of steps 3+, over every round) and its ratio to FSDP2+AdamW of the same
+reshard mode and batch; the optimizer step's share; communication per rank per step counted by the
+CommLedger (every collective of a step, FSDP2's included) and launches as NCCL runs them
+(``CommLedger.launch_groups()``); the rank's peak RSS (CPU; peak device memory on GPU) and DMuon's
+packed-buffer peak (P_M per rank in Z2, about two layers in Z3); the loss at the last step (mean over
+the rounds); and the **time to loss**: the steady-state seconds (steps x median step time) a run takes
+to reach the loss its AdamW row ends at, both as means over ``LOSS_WINDOW`` steps, beside AdamW's own
+(Muon's point is fewer steps to a loss). Writes bench_out/debug_model.txt (the text table and its
+markdown), bench_out/debug_model.png and the raw per-step figures. ``--ns-methods``: one DMuon-Z3 and
+one DMuon-Z2 row per Newton–Schulz method (``[optimizer] ns_method``; default "torch" only).
 
 Needs matplotlib for the plot (pip install -e '.[bench]').
 """
@@ -35,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -70,11 +75,11 @@ def job_args(args: list[str], optimizer: str) -> list[str]:
     return ["--dump_folder" if a == "--job.dump_folder" else a for a in args]
 
 
-def configurations(ns_methods=("torch",), naive: bool = True) -> dict[str, tuple[str, str]]:
+def configurations(ns_methods=("torch",), naive: bool = True, z2: bool = True) -> dict[str, tuple[str, str]]:
     """name -> ([optimizer] table, fsdp_reshard_after_forward), Z3 then Z2: AdamW, naive, DMuon per method
     ("DMuon Z3" is "torch"'s; "DMuon Z3 gram" another method's)."""
     out = {}
-    for mode, reshard in (("Z3", "always"), ("Z2", "never")):
+    for mode, reshard in (("Z3", "always"), ("Z2", "never"))[: 2 if z2 else 1]:
         out[f"FSDP2+AdamW {mode}"] = (ADAMW, reshard)
         if naive:
             out[f"naive FSDP2+Muon {mode}"] = (NAIVE, reshard)
@@ -98,8 +103,8 @@ hf_assets_path = "./assets/debug/tokenizer"
 [lr_scheduler]
 warmup_steps = {warmup_steps}
 [training]
-local_batch_size = 2
-seq_len = 256
+local_batch_size = {local_batch}
+seq_len = {seq_len}
 steps = {steps}
 [dataloader]
 dataset_path = "./assets/debug/text"
@@ -116,9 +121,12 @@ seed = {seed}
 """
 
 
-def job_toml(optimizer: str, *, steps: int, reshard: str = "always", warmup_steps: int = 2, seed: int = 0) -> str:
-    """The llama3 debug job every benchmark of this model runs, with this ``[optimizer]`` table."""
-    return TEMPLATE.format(optimizer=optimizer, steps=steps, reshard=reshard, warmup_steps=warmup_steps, seed=seed)
+def job_toml(optimizer: str, *, steps: int, reshard: str = "always", warmup_steps: int = 2, seed: int = 0,
+             local_batch: int = 2, seq_len: int = 256) -> str:
+    """The llama3 debug job every benchmark of this model runs, with this ``[optimizer]`` table
+    (``local_batch`` sequences of ``seq_len`` tokens per rank per step)."""
+    return TEMPLATE.format(optimizer=optimizer, steps=steps, reshard=reshard, warmup_steps=warmup_steps, seed=seed,
+                           local_batch=local_batch, seq_len=seq_len)
 
 LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
@@ -155,11 +163,13 @@ def train_args(workdir: str, seed: str | None, tag: str) -> list[str]:
     return args
 
 
-def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None, configs=CONFIGS) -> list[dict]:
+def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None, configs=CONFIGS,
+        batch: "Batch | None" = None) -> list[dict]:
     optimizer, reshard = configs[name]
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
+    shape = {} if batch is None else {"local_batch": batch.local, "seq_len": batch.seq}
     with open(path, "w") as f:
-        f.write(job_toml(optimizer, steps=steps, reshard=reshard))
+        f.write(job_toml(optimizer, steps=steps, reshard=reshard, **shape))
     env = {**os.environ, **job_env(path, optimizer), "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer)],
@@ -180,11 +190,42 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None,
     return rows
 
 
+MODEL_DIM = 256  # llama3 debugmodel's width d (TorchTitan's _debugmodel): Newton–Schulz costs ~5d/B of the model's FLOPs
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tokens per rank per step: ``local_batch_size`` sequences of ``seq_len`` tokens."""
+
+    local: int
+    seq: int
+
+    @staticmethod
+    def parse(text: str) -> "Batch":
+        m = re.fullmatch(r"(\d+)x(\d+)", text)
+        if not m:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a batch as <local_batch_size>x<seq_len>, e.g. 16x1024")
+        return Batch(int(m[1]), int(m[2]))
+
+    def __str__(self) -> str:
+        return f"{self.local}x{self.seq}"
+
+    def ns_share(self, ranks: int) -> float:
+        """~5·d/B: Newton–Schulz's FLOPs over the model's, B the job's tokens per optimizer step."""
+        return 5 * MODEL_DIM / (ranks * self.local * self.seq)
+
+
+DEFAULT_BATCHES = ("2x256", "4x1024", "16x1024")
+HEADLINE = "16x1024"  # the realistic row: the smallest NS share this CPU can train at (~4% of the FLOPs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ngpu", type=int, default=2)
+    parser.add_argument("--batches", nargs="+", type=Batch.parse, default=[Batch.parse(b) for b in DEFAULT_BATCHES],
+                        help="tokens per rank per step, <local_batch_size>x<seq_len> (default: %(default)s)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
         "--seed-checkpoint", action="store_true",
@@ -194,32 +235,37 @@ def main() -> None:
     parser.add_argument("--ns-methods", nargs="+", default=["torch"], choices=list(NS_METHODS),
                         help="a DMuon-Z3 and a DMuon-Z2 row per Newton–Schulz method")
     parser.add_argument("--no-naive", action="store_true", help="leave out the naive FSDP2+Muon rows")
+    parser.add_argument("--no-z2", action="store_true", help="only the Z3 rows (blocks reshard after forward)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:
         with open(args.from_raw) as f:
-            rows = json.load(f)
-        args.rounds = len({d["round"] for data in rows.values() for d in data})
+            raw = json.load(f)
+        args.rounds, args.steps = raw["rounds"], raw["steps"]
+        rows = raw["rows"]
     else:
         rows = measure(args)
         with open(os.path.join(args.out, "debug_model_raw.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rounds": args.rounds, "steps": args.steps, "ngpu": args.ngpu, "rows": rows}, f, indent=1)
 
-    summary = {name: summarize(data, args.steps) for name, data in rows.items()}
-    table = text_table(summary, f"llama3 debug model, {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps (medians of steps 3+)")
-    markdown = markdown_table(summary, args.steps)
+    summary = {batch: {name: summarize(data) for name, data in by_name.items()} for batch, by_name in rows.items()}
+    title = (f"llama3 debug model (d = {MODEL_DIM}), {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps "
+             "(step times: medians of steps 3+)")
+    table = text_table(summary, title, args.ngpu)
+    markdown = markdown_table(summary, args.ngpu, args.steps)
     print(table)
     print()
     print(markdown)
     with open(os.path.join(args.out, "debug_model.txt"), "w") as f:
         f.write(table + "\n\n" + markdown + "\n")
-    plot(summary, os.path.join(args.out, "debug_model.png"))
+    plot(summary, os.path.join(args.out, "debug_model.png"), args.ngpu)
 
 
-def measure(args) -> dict[str, list[dict]]:
-    """Every configuration, round after round; rows of steps 3+ tagged with their round."""
-    configs = configurations(args.ns_methods, naive=not args.no_naive)
-    rows: dict[str, list[dict]] = {name: [] for name in configs}
+def measure(args) -> dict[str, dict[str, list[dict]]]:
+    """Per batch, every configuration round after round (rounds interleave the configurations);
+    every step's row tagged with its round."""
+    configs = configurations(args.ns_methods, naive=not args.no_naive, z2=not args.no_z2)
+    rows: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         seed = None
         if args.seed_checkpoint:
@@ -228,11 +274,13 @@ def measure(args) -> dict[str, list[dict]]:
             with open(path, "w") as f:
                 f.write(job_toml(ADAMW, steps=args.steps))
             seed = seed_checkpoint(path, workdir)
-        for r in range(args.rounds):
-            for name in configs:
-                print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                rows[name] += [{**row, "round": r}
-                               for row in run(name, args.steps, args.ngpu, workdir, seed, configs) if row["step"] > 2]
+        for batch in args.batches:
+            by_name = rows.setdefault(str(batch), {name: [] for name in configs})
+            for r in range(args.rounds):
+                for name in configs:
+                    print(f"{batch} tokens/rank, round {r + 1}/{args.rounds}: {name} ...", flush=True)
+                    by_name[name] += [{**row, "round": r}
+                                      for row in run(name, args.steps, args.ngpu, workdir, seed, configs, batch)]
     return rows
 
 
@@ -241,85 +289,129 @@ def _median(data: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
-def summarize(data: list[dict], steps: int) -> dict:
-    step = _median(data, "step_s")
-    opt = _median(data, "opt_ms") / 1e3
+def mean_losses(data: list[dict]) -> list[float]:
+    """The loss of each step, the mean over the rounds (every round trains the same batches)."""
+    steps = sorted({d["step"] for d in data})
+    return [statistics.fmean(d["loss"] for d in data if d["step"] == s) for s in steps]
+
+
+LOSS_WINDOW = 3  # steps: the loss "reached" is a mean over this many steps (one batch's loss is noisy)
+
+
+def smoothed(losses: list[float]) -> list[float]:
+    return [statistics.fmean(losses[max(0, i - LOSS_WINDOW + 1) : i + 1]) for i in range(len(losses))]
+
+
+def summarize(data: list[dict]) -> dict:
+    steady = [d for d in data if d["step"] > 2]
+    step = _median(steady, "step_s")
     out = {
-        "step_s": step, "opt_share": opt / step, "comm_m": _median(data, "comm_m"), "comm_mb": _median(data, "comm_mb"),
-        "rss_gib": max(d["rss_gib"] for d in data), "buffers_mb": max(d["buffers_mb"] for d in data),
-        "loss": statistics.median(d["loss"] for d in data if d["step"] == steps),
+        "step_s": step, "opt_share": _median(steady, "opt_ms") / 1e3 / step, "comm_m": _median(steady, "comm_m"),
+        "comm_mb": _median(steady, "comm_mb"), "rss_gib": max(d["rss_gib"] for d in data),
+        "buffers_mb": max(d["buffers_mb"] for d in data), "losses": mean_losses(data),
     }
-    ordered = sorted(d["step_s"] for d in data)
-    out["step_p10"] = ordered[int(0.1 * (len(ordered) - 1))]  # the less disturbed steps on a shared machine
-    per_round = [statistics.median(d["step_s"] for d in data if d["round"] == r) for r in sorted({d["round"] for d in data})]
+    out["loss"] = out["losses"][-1]
+    per_round = [statistics.median(d["step_s"] for d in steady if d["round"] == r) for r in sorted({d["round"] for d in steady})]
     out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
     for key in ("launches", "launch_dmuon", "host_ms", "first_wait_ms"):
-        out[key] = _median(data, key)
+        out[key] = _median(steady, key)
     return out
 
 
-def _base(summary: dict, name: str) -> dict:
-    return summary["FSDP2+AdamW " + re.search(r"Z[23]", name)[0]]
+def _base(by_name: dict, name: str) -> dict:
+    return by_name["FSDP2+AdamW " + re.search(r"Z[23]", name)[0]]
+
+
+def time_to_loss(s: dict, base: dict) -> tuple[int, float] | None:
+    """(steps, seconds) a run takes to reach the loss its AdamW row ends at (both as ``LOSS_WINDOW``-step
+    means; seconds at the run's median step time), or None if it does not within the run."""
+    target = smoothed(base["losses"])[-1]
+    for i, loss in enumerate(smoothed(s["losses"])):
+        if loss <= target:
+            return i + 1, (i + 1) * s["step_s"]
+    return None
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def text_table(summary: dict, title: str) -> str:
+def _reach(s: dict, base: dict) -> tuple[str, str]:
+    """(time to AdamW's final loss, its ratio to AdamW's own time) as table cells."""
+    reached = time_to_loss(s, base)
+    if reached is None:
+        return "not reached", "-"
+    steps, seconds = reached
+    return f"{seconds:.1f} s ({steps} steps)", f"{seconds / (len(base['losses']) * base['step_s']):.2f}"
+
+
+def text_table(summary: dict, title: str, ranks: int) -> str:
     header = (
-        f"{'configuration':<30}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}"
-        f"{'comm MB':>9}{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'vs AdamW':>9}"
-        f"{'peak RSS GiB':>13}{'DMuon buf MB':>13}{'final loss':>11}{'p10 step':>10}{'vs AdamW':>9}   rounds' step-time medians"
+        f"{'tokens/rank':<12}{'5d/B':>7}  {'configuration':<26}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}"
+        f"{'comm MB':>9}{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}"
+        f"{'DMuon buf MB':>13}{'final loss':>11}{'time to AdamW final loss':>26}{'vs AdamW':>9}   rounds' step-time medians"
     )
     lines = [title, header]
-    for name, s in summary.items():
-        base = _base(summary, name)
-        ratio = s["launches"] / base["launches"]
-        lines.append(
-            f"{name:<30}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
-            f"{s['comm_m']:>12.4f}{s['comm_mb']:>9.3f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
-            f"{s['launches']:>9.0f}{_fmt(s['launch_dmuon'], '.0f'):>8}{ratio:>9.2f}"
-            f"{s['rss_gib']:>13.2f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}"
-            f"{s['step_p10']:>9.3f}s{s['step_p10'] / base['step_p10']:>9.2f}   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
-        )
+    for batch, by_name in summary.items():
+        share = Batch.parse(batch).ns_share(ranks)
+        for name, s in by_name.items():
+            base = _base(by_name, name)
+            reach, ratio = _reach(s, base) if base is not s else ("", "")
+            lines.append(
+                f"{batch:<12}{100 * share:>6.1f}%  {name:<26}{s['step_s']:>9.3f}s{s['step_s'] / base['step_s']:>9.3f}"
+                f"{100 * s['opt_share']:>12.1f}%{s['comm_mb']:>9.2f}{s['comm_mb'] / base['comm_mb']:>9.3f}"
+                f"{s['launches']:>9.0f}{_fmt(s['launch_dmuon'], '.0f'):>8}{s['rss_gib']:>13.2f}"
+                f"{s['rss_gib'] / base['rss_gib']:>9.3f}{s['buffers_mb']:>13.2f}{s['loss']:>11.3f}{reach:>26}{ratio:>9}"
+                f"   {s['round_spread'][0]:.3f}-{s['round_spread'][1]:.3f}s"
+            )
     return "\n".join(lines)
 
 
-def markdown_table(summary: dict, steps: int) -> str:
+def markdown_table(summary: dict, ranks: int, steps: int) -> str:
     lines = [
-        "| configuration | step time (median) | vs AdamW | step time (p10) | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
-        "| launches / rank / step (DMuon's) | vs AdamW | DMuon buffers peak | DMuon host time / step "
-        f"| first layer waited | loss at step {steps} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens / rank / step | NS share ~5d/B | configuration | step time (median) | vs AdamW | optimizer share "
+        "| comm / rank / step vs AdamW | peak RSS vs AdamW "
+        f"| loss at step {steps} | time to AdamW's loss at step {steps} | vs AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in summary.items():
-        base = _base(summary, name)
-        bold = name.startswith("DMuon")
-        label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
-        if bold:  # "DMuon Z3 gram" -> "DMuon-Z3, ns_method gram"
-            label = "**" + re.sub(r"^DMuon (Z[23])(?: (\w+))?$",
-                                  lambda m: f"DMuon-{m[1]}" + (f", ns_method {m[2]}" if m[2] else ""), name) + "**"
-        ratio = s["launches"] / base["launches"]
-        buffers = f"{s['buffers_mb']:.2f} MB" if s["buffers_mb"] else "–"
-        lines.append(
-            f"| {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.2f} | {s['step_p10']:.3f} s "
-            f"| {s['step_p10'] / base['step_p10']:.2f} | {100 * s['opt_share']:.1f} % "
-            f"| {s['comm_mb']:.2f} MB | {s['comm_mb'] / base['comm_mb']:.3f} "
-            f"| {s['launches']:.0f} ({_fmt(s['launch_dmuon'], '.0f')}) "
-            f"| {ratio:.2f} | {buffers} | {_fmt(s['host_ms'], '.1f')} ms | {_fmt(s['first_wait_ms'], '.2f')} ms "
-            f"| {s['loss']:.2f} |"
-        )
+    for batch, by_name in summary.items():
+        local, seq = batch.split("x")
+        share = Batch.parse(batch).ns_share(ranks)
+        for name, s in by_name.items():
+            base = _base(by_name, name)
+            label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
+            if name.startswith("DMuon"):  # "DMuon Z3 gram" -> "DMuon-Z3, ns_method gram"
+                label = "**" + re.sub(r"^DMuon (Z[23])(?: (\w+))?$",
+                                      lambda m: f"DMuon-{m[1]}" + (f", ns_method {m[2]}" if m[2] else ""), name) + "**"
+            reach, ratio = _reach(s, base) if base is not s else ("–", "–")
+            lines.append(
+                f"| {local} x {seq} | {100 * share:.1f} % | {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.3f} "
+                f"| {100 * s['opt_share']:.1f} % | {s['comm_mb'] / base['comm_mb']:.3f} "
+                f"| {s['rss_gib'] / base['rss_gib']:.3f} | {s['loss']:.2f} | {reach} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
-def plot(summary: dict, path: str) -> None:
-    bar_panels(summary, [
-        ("step time (s)", "step_s", 1),
+def plot(summary: dict, path: str, ranks: int) -> None:
+    """One row of bars per configuration and batch: step time relative to AdamW, optimizer share,
+    communication, and the time to AdamW's final loss relative to AdamW's run."""
+    flat = {}
+    for batch, by_name in summary.items():
+        share = 100 * Batch.parse(batch).ns_share(ranks)
+        for name, s in by_name.items():
+            base = _base(by_name, name)
+            reached = time_to_loss(s, base)
+            flat[f"{batch} ({share:.1f}%): {name}"] = {
+                **s, "step_vs_adamw": s["step_s"] / base["step_s"],
+                "reach_vs_adamw": (reached[1] / (len(base["losses"]) * base["step_s"])) if reached else float("nan"),
+            }
+    bar_panels(flat, [
+        ("step time vs AdamW", "step_vs_adamw", 1),
         ("optimizer step share (%)", "opt_share", 100),
         ("communication per rank per step (MB)", "comm_mb", 1),
-        ("launches / rank / step (NCCL)", "launches", 1),
-    ], path, "llama3 debug model on this machine: DMuon vs FSDP2+AdamW vs naive FSDP2+Muon", height=4.5)
+        ("time to AdamW's final loss vs AdamW", "reach_vs_adamw", 1),
+    ], path, "llama3 debug model per batch (tokens/rank, ~5d/B): DMuon vs FSDP2+AdamW vs naive FSDP2+Muon",
+        height=1.5 + 0.32 * len(flat))
 
 
 def bar_panels(summary: dict, panels: list[tuple[str, str, float]], path: str, title: str, *, height: float) -> None:

@@ -148,26 +148,26 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
     base = summary["FSDP2+AdamW"]
     text = [title, (
         f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
-        f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'loss':>8}"
+        f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}{'loss':>8}"
     )]
     md = [
         "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
-        "| launches / rank / step (DMuon's) | peak RSS | loss per step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| launches / rank / step (DMuon's) | peak RSS | vs AdamW | loss per step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         text.append(
             f"{name:<24}{s['step_s']:>9.2f}s{s['step_s'] / base['step_s']:>9.2f}{100 * s['opt_share']:>12.1f}%"
             f"{s['comm_m']:>12.4f}{s['comm_mb']:>10.2f}{s['comm_mb'] / base['comm_mb']:>9.4f}"
             f"{_f(s['launches'], '.0f'):>9}{_f(s['launch_dmuon'], '.0f'):>8}"
-            f"{s['rss_gib']:>13.2f}{s['loss']:>8.3f}"
+            f"{s['rss_gib']:>13.2f}{s['rss_gib'] / base['rss_gib']:>9.3f}{s['loss']:>8.3f}"
         )
         label = f"**{name.replace('DMuon ', 'DMuon, ns_method ')}**" if name.startswith("DMuon") else name
         md.append(
             f"| {label} | {s['step_s']:.2f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB ({s['comm_m']:.4f}M elements) | {s['comm_mb'] / base['comm_mb']:.4f} "
             f"| {_f(s['launches'], '.0f')} ({_f(s['launch_dmuon'], '.0f')}) "
-            f"| {s['rss_gib']:.2f} GiB | {', '.join(f'{x:.3f}' for x in s['losses'])} |"
+            f"| {s['rss_gib']:.2f} GiB | {s['rss_gib'] / base['rss_gib']:.3f} | {', '.join(f'{x:.3f}' for x in s['losses'])} |"
         )
     d = summary.get("DMuon", {})
     if d.get("dmuon_m") is not None:

@@ -96,7 +96,6 @@ class DMuon(torch.optim.Optimizer):
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
         self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)
-        self._trim_host_heap = None  # glibc's malloc_trim when the Muon step runs on the CPU (first step)
         self.qk_clip = None
         if defaults.qk_clip_threshold is not None:
             from titan_dmuon.qk_clip import QKClip
@@ -181,10 +180,6 @@ class DMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group_step(group)
-        if self._trim_host_heap is None and self._ns.timer is not None:
-            self._trim_host_heap = _host_heap_trim() if self._ns.timer.on_host else False
-        if self._trim_host_heap:
-            self._trim_host_heap(0)
         self._host_seconds = time.perf_counter() - start
         return loss
 
@@ -218,20 +213,6 @@ class DMuon(torch.optim.Optimizer):
         )
 
 
-def _host_heap_trim():
-    """glibc's ``malloc_trim``, or False (another C library). On a CPU the step's Newton–Schulz stacks
-    (tens of MB each) come from the C heap, which keeps them after they are freed: the next forward's
-    activations could not always reuse those pages, so the process's resident peak grew by them (qwen3
-    moe_debug: 1.02x AdamW's, at a tensor high-water of 0.78x). ``malloc_trim(0)`` after the step gives
-    the heap's free pages back to the OS (a few ms per step on a CPU; GPUs keep their caching allocator)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else False
-    except (OSError, AttributeError):
-        return False
 
 
 def _check_known(options: dict, where: str) -> None:

@@ -61,11 +61,6 @@ class DeviceTimer:
         self._module = None if device.type == "cpu" else torch.get_device_module(device)
         self._spans: list = []
 
-    @property
-    def on_host(self) -> bool:
-        """Whether the timed work runs on the CPU."""
-        return self._module is None
-
     @contextlib.contextmanager
     def timing(self, *, accumulate: bool = False):
         if not accumulate:
