@@ -22,7 +22,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "titan_dmuon")
 ERRORS = {"ValueError", "TypeError", "RuntimeError", "NotImplementedError", "KeyError"}  # and the package's own
-STABLE = 12  # characters: a literal this long is specific enough to find the message by
+STABLE = 12  # characters: a clause this long is specific enough to find the message by
 SHORT = 3  # shorter literals (": ", ", ") say nothing
 
 # Sites whose message is another error's, raised at a site of its own (the key: module, enclosing
@@ -61,14 +61,21 @@ class Site:
 
     @property
     def fragments(self) -> list[str]:
-        """Its literals as a reader finds them: trimmed of separators, the meaningless ones dropped."""
+        """Its text as a reader finds it: the clauses of its literals (split at ; : ( ) and at the end
+        of a sentence, trimmed of separators), the meaningless short ones dropped."""
         out = []
         for text in self.literals:
-            for piece in re.split(r"\n", text):
-                piece = " ".join(piece.split()).strip(" :;,.'\"()[]{}=")
+            for piece in re.split(r"[;:()\n]|\.\s", text):
+                piece = " ".join(piece.split()).strip(" ,.'\"[]{}=")
                 if len(piece) >= SHORT:
                     out.append(piece)
         return out
+
+    @property
+    def stable(self) -> str | None:
+        """The clause an entry must quote: the message's longest (None when all are short)."""
+        longest = max(self.fragments, key=len, default="")
+        return longest if len(longest) >= STABLE else None
 
 
 def _literals(node: ast.AST) -> list[str | None]:
@@ -185,14 +192,11 @@ def _innermost(tree: ast.Module, target: ast.AST):
 
 
 def answered(site: Site, page: str) -> bool:
-    """The page quotes the site's message: one of its stable literals, or (a message of short pieces)
-    all of them on one line."""
-    text = " ".join(page.split())
-    stable = [f for f in site.fragments if len(f) >= STABLE]
-    if stable:
-        return any(f in text for f in stable)
-    pieces = site.fragments
-    return bool(pieces) and any(all(p in line for p in pieces) for line in page.splitlines())
+    """The page quotes the site's message: its longest clause, or (a message of short pieces only)
+    every piece on one line."""
+    if site.stable is not None:
+        return site.stable in " ".join(page.split())
+    return bool(site.fragments) and any(all(p in line for p in site.fragments) for line in page.splitlines())
 
 
 if __name__ == "__main__":

@@ -120,8 +120,11 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(path: str) -> set[str]:
+    """A page's headings as anchors, and the objects its ``::: path`` lines render (mkdocstrings'
+    anchor is the object's path)."""
     text = re.sub(r"```.*?```", "", _read(path), flags=re.S)
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M)}
+    return ({_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M)}
+            | set(re.findall(r"^::: ([\w.]+)\s*$", text, flags=re.M)))
 
 
 def test_every_relative_link_resolves():

@@ -169,7 +169,7 @@ class QKClip:
         if not attentions:
             raise ValueError(
                 "qk_clip_threshold is set but no attention layer was described: pass qk_clip_attention=[QKClipAttention...] "
-                "(TorchTitan: built from the model; see the README's MuonClip section)"
+                "(TorchTitan: built from the model; see docs/qk-clip.md)"
             )
         self.threshold, self.alpha = float(threshold), float(alpha)
         by_handle: dict[int, _HandleClip] = {}
