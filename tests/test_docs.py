@@ -147,4 +147,5 @@ def test_every_relative_link_resolves():
 
 def test_the_readme_is_a_front_page():
     lines = _read(os.path.join(ROOT, "README.md")).count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; move detail into docs/ "
+                                       f"(at most {README_MAX_LINES})")

@@ -197,8 +197,10 @@ def split_stages(weights: Sequence[Weight], pp: int) -> list[list[Weight]]:
     first_layer = next((i for i, w in enumerate(weights) if w.layer is not None), len(weights))
     stages: list[list[Weight]] = [[] for _ in range(pp)]
     for i, w in enumerate(weights):
-        s = next(k for k, b in enumerate(bounds) if w.layer in b) if w.layer is not None else 0 if i < first_layer else pp - 1
-        stages[s].append(w)
+        if w.layer is not None:
+            stages[next(k for k, b in enumerate(bounds) if w.layer in b)].append(w)
+        else:
+            stages[0 if i < first_layer else pp - 1].append(w)
     return stages
 
 
@@ -366,7 +368,8 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
         if layout.ddp:
             return 0
         root, layers = _layer_groups(weights, gathered_numel)
-        return (root + (_two_adjacent(layers) if reshard and not pipelined else sum(layers))) * cb + max(layers, default=0) * rb
+        weights_peak = root + (_two_adjacent(layers) if reshard and not pipelined else sum(layers))
+        return weights_peak * cb + max(layers, default=0) * rb
 
     everything, rest = sharded(stage.all), sharded(stage.others + stage.local)
     moments, local = sharded(stage.others), sharded(stage.local)
@@ -383,6 +386,7 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
         for r in range(mesh.replicate_size):
             held[r * dp_shard + plan.shard_owner(e)] += e.numel
     units = stage.unit_sizes()
+    unreduced_rest = sum(gathered_numel(w) for w in stage.others + stage.local) * rb
     for name, reshard in (("DMuon-Z2", False), ("DMuon-Z3", True)):
         z3 = reshard and not pipelined and not layout.ddp
         memory[name] = Memory(
@@ -392,7 +396,7 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
                                 + owned[g] * pb for g in range(ranks)),
             buffers_between_steps=(units[0] if units else 0) * cb,
             buffers_peak=(_two_adjacent(units) if z3 else sum(units)) * cb,
-            unreduced_grads=(sum(units) + sum(gathered_numel(w) for w in stage.others + stage.local)) * rb if pipelined else 0,
+            unreduced_grads=unreduced_rest + sum(units) * rb if pipelined else 0,
             gathered_peak=gathered(stage.others + stage.local, reshard) + max(units, default=0) * rb)
     return memory
 
@@ -412,7 +416,8 @@ def _stage_traffic(stage: _StageWeights, plan: OwnershipPlan, precision: Precisi
         step = Fraction(n - 1, n) * numel
         for name, key in (("naive FSDP2 + Muon, Z2", "naive_fsdp_z2"), ("naive FSDP2 + Muon, Z3", "naive_fsdp_z3")):
             elements = cost_model.baseline_elements_per_rank(key, shard_size=n, numel=numel)
-            traffic[name] = Traffic(elements=elements, bytes=(elements - step) * precision.compute + step * precision.reduce)
+            traffic[name] = Traffic(elements=elements,
+                                    bytes=(elements - step) * precision.compute + step * precision.reduce)
     for name, reshard in (("DMuon-Z2", False), ("DMuon-Z3", True)):
         mode = _dedication_mode(layout, reshard_after_forward=reshard)
         kept = units[-1] if (mode.reshard_after_forward and not pipelined and units) else 0
@@ -472,8 +477,8 @@ def _dmuon_bytes(mode, numel: int, kept: int, deferred: bool, local_tp: int, pre
     if r > 1:
         total += Fraction(r - 1, r) * Fraction(numel, n) * (precision.reduce + precision.param)
     if mode.tp is not None:
-        total += NS_BYTES * cost_model.tensor_parallel_elements_per_rank(mode.tp.size, numel=numel, data_parallel_ranks=n * r,
-                                                                  local_expert_numel=local_tp)
+        total += NS_BYTES * cost_model.tensor_parallel_elements_per_rank(
+            mode.tp.size, numel=numel, data_parallel_ranks=n * r, local_expert_numel=local_tp)
     return total
 
 
@@ -580,7 +585,8 @@ def _header(sizing: Sizing, title: str) -> list[str]:
 def _memory_table(sizing: Sizing) -> list[str]:
     staged = sizing.layout.pp > 1
     stage_of = {c: sizing.heaviest(c) for c in CONFIGURATIONS}
-    out = ["", "Memory per rank (GB = 1e9 bytes, MB = 1e6; the largest rank" + (", of the heaviest pipeline stage" if staged else "")
+    out = ["", "Memory per rank (GB = 1e9 bytes, MB = 1e6; the largest rank"
+           + (", of the heaviest pipeline stage" if staged else "")
            + "; activations and Newton–Schulz workspace not included)", "",
            "| | " + " | ".join(CONFIGURATIONS) + " |", "|---" * (len(CONFIGURATIONS) + 1) + "|"]
     rows = [("parameters", lambda m: m.params), ("gradients", lambda m: m.grads),
@@ -605,8 +611,9 @@ def _traffic_table(sizing: Sizing) -> list[str]:
     names = {4: "fp32", 2: "bf16"}
     p = sizing.precision
     unit = max(t.bytes for t in stage.traffic.values())
-    out = ["", f"Communication per rank per step of the dedicated Muon targets ({_count(stage.dedicated_numel)} elements"
-           + (f" in the largest pipeline stage" if sizing.layout.pp > 1 else "") + "; elements as a bandwidth-optimal "
+    out = ["", "Communication per rank per step of the dedicated Muon targets "
+           f"({_count(stage.dedicated_numel)} elements"
+           + (" in the largest pipeline stage" if sizing.layout.pp > 1 else "") + "; elements as a bandwidth-optimal "
            f"algorithm moves them, titan_dmuon.cost_model; bytes with weights sent in {names[p.compute]}, gradients in "
            f"{names[p.reduce]})", "", "| | elements | x floor | bytes |", "|---|---|---|---|",
            f"| floor: an all-reduce of their gradients over the data-parallel ranks | {_count(stage.floor.elements)} "
@@ -618,11 +625,13 @@ def _traffic_table(sizing: Sizing) -> list[str]:
             ratio = f"{float(t.elements / stage.floor.elements):.3f}" if stage.floor.elements else "-"
             out.append(f"| {name} | {_count(t.elements)} | {ratio} | {_gb(t.bytes, unit)} |")
     if sizing.layout.tp > 1:
-        out.append(f"| of which DMuon's TP exchange (both modes, on the TP group) | {_count(stage.tp_exchange.elements)} "
+        out.append("| of which DMuon's TP exchange (both modes, on the TP group) | "
+                   f"{_count(stage.tp_exchange.elements)} "
                    f"| | {_gb(stage.tp_exchange.bytes, unit)} |")
     out.append("")
     if stage.local_expert_numel:
-        out.append(f"Routed experts kept where FSDP2 / expert parallelism holds them ({_count(stage.local_expert_numel)} "
+        out.append("Routed experts kept where FSDP2 / expert parallelism holds them "
+                   f"({_count(stage.local_expert_numel)} "
                    "elements in this stage): each rank updates its own; they move what they move under FSDP2 + AdamW. ")
     out.append("FSDP2's traffic for the other weights (embeddings, norms, head) is the same in every row.")
     return out
@@ -661,7 +670,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m titan_dmuon.sizing", description=__doc__.split("\n\n")[0])
     source = parser.add_argument_group("the model (one of)")
     source.add_argument("--model", help="TorchTitan model name: llama3, deepseek_v3, qwen3, kimi_k2_7")
-    source.add_argument("--flavor", help="its flavor in TorchTitan's model registry, e.g. 8B, 70B, 405B, 671B, debugmodel")
+    source.add_argument("--flavor",
+                        help="its flavor in TorchTitan's model registry, e.g. 8B, 70B, 405B, 671B, debugmodel")
     source.add_argument("--config", metavar="FILE.toml",
                         help="a TOML job (its model, muon_params, degrees and dtypes); other --section.key value "
                              "arguments override it as with run_train.sh")
@@ -678,10 +688,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     figures.add_argument("--tflops", type=float, default=H200_BF16_TFLOPS,
                          help="Newton–Schulz TFLOP/s per rank for the critical path (default: the H200's bf16 matmul "
                               "peak, so the times are lower bounds)")
-    figures.add_argument("--device-memory", type=float, default=80.0, help="GB per rank for the recommendation (default 80)")
+    figures.add_argument("--device-memory", type=float, default=80.0,
+                         help="GB per rank for the recommendation (default 80)")
     figures.add_argument("--activation-share", type=float, default=0.5,
                          help="share of --device-memory left to activations when deciding Z2/Z3 (default 0.5)")
-    figures.add_argument("--param-dtype", default=None, help="master weights, gradients, optimizer state (default fp32)")
+    figures.add_argument("--param-dtype", default=None,
+                         help="master weights, gradients, optimizer state (default fp32)")
     figures.add_argument("--compute-dtype", default=None,
                          help="forward/backward weights (default bf16; a --config's training.mixed_precision_param)")
     figures.add_argument("--reduce-dtype", default=None,
@@ -697,9 +709,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         weights, title = job.weights, job.description
         job_layout, compute_dtype, reduce_dtype = job.layout, job.compute_dtype, job.reduce_dtype
     elif args.model and args.flavor:
-        use_table = args.source == "table" or (args.source == "auto" and model_shapes.table_key(args.model, args.flavor))
+        tabled = model_shapes.table_key(args.model, args.flavor) is not None
+        use_table = args.source == "table" or (args.source == "auto" and tabled)
         if use_table:
-            if not model_shapes.table_key(args.model, args.flavor):
+            if not tabled:
                 parser.error(f"no shape table for {args.model} {args.flavor}; tables: "
                              + ", ".join(f"{n} {f}" for n, f in model_shapes.SHAPE_TABLES))
             weights = model_shapes.from_table(args.model, args.flavor)
