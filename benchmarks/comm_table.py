@@ -1,4 +1,4 @@
-"""The communication table of the README, measured by the CommLedger.
+"""The communication table of docs/performance.md, measured by the CommLedger.
 
     python benchmarks/comm_table.py [--n 2 4 8 16 64]
 

@@ -99,7 +99,9 @@ def _storages(tensors, seen: set) -> int:
     return total
 
 
-def _breakdown(setup) -> dict[str, int]:
+def storage_breakdown(setup) -> dict[str, int]:
+    """Bytes per rank of the parameters, gradients, optimizer state (each storage once) and DMuon's
+    packed buffers alive now (also what ``tests/test_sizing.py`` holds ``python -m titan_dmuon.sizing`` to)."""
     seen: set = set()
     params = list(setup.model.parameters())
     out = {
@@ -181,7 +183,7 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
         time.sleep(0.2)
         with record_function("bench::end"):
             pass
-        breakdown = _breakdown(setup)
+        breakdown = storage_breakdown(setup)
     gc.enable()
     memory, ranges = _timeline(prof)
     _, persistent, _ = _live_and_peak(memory, 0, ranges["end"][0])
@@ -281,7 +283,7 @@ def _in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def _on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int, measure=None) -> dict:
+def on_fake_pg(rank: int, world: int, build, dims: dict, steps: int, seq: int, measure=None) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -332,7 +334,7 @@ def main() -> None:
     else:
         for label, world, build, _ in rows:
             print(f"measuring {label}: {world} ranks simulated one by one on the fake process group ...", flush=True)
-            results[label] = [_on_fake_pg(rank, world, build, dims, args.steps, args.seq) for rank in range(world)]
+            results[label] = [on_fake_pg(rank, world, build, dims, args.steps, args.seq) for rank in range(world)]
 
     p_m = next(iter(results.values()))[0]["p_m"]
     title = (
@@ -374,7 +376,7 @@ def _moe_table(args) -> None:
     results = {}
     for label, optimizer in (("FSDP2 + AdamW (TorchTitan's container)", "AdamW"), ("DMuon-Z3", "dmuon")):
         print(f"measuring {label} on qwen3 moe_debug: 2 ranks simulated one by one on the fake process group ...", flush=True)
-        results[label] = [_on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)]
+        results[label] = [on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)]
         for rank, result in enumerate(results[label]):
             result["resident"] = _in_fresh_process(_resident_moe, rank, 2, optimizer, args.steps, args.seq)
     keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water",

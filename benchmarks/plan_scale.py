@@ -15,7 +15,7 @@ busiest rank's NS FLOPs (``max(plan.ns_flops_per_rank)``: ``step()`` waits for i
 ``--ns-tflops``. One weight's NS runs on one rank, so the largest weight's NS time is the floor of that
 critical path however many ranks there are; past total/largest ranks the extra ranks stop shortening it.
 
-    .venv/bin/python benchmarks/plan_scale.py               # the README's table
+    .venv/bin/python benchmarks/plan_scale.py               # docs/performance.md's table
     .venv/bin/python benchmarks/plan_scale.py --no-before   # without the scan (its 8192-rank rows take ~30 s)
 """
 
@@ -30,10 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.plan_reference import reference_build_plan  # noqa: E402
 from titan_dmuon.plan import MatrixSpec, build_plan  # noqa: E402
-
-# The H200's bf16 dense matmul, measured ~770-800 TFLOP/s at 8192^3 (shared/notes/gpu-readiness.md):
-# Newton–Schulz runs below a matmul's peak, so times at this rate are lower bounds.
-H200_BF16_TFLOPS = 790.0
+from titan_dmuon.sizing import H200_BF16_TFLOPS  # noqa: E402  (the rate python -m titan_dmuon.sizing uses too)
 
 
 def llama3_405b_specs() -> list[MatrixSpec]:

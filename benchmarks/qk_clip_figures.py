@@ -1,10 +1,10 @@
-"""The README's QK-clip figures, regenerated: each job with the clip and without it, per step.
+"""The QK-clip figures of docs/qk-clip.md, regenerated: each job with the clip and without it, per step.
 
     .venv/bin/python benchmarks/qk_clip_figures.py            # llama3 and deepseek_v3 debug models, ~2.5 min on 2 CPU cores
 
 Runs ``./run_train.sh`` (the main job, 2 ranks) with ``--optimizer.qk_clip_threshold TAU`` and,
 for the comparison, with a threshold no logit reaches (1e9: the capture and its reduce run and log
-S, every factor is exactly 1, so the job trains as without the clip), and prints the README's table
+S, every factor is exactly 1, so the job trains as without the clip), and prints docs/qk-clip.md's table
 with both models: the step's largest logit S before clipping, the heads clipped, the loss. The
 figures are bf16 runs of this machine's kernels: another CPU or a GPU gives slightly other digits.
 """
@@ -45,7 +45,7 @@ def run(tau: str, steps: int, extra: tuple, folder: str) -> list[tuple[int, floa
 
 
 def table(results: dict[str, tuple[list, list]]) -> str:
-    """The README's table: per step, for each model, S and heads clipped with the clip, S without it
+    """docs/qk-clip.md's table: per step, for each model, S and heads clipped with the clip, S without it
     and the loss with and without it."""
     models = list(results)
     head = "| step | " + " | ".join(f"{m}: S | heads clipped | S without the clip | loss with, without the clip" for m in models) + " |"

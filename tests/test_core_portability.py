@@ -2,7 +2,7 @@
 no TorchTitan (nor tyro, datasets, torchdata, spmd_types), nothing installable.
 
 The core (``titan_dmuon`` outside ``integration/`` and ``config_registry.py``) and the GPU check
-run there; its tests pass on torch 2.11 (README, "The GPU check"). What torch 2.11 lacks that the
+run there; its tests pass on torch 2.11 (docs/guides/gpus.md). What torch 2.11 lacks that the
 core used is refused by name here, on any torch, by standing in 2.11's behaviour.
 """
 

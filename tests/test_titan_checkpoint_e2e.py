@@ -200,20 +200,21 @@ def test_users_python_config_resumes_a_toml_checkpoint_bit_exactly(straight, tmp
     _assert_same(_checkpoint(folder, 10), _checkpoint(run, 10))
 
 
-def _readme_commands(heading: str) -> list[str]:
-    with open(os.path.join(ROOT, "README.md")) as f:
+def _documented_commands(page: str, heading: str) -> list[str]:
+    """The first bash block after ``heading`` in the docs page ``page``."""
+    with open(os.path.join(ROOT, "docs", page)) as f:
         section = f.read().split(heading, 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_readme_checkpoint_commands_run_as_written(tmp_path):
-    """The README's resume and resharding commands, verbatim, in a copy of the checkout (they write
+def test_documented_checkpoint_commands_run_as_written(tmp_path):
+    """The documented resume and resharding commands (docs/checkpoints/torchtitan.md), verbatim, in a copy of the checkout (they write
     ./outputs). Changing the layout (2 -> 4 ranks) without --checkpoint.exclude_from_loading
     dataloader failed on every rank inside TorchTitan's dataloader (a missing dataloader.dp_rank_3);
     now every rank stops before loading with the one line that names the option, and the documented
     command with the option resumes."""
-    commands = _readme_commands("## Checkpoints")
+    commands = _documented_commands("checkpoints/torchtitan.md", "## Resume and reshard")
     assert len(commands) == 3 and "--checkpoint.exclude_from_loading dataloader" in commands[2], commands
     clone = tmp_path / "clone"
     clone.mkdir()
@@ -225,7 +226,7 @@ def test_readme_checkpoint_commands_run_as_written(tmp_path):
 
     def sh(command: str):
         result = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
-        result.stdout = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)  # the README's commands log in colour
+        result.stdout = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)  # the documented commands log in colour
         return result, _losses(result.stdout)
 
     first, losses = sh(commands[0])

@@ -77,7 +77,7 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
     them under FSDP2 (the same random numbers on every rank); this also checks the gradient scale
     (TorchTitan sums: divide factor 1) and the clip's count of owner-held plus FSDP-sharded
     gradients (each element once; summed in another order: 1e-5)."""
-    export = _readme_export_flags()  # (the Z3 run also saves the README's HF export of its last step)
+    export = _documented_export_flags()  # (the Z3 run also saves the documented HF export of its last step)
     runs = {
         "adamw": parse(run_train(tmp_path / "a", "--training.steps", "1", config="debug_model_adamw.toml"))[0],
         "z3": parse(run_train(tmp_path / "b", "--training.steps", "1", *export))[0],
@@ -91,10 +91,11 @@ def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
     _check_export_loads_in_transformers(str(tmp_path / "b" / "checkpoint" / "step-1"))
 
 
-def _readme_export_flags() -> list[str]:
-    """The flags of the README's HF export command (tests/test_hf_export.py checks the export's logits)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        block = f.read().split("### Export for Hugging Face", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+def _documented_export_flags() -> list[str]:
+    """The flags of the documented HF export command (docs/checkpoints/hf-export.md; tests/test_hf_export.py
+    checks the export's logits)."""
+    with open(os.path.join(ROOT, "docs", "checkpoints", "hf-export.md")) as f:
+        block = f.read().split("```bash\n", 1)[1].split("```", 1)[0]
     (command,) = [line for line in block.splitlines() if line.strip()]
     words = command.split()
     assert words[0] == "./run_train.sh", command
@@ -102,7 +103,7 @@ def _readme_export_flags() -> list[str]:
 
 
 def _check_export_loads_in_transformers(folder: str) -> None:
-    """The debug model's export, as the README says: ``from_pretrained`` for the model and the
+    """The debug model's export, as docs/checkpoints/hf-export.md says: ``from_pretrained`` for the model and the
     tokenizer as they are, no ``sharded/`` folder left, the debug model's shape and the tokenizer's
     special tokens in the config, and the model runs on the tokenizer's ids."""
     import torch
@@ -117,7 +118,7 @@ def _check_export_loads_in_transformers(folder: str) -> None:
     with torch.no_grad():
         assert torch.isfinite(model(ids, labels=ids).loss)
 
-# The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_readme_checkpoint_commands_run_as_written.
+# The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_documented_checkpoint_commands_run_as_written.
 
 
 def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):

@@ -168,9 +168,11 @@ class CommLedger(TorchDispatchMode):
         return out
 
     def elements(self, **filters) -> Fraction:
+        """Elements per rank of the records that match ``filters`` (as ``select``), in the design's units."""
         return sum((r.elements for r in self.select(**filters)), Fraction(0))
 
     def bytes(self, **filters) -> Fraction:
+        """Bytes per rank of the records that match ``filters``: their elements times each one's element size."""
         return sum((r.bytes for r in self.select(**filters)), Fraction(0))
 
     def launches(self, **filters) -> int:
@@ -211,6 +213,7 @@ class CommLedger(TorchDispatchMode):
         return total / len(parts)
 
     def table(self, steps: int = 1) -> str:
+        """A printable table per source and collective kind: calls, elements and bytes per rank (divided by ``steps``)."""
         lines = [f"{'source':<28}{'kind':<16}{'calls':>7}{'elements/rank':>18}{'bytes/rank':>16}"]
         for (source, kind), (calls, elements, nbytes) in self.by_label().items():
             lines.append(

@@ -168,6 +168,8 @@ class DMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step: Muon on the weights this rank updates (owned, or experts it holds), AdamW on the rest;
+        then the next forward's first broadcast is launched early."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

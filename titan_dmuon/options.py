@@ -65,7 +65,9 @@ class DMuonOptions:
     ns_steps: int = NS_STEPS
     """Newton–Schulz iterations."""
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    """(a, b, c) of the quintic Newton–Schulz step, torch.optim.Muon's; ns_method "torch" only."""
     eps: float = NS_EPS
+    """Newton–Schulz's input is divided by its Frobenius norm clamped at eps (torch.optim.Muon's)."""
     adjust_lr_fn: Literal[ADJUST_LR_FN_NAMES] | None = None
     """Muon per-shape learning-rate scaling, as torch.optim.Muon's (unset = "original")."""
     ns_mode: Literal[NS_MODES] = "batched"
@@ -80,8 +82,11 @@ class DMuonOptions:
     """AdamW learning rate of the non-Muon parameters (with TorchTitan: of the catch-all param group,
     pattern ".*"; other param groups keep their own settings)."""
     adamw_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's betas for the non-Muon parameters."""
     adamw_eps: float = 1e-8
+    """AdamW's eps for the non-Muon parameters."""
     adamw_weight_decay: float = 0.1
+    """AdamW's decoupled weight decay for the non-Muon parameters."""
     qk_clip_threshold: float | None = None
     """QK-clip (MuonClip) threshold tau on each attention head's largest pre-softmax logit; None: off.
     Job-wide (not a param-group option)."""

@@ -138,14 +138,23 @@ class LocalTPExperts:
 
 @dataclass(frozen=True, kw_only=True)
 class OwnershipPlan:
+    """Who owns what: each dedicated weight's owner on the (replicate R) x (shard N) mesh, built by
+    ``build_plan`` from names and shapes alone, identical on every rank."""
+
     replicate_size: int
+    """R: replica groups (1 without HSDP)."""
     shard_size: int
+    """N: ranks in a shard group."""
     entries: tuple[PlanEntry, ...]
-    local_load: tuple[int, ...] = ()  # per rank: NS FLOPs of experts it updates in place (not dedicated)
-    local_tp_experts: tuple[LocalTPExperts, ...] = ()  # TP-split experts kept in place, per rank, with homes
+    """Every dedicated weight with its owner (global rank ``r * N + s``) and Newton–Schulz FLOPs."""
+    local_load: tuple[int, ...] = ()
+    """Per rank: Newton–Schulz FLOPs of the experts it updates in place (not dedicated)."""
+    local_tp_experts: tuple[LocalTPExperts, ...] = ()
+    """TP-split experts kept in place, per rank, with their Newton–Schulz homes."""
 
     @property
     def world_size(self) -> int:
+        """Ranks of the data-parallel mesh: R x N."""
         return self.replicate_size * self.shard_size
 
     def shard_owner(self, entry: PlanEntry) -> int:
@@ -174,6 +183,7 @@ class OwnershipPlan:
 
     @property
     def total_numel(self) -> int:
+        """Elements of every dedicated weight (P_M of the design's formulas, TP-local under tensor parallelism)."""
         return sum(e.numel for e in self.entries)
 
     @property
@@ -184,6 +194,7 @@ class OwnershipPlan:
         return max(load) / mean if mean else 1.0
 
     def digest(self) -> str:
+        """A hash of the whole plan: ``validate_across_ranks`` compares it between ranks."""
         payload = json.dumps(
             [self.replicate_size, self.shard_size, list(self.local_load)]
             + [[e.fqn, e.shape, e.unit, e.blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes] for e in self.entries]
@@ -202,6 +213,7 @@ class OwnershipPlan:
         return sum(x.spec.numel // x.spec.shape[0] * len(x.tp_homes) for x in self.local_tp_experts)
 
     def describe(self) -> str:
+        """The plan in a few lines: weights, elements, mesh, NS balance, and per rank its matrices and NS FLOPs."""
         load = self.ns_flops_per_rank
         lines = [
             f"OwnershipPlan: {len(self.entries)} dedicated weights, {self.total_numel:,} elements, "

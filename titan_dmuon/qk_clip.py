@@ -99,8 +99,8 @@ class QKClipAttention:
     @classmethod
     def fused(cls, capture, *, wqkv, n_heads, n_kv_heads=None, head_dim, grouped=True, name="", layout="BLNH"):
         """One fused q/k/v weight. ``grouped`` (TorchTitan's FusedQKVLinear): rows are
-        [kv group][its n_heads/n_kv_heads q heads, 1 k head, 1 v head][head_dim]; else
-        [all q heads | all k heads | all v heads], each head-major."""
+        ``[kv group][its n_heads/n_kv_heads q heads, 1 k head, 1 v head][head_dim]``; else
+        ``[all q heads | all k heads | all v heads]``, each head-major."""
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         hpk, hd = n_heads // n_kv_heads, head_dim
         if grouped:
@@ -169,7 +169,7 @@ class QKClip:
         if not attentions:
             raise ValueError(
                 "qk_clip_threshold is set but no attention layer was described: pass qk_clip_attention=[QKClipAttention...] "
-                "(TorchTitan: built from the model; see the README's MuonClip section)"
+                "(TorchTitan: built from the model; see docs/qk-clip.md)"
             )
         self.threshold, self.alpha = float(threshold), float(alpha)
         by_handle: dict[int, _HandleClip] = {}

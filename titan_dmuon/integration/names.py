@@ -3,6 +3,7 @@
 * ``[optimizer] name`` values (the TOML key, ``--optimizer.name``, ``DMuonOptimizersContainer.Config.name``);
 * the optimizer names of TorchTitan's container (``ParamGroupConfig.optimizer_name``: what
   ``_resolve_optimizer_factory`` is asked for);
+* ``[optimizer] muon_params``' default (``DEFAULT_MUON_PARAMS``);
 * the figures ``DMuonMetricsProcessor`` logs each step (TensorBoard/W&B tags), and the keys of
   ``DMuon.last_step_stats`` they are made from (declared by the core: ``titan_dmuon.optimizer.StepStat``).
 """
@@ -18,6 +19,18 @@ OPTIMIZER_NAMES = (DMUON, ADAMW, ADAM, NAIVE_MUON)  # in the order error message
 ADAMW_NAMES = (ADAMW, ADAM)
 MUON_FAMILY_NAMES = (DMUON, NAIVE_MUON)  # names that read the Muon keys (momentum, ns_*, adamw_*, muon_params...)
 BASELINE_NAMES = (NAIVE_MUON,)  # built only by a container subclass that says so (baseline_optimizer)
+
+# ---- [optimizer] muon_params: the Muon targets of TorchTitan's models by default --------------------------
+# (here, not in training/parallelize.py, so that what must run without TorchTitan, ``python -m
+# titan_dmuon.sizing`` on its shape tables, selects the same weights)
+DEFAULT_MUON_PARAMS = (
+    # attention: q/k/v/o, fused wqkv, MLA (wq or wq_a/wq_b, wkv_a, wkv_b)
+    r"\.attention\.(qkv_linear\.)?w(q|k|v|o|qkv|q_a|q_b|kv_a|kv_b)\.weight$",
+    r"\.feed_forward\.w[123]\.weight$",  # dense MLP
+    r"\.moe\.routed_experts\.inner_experts\.w(1_EFD|2_EDF|3_EFD)$",  # routed experts, 3-D
+    r"\.moe\.shared_experts\.w[123]\.weight$",  # shared experts
+    r"\.moe\.router\.gate\.weight$",  # router (on Muon, as TorchTitan's recipe for Kimi/Moonlight)
+)
 
 # ---- optimizer names in TorchTitan's container (ParamGroupConfig.optimizer_name) -------------------------
 DMUON_FACTORY = "DMuon"  # the param group of the Muon targets

@@ -105,7 +105,8 @@ def dedicate_params(
         initial_load: Newton–Schulz FLOPs per rank (``r * N + s`` order) that the ranks of this
             mesh already have from other handles, e.g. the other pipeline stages a rank holds
             (``handle.plan.ns_flops_per_rank``): the plan balances the total.
-        tp_mesh, tp_shard_dims: tensor parallelism. ``params`` are then this rank's TP-local shards
+        tp_mesh: tensor parallelism: the 1-D mesh of the tensor-parallel ranks (see ``tp_shard_dims``).
+        tp_shard_dims: tensor parallelism. ``params`` are then this rank's TP-local shards
             of the full weights, ``tp_shard_dims[p]`` the tensor dim the ``tp_mesh`` ranks split (a
             matrix: 0 column-wise parallel, 1 row-wise; an expert stack ``(E, rows, cols)``: 1 or 2,
             each expert split alike), or None for a weight every tp rank holds whole (replicated,

@@ -111,22 +111,27 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
     # ---- what this rank holds -------------------------------------------------------------
     @property
     def mesh(self):
+        """The data-parallel DeviceMesh the weights are dedicated on (1-D, or HSDP's replicate x shard)."""
         return self.mode.mesh.mesh
 
     @property
     def reshard_after_forward(self) -> bool:
+        """True for Z3 (each layer's buffer freed after forward), False for Z2."""
         return self.mode.reshard_after_forward
 
     @property
     def members(self) -> list[Member]:
+        """What this rank holds of each dedicated weight (one record per weight, in dedication order)."""
         return list(self._members)
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
+        """The dedicated weights, for ``fully_shard(..., ignored_params=...)`` (FSDP2 must leave them alone)."""
         return {m.param for m in self._members}
 
     @property
     def params(self) -> list[nn.Parameter]:
+        """The dedicated weights (master weights: whole on their shard owners, empty placeholders elsewhere)."""
         return [m.param for m in self._members]
 
     @property
@@ -158,6 +163,7 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         return found if found is not None and found.param is param else None
 
     def members_of(self, module: nn.Module) -> list[Member]:
+        """The records of the dedicated weights ``module`` registers itself."""
         return [m for m in self._members if m.module is module]
 
     def runs_newton_schulz(self, param: nn.Parameter) -> bool:

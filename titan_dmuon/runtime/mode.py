@@ -97,15 +97,20 @@ class DedicationMode:
     """Z2/Z3 on a mesh, and where 3-D expert weights are updated."""
 
     mesh: MeshInfo
-    reshard_after_forward: bool  # True: Z3 (free each layer's buffer after forward); False: Z2
+    """The data-parallel mesh: this rank's place in it and its process groups."""
+    reshard_after_forward: bool
+    """True: Z3 (free each layer's buffer after forward); False: Z2."""
     expert_sharding: str = "auto"
-    tp: TensorParallelInfo | None = None  # tensor parallelism: dedicated weights are TP-local shards
+    """Where 3-D expert weights are updated: "local", "dedicated" or "auto" (``experts_stay_local``)."""
+    tp: TensorParallelInfo | None = None
+    """Tensor parallelism: the TP group of the dedicated weights' TP-local shards (None without)."""
 
     @classmethod
     def build(
         cls, mesh: DeviceMesh, *, reshard_after_forward: bool, expert_sharding: str = "auto",
         tp_mesh: DeviceMesh | None = None,
     ) -> DedicationMode:
+        """From the mesh and settings ``dedicate_params`` got, checked (the one place the mesh is read)."""
         if expert_sharding not in EXPERT_SHARDINGS:
             raise ValueError(f"expert_sharding must be one of {EXPERT_SHARDINGS}, got {expert_sharding!r}")
         if not isinstance(reshard_after_forward, bool):

@@ -33,17 +33,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.names import DMUON
+from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
-
-DEFAULT_MUON_PARAMS = (
-    # attention: q/k/v/o, fused wqkv, MLA (wq or wq_a/wq_b, wkv_a, wkv_b)
-    r"\.attention\.(qkv_linear\.)?w(q|k|v|o|qkv|q_a|q_b|kv_a|kv_b)\.weight$",
-    r"\.feed_forward\.w[123]\.weight$",  # dense MLP
-    r"\.moe\.routed_experts\.inner_experts\.w(1_EFD|2_EDF|3_EFD)$",  # routed experts, 3-D
-    r"\.moe\.shared_experts\.w[123]\.weight$",  # shared experts
-    r"\.moe\.router\.gate\.weight$",  # router (on Muon, as TorchTitan's recipe for Kimi/Moonlight)
-)
 
 
 @dataclass(frozen=True, kw_only=True)
