@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise, scalar
+from titan_dmuon.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.handle import handles_for
@@ -133,24 +133,33 @@ class DMuon(torch.optim.Optimizer):
         DCP asks every Stateful for its state before it reads a checkpoint into
         the model's tensors in place; TorchTitan's zero-gradient step inside this
         call starts broadcasts of the pre-load weights, which must not land after
-        the load."""
+        the load.
+
+        Every parameter is listed, with no entries on the ranks that keep nothing for it, and a fresh
+        optimizer lists the zeros its first step would create (``optimizer_state``): PyTorch's
+        ``get_state_dict``/``set_state_dict`` and ``dcp.save``/``dcp.load`` then work with their defaults."""
         for handle in self._handles:
             handle.wait_for_replicate_broadcasts(host=True)
+        initialise_missing_state(self)
         packed = super().state_dict()
         for index, p, member, handle in self._tensor_parallel_params():
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
                 packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+        list_every_param(self, packed)
         return packed
 
     def load_state_dict(self, state_dict) -> None:
         """Momentum of tensor-parallel shards arrives as DTensors of the full matrix (``state_dict``):
-        each rank keeps its shard."""
+        each rank keeps its shard. The state is keyed as the saved param groups list the parameters
+        (positions, or names from ``get_state_dict``), in the order of ours."""
         states = state_dict.get("state", {})
+        keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
         for index, _, member, handle in self._tensor_parallel_params():
-            state = states.get(index)
+            state = states.get(keys[index] if index < len(keys) else index)
             if state is not None and isinstance(state.get("momentum_buffer"), DTensor):
-                states[index] = {**state, "momentum_buffer": state["momentum_buffer"].to_local()}
+                states[keys[index] if index < len(keys) else index] = {
+                    **state, "momentum_buffer": state["momentum_buffer"].to_local()}
         super().load_state_dict(state_dict)
 
     def _tensor_parallel_params(self):
@@ -409,9 +418,7 @@ class DMuon(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())  # as torch.optim.AdamW
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state.update(adamw_initial_state(p))
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
