@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
@@ -29,6 +30,7 @@ from titan_dmuon.muon_math import adjusted_lr, block_rows, local_block_rows, muo
 from titan_dmuon.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
+from titan_dmuon.runtime.fsdp_ignore import check_left_alone
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.streams import DeviceTimer
 
@@ -46,7 +48,9 @@ class StepStat:
 class DMuon(torch.optim.Optimizer):
     """Muon for dedicated weights (see :func:`titan_dmuon.dedicate_params`), AdamW for the rest.
 
-    ``dedicated``: the handle(s) ``dedicate_params`` returned for this model. Keyword
+    ``params``: the model (``DMuon(model, ...)``: all its parameters) or parameters / param groups.
+    ``dedicated``: the handle(s) ``dedicate_params`` returned for this model; by default the
+    handles are found from the parameters (and the model's ``dedicate_params`` calls). Keyword
     arguments and group options: the fields of :class:`titan_dmuon.options.DMuonOptions`
     (``lr``, ``momentum``, ``ns_mode``, ``adamw_lr``, ...), e.g.
     ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
@@ -59,10 +63,11 @@ class DMuon(torch.optim.Optimizer):
     q/k rows rescaled on their owner (``titan_dmuon.qk_clip``).
     """
 
-    def __init__(self, params: Iterable, *, dedicated=None, qk_clip_attention=None, **options) -> None:
+    def __init__(self, params: Iterable | nn.Module, *, dedicated=None, qk_clip_attention=None, **options) -> None:
         _check_known(options, "DMuon")
         defaults = DMuonOptions(**options)
-        user_groups = list(params)
+        module = params if isinstance(params, nn.Module) else None  # DMuon(model, ...): all its parameters
+        user_groups = list(module.parameters() if module is not None else params)
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
         if not isinstance(user_groups[0], dict):
@@ -70,7 +75,8 @@ class DMuon(torch.optim.Optimizer):
         for user_group in user_groups:
             ps = user_group["params"]
             user_group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated)
+        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated, module=module)
+        check_left_alone([m for handle in self._handles for m in handle.members])
         self._dedicated_ids: set[int] = set()
         groups = []
         for user_group in user_groups:
