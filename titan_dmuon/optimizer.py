@@ -162,10 +162,10 @@ class DMuon(torch.optim.Optimizer):
         states = state_dict.get("state", {})
         keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
         for index, _, member, handle in self._tensor_parallel_params():
-            state = states.get(keys[index] if index < len(keys) else index)
+            key = keys[index] if index < len(keys) else index
+            state = states.get(key)
             if state is not None and isinstance(state.get("momentum_buffer"), DTensor):
-                states[keys[index] if index < len(keys) else index] = {
-                    **state, "momentum_buffer": state["momentum_buffer"].to_local()}
+                states[key] = {**state, "momentum_buffer": state["momentum_buffer"].to_local()}
         super().load_state_dict(state_dict)
 
     def _tensor_parallel_params(self):
