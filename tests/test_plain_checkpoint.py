@@ -16,7 +16,6 @@ so that ``opt.state_dict()`` names every tensor ``dcp.load`` must fill.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
