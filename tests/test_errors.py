@@ -71,7 +71,7 @@ CASES = {
     "listed_twice": ("ValueError", ["layers.0.attention.wq.weight", "twice"]),
     "dedicated_twice": ("ValueError", ["already dedicated"]),
     "reshard_not_bool": ("TypeError", ["reshard_after_forward must be a bool", "'yes'"]),
-    "after_fully_shard": ("ValueError", ["already sharded by fully_shard", "ignored_params"]),
+    "after_fully_shard": ("ValueError", ["already sharded by fully_shard", "call dedicate_params first"]),
     "after_ddp": ("ValueError", ["before wrapping the model in DistributedDataParallel"]),
     "misnamed_2d_mesh": ("ValueError", ["('dp_replicate', 'dp_shard')", "('replicate', 'shard')"]),
     "unnamed_2d_mesh": ("ValueError", ["no names"]),

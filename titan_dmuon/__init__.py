@@ -8,6 +8,7 @@ The TorchTitan-free core:
 * :class:`DMuon` applies Muon to dedicated weights (on their owner only) and
   AdamW to everything else;
 * :func:`clip_grad_norm_` clips over FSDP2 shards and owner-held gradients;
+* :func:`set_requires_gradient_sync` switches FSDP2's (or DDP's) and DMuon's gradient sync together;
 * :class:`CommLedger` counts every collective in the design's units, and
   ``titan_dmuon.cost_model`` gives the figures the design promises.
 
@@ -19,6 +20,7 @@ imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 from titan_dmuon.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
 from titan_dmuon.ddp import wrap_ddp
 from titan_dmuon.grad_clip import clip_grad_norm_
+from titan_dmuon.gradient_sync import set_requires_gradient_sync
 from titan_dmuon.ledger import CommLedger
 from titan_dmuon.optimizer import DMuon
 from titan_dmuon.options import DMuonOptions
@@ -37,6 +39,7 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "dmuon_elements_per_rank",
+    "set_requires_gradient_sync",
     "wrap_ddp",
 ]
 __version__ = "0.1.0"

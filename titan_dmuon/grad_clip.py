@@ -35,7 +35,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip in place to ``max_norm``; returns the exact global norm (a collective).
 
-    ``dedicated``: the handle(s) of ``dedicate_params`` for these parameters. ``pp_mesh``: with
+    ``dedicated``: the handle(s) of ``dedicate_params`` for these parameters (default: found from
+    the parameters, which each handle stamps). ``pp_mesh``: with
     pipeline parallelism, the mesh of the stages; ``parameters`` are this rank's stages', and the
     norm adds up (or, for inf, takes the max) over the stages, as TorchTitan's clip does. No host
     sync unless ``error_if_nonfinite`` (which must read the norm, as torch's does)."""

@@ -23,13 +23,15 @@ import time
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
 
 from titan_dmuon.muon_math import scalar
+from titan_dmuon.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
+from titan_dmuon.runtime.fsdp_ignore import check_left_alone
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
 from titan_dmuon.runtime.step_schedule import StepSchedule
@@ -48,7 +50,9 @@ class StepStat:
 class DMuon(torch.optim.Optimizer):
     """Muon for dedicated weights (see :func:`titan_dmuon.dedicate_params`), AdamW for the rest.
 
-    ``dedicated``: the handle(s) ``dedicate_params`` returned for this model. Keyword
+    ``params``: the model (``DMuon(model, ...)``: all its parameters) or parameters / param groups.
+    ``dedicated``: the handle(s) ``dedicate_params`` returned for this model; by default the
+    handles are found from the parameters (and the model's ``dedicate_params`` calls). Keyword
     arguments and group options: the fields of :class:`titan_dmuon.options.DMuonOptions`
     (``lr``, ``momentum``, ``ns_mode``, ``adamw_lr``, ...), e.g.
     ``[{"params": blocks, "lr": 0.02}, {"params": head, "adamw_lr": 1e-4}]``.
@@ -61,10 +65,11 @@ class DMuon(torch.optim.Optimizer):
     q/k rows rescaled on their owner (``titan_dmuon.qk_clip``).
     """
 
-    def __init__(self, params: Iterable, *, dedicated=None, qk_clip_attention=None, **options) -> None:
+    def __init__(self, params: Iterable | nn.Module, *, dedicated=None, qk_clip_attention=None, **options) -> None:
         _check_known(options, "DMuon")
         defaults = DMuonOptions(**options)
-        user_groups = list(params)
+        module = params if isinstance(params, nn.Module) else None  # DMuon(model, ...): all its parameters
+        user_groups = list(module.parameters() if module is not None else params)
         if not user_groups:
             raise ValueError("DMuon got an empty parameter list")
         if not isinstance(user_groups[0], dict):
@@ -72,7 +77,8 @@ class DMuon(torch.optim.Optimizer):
         for user_group in user_groups:
             ps = user_group["params"]
             user_group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated)
+        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated, module=module)
+        check_left_alone([m for handle in self._handles for m in handle.members])
         self._dedicated_ids: set[int] = set()
         groups = []
         for user_group in user_groups:
@@ -134,24 +140,33 @@ class DMuon(torch.optim.Optimizer):
         DCP asks every Stateful for its state before it reads a checkpoint into
         the model's tensors in place; TorchTitan's zero-gradient step inside this
         call starts broadcasts of the pre-load weights, which must not land after
-        the load."""
+        the load.
+
+        Every parameter is listed, with no entries on the ranks that keep nothing for it, and a fresh
+        optimizer lists the zeros its first step would create (``optimizer_state``): PyTorch's
+        ``get_state_dict``/``set_state_dict`` and ``dcp.save``/``dcp.load`` then work with their defaults."""
         for handle in self._handles:
             handle.wait_for_replicate_broadcasts(host=True)
+        initialise_missing_state(self)
         packed = super().state_dict()
         for index, p, member, handle in self._tensor_parallel_params():
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
                 packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+        list_every_param(self, packed)
         return packed
 
     def load_state_dict(self, state_dict) -> None:
         """Momentum of tensor-parallel shards arrives as DTensors of the full matrix (``state_dict``):
-        each rank keeps its shard."""
+        each rank keeps its shard. The state is keyed as the saved param groups list the parameters
+        (positions, or names from ``get_state_dict``), in the order of ours."""
         states = state_dict.get("state", {})
+        keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
         for index, _, member, handle in self._tensor_parallel_params():
-            state = states.get(index)
+            key = keys[index] if index < len(keys) else index
+            state = states.get(key)
             if state is not None and isinstance(state.get("momentum_buffer"), DTensor):
-                states[index] = {**state, "momentum_buffer": state["momentum_buffer"].to_local()}
+                states[key] = {**state, "momentum_buffer": state["momentum_buffer"].to_local()}
         super().load_state_dict(state_dict)
 
     def _tensor_parallel_params(self):
@@ -197,9 +212,7 @@ class DMuon(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())  # as torch.optim.AdamW
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state.update(adamw_initial_state(p))
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

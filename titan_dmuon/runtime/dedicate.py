@@ -34,12 +34,15 @@ from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Segment
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
 from titan_dmuon.runtime.reducer import GradientReducer
 from titan_dmuon.runtime.replica_sync import ReplicaSync
+from titan_dmuon.runtime.fsdp_ignore import ignore_dedicated_in_fully_shard
 from titan_dmuon.runtime.request import (
+    Predicate,
     Requested,
     check_not_sharded,
     check_not_wrapped,
     check_tp_dims_complete,
     checked_tp_dims,
+    chosen_params,
     registration_sites,
     requested_params,
 )
@@ -59,9 +62,10 @@ class Dedication:
 
 def dedicate_params(
     module: nn.Module,
-    params: Iterable[nn.Parameter],
-    mesh: DeviceMesh,
+    params: Iterable[nn.Parameter] | DeviceMesh | None = None,
+    mesh: DeviceMesh | None = None,
     *,
+    predicate: Predicate | None = None,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     units: Sequence[nn.Module] | None = None,
@@ -72,14 +76,27 @@ def dedicate_params(
     tp_mesh: DeviceMesh | None = None,
     tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
 ) -> DedicatedParams:
-    """Give each of ``params`` one owner rank on ``mesh``; call before ``fully_shard``/DDP.
+    """Give each chosen weight one owner rank on ``mesh``; call before ``fully_shard``/DDP.
+
+    ``dedicate_params(model, mesh, predicate=...)`` or ``dedicate_params(model, params, mesh)``.
+    The ``fully_shard`` calls that follow leave the dedicated weights alone by themselves
+    (``runtime/fsdp_ignore.py``; ``ignored_params=handle.ignored_params`` still works),
+    ``DMuon(model)`` and ``clip_grad_norm_`` find the handle from the parameters, and
+    ``titan_dmuon.set_requires_gradient_sync(model, flag)`` switches FSDP2's and DMuon's gradient
+    sync together.
 
     Args:
-        module: the model (or the part of it that contains ``params``).
+        module: the model (or the part of it that contains the weights).
         params: Muon-target weights of ``module``: 2-D matrices, and 3-D MoE expert
             weights ``(E, rows, cols)``, each expert's matrix orthogonalised on its own.
+            Or leave it out and give ``predicate``.
         mesh: 1-D DeviceMesh (FSDP shard group or DDP group) or 2-D mesh with
-            dims ``("dp_replicate", "dp_shard")`` (HSDP).
+            dims ``("dp_replicate", "dp_shard")`` (HSDP). Second when ``params`` is left out.
+        predicate: which parameters of ``module`` to dedicate, instead of ``params``: a callable
+            ``(name, param) -> bool``, or a regular expression searched for in each name (e.g.
+            ``r"\\.(attention|feed_forward)\\.w"``). Names are canonical (no activation-checkpoint or
+            compile wrapper segments). It must match at least one parameter, and only 2-D weights
+            and 3-D expert stacks (not an ``nn.Embedding``'s table).
         reshard_after_forward: True (Z3): free each layer's packed buffer after
             forward and re-broadcast it for backward. False (Z2): keep it.
         mp_policy: compute (``param_dtype``) and gradient-reduction
@@ -120,20 +137,28 @@ def dedicate_params(
             there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
             group of each data-parallel rank that holds them.
     """
+    if isinstance(params, DeviceMesh) and mesh is None:  # dedicate_params(model, mesh, predicate=...)
+        params, mesh = None, params
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dedicate_params needs a DeviceMesh (dedicate_params(model, mesh, predicate=...) or "
+                        f"dedicate_params(model, params, mesh)), got {type(mesh).__name__}")
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
-    dedication = plan_dedication(module, params, mode, units=units, split_rows=split_rows, initial_load=initial_load,
-                                 tp_shard_dims=tp_shard_dims)
+    dedication = plan_dedication(module, params, mode, predicate=predicate, units=units, split_rows=split_rows,
+                                 initial_load=initial_load, tp_shard_dims=tp_shard_dims)
     ctx = build_context(module, dedication, mode, mp_policy=mp_policy, gradient_divide_factor=gradient_divide_factor)
-    return DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
-                           mp_policy=mp_policy, local_experts=dedication.local_experts)
+    handle = DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
+                             mp_policy=mp_policy, local_experts=dedication.local_experts)
+    ignore_dedicated_in_fully_shard()
+    return handle
 
 
 def plan_dedication(
     module: nn.Module,
-    params: Iterable[nn.Parameter],
+    params: Iterable[nn.Parameter] | None,
     mode: DedicationMode,
     *,
+    predicate: Predicate | None = None,
     units: Sequence[nn.Module] | None = None,
     split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
     initial_load: Sequence[int] | None = None,
@@ -144,7 +169,7 @@ def plan_dedication(
     check_not_wrapped(module)
     sites = registration_sites(module)
     split_rows = dict(split_rows or {})
-    requested = requested_params(params, sites, split_rows)
+    requested = requested_params(chosen_params(module, params, predicate), sites, split_rows)
     tp_dims = checked_tp_dims(mode, requested, tp_shard_dims, sites)
     kept = [r for r in requested if _stays_local(mode, r.param)]
     dedicated = [r for r in requested if not _stays_local(mode, r.param)]

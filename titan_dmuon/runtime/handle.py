@@ -274,13 +274,19 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
             m.param.__dict__.pop("_dmuon_handle", None)
 
 
-def handles_for(params, dedicated) -> list[DedicatedParams]:
-    """The handles ``dedicated`` names (one, a sequence, or None), checked against ``params``: a
-    dedicated weight whose handle is not among them is refused, since it would otherwise be
-    treated as a plain tensor (AdamW on an owner's full weight, a norm counting it wrongly)."""
+def handles_for(params, dedicated, *, module: nn.Module | None = None) -> list[DedicatedParams]:
+    """The handles ``dedicated`` names (one or a sequence), checked against ``params``: a dedicated
+    weight whose handle is not among them is refused, since it would otherwise be treated as a plain
+    tensor (AdamW on an owner's full weight, a norm counting it wrongly). ``dedicated=None``: the
+    handles found from ``params`` (each dedicated weight is stamped by its handle), then those of
+    ``dedicate_params`` calls on ``module`` or its submodules (a handle whose Muon weights are all
+    experts kept in place stamps none), in that order, the same on every rank."""
     if dedicated is None:
-        handles = []
-    elif isinstance(dedicated, DedicatedParams):
+        found = [stamp() for p in params if (stamp := getattr(p, "_dmuon_handle", None)) is not None]
+        if module is not None:
+            found += [h for sub in module.modules() for h in DedicatedParams.of(sub)]
+        return list(dict.fromkeys(h for h in found if h is not None))
+    if isinstance(dedicated, DedicatedParams):
         handles = [dedicated]
     else:
         handles = list(dedicated)

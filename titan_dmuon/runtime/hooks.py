@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from titan_dmuon.runtime.comm import CommLabel
 from titan_dmuon.runtime.context import Phase, RuntimeContext, UnitOrderError
+from titan_dmuon.runtime.fsdp_ignore import check_left_alone
 from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.unit import BufferState, Unit
 
@@ -111,6 +112,7 @@ class StepHooks:
         if self.initialized:
             return
         self._follow_params()
+        check_left_alone(self._members)
         for m in self._members:
             if m.param.is_meta:
                 raise RuntimeError(

@@ -6,7 +6,8 @@ it, on every rank, before the plan is built or anything is issued.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -26,6 +27,59 @@ class Requested:
     param: nn.Parameter
     module: nn.Module  # registers it under ``name``
     name: str
+
+
+Predicate = Callable[[str, nn.Parameter], bool] | str
+
+
+def chosen_params(module: nn.Module, params: Iterable[nn.Parameter] | None, predicate: Predicate | None
+                  ) -> list[nn.Parameter]:
+    """The weights to dedicate: ``params`` as given, or every parameter of ``module`` that ``predicate``
+    selects (a callable ``(name, param) -> bool``, or a regular expression searched for in the name;
+    names are canonical: no activation-checkpoint or compile wrapper segments), in module order.
+
+    A predicate is a broad net, so what it catches is checked here: it must catch something, and
+    only matrices Muon is for (2-D weights, 3-D expert stacks; not an ``nn.Embedding``'s table)."""
+    if (params is None) == (predicate is None):
+        raise ValueError(
+            "dedicate_params takes the weights to dedicate one way: a list of parameters, or predicate= (a "
+            "callable (name, param) -> bool, or a regular expression searched for in parameter names)"
+            + ("; it got both" if params is not None else "; it got neither"))
+    if params is not None:
+        return list(params)
+    matches = _predicate_fn(predicate)
+    label = f"predicate {predicate!r}" if isinstance(predicate, str) else "the predicate"
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    chosen, names = [], []
+    for name, p in module.named_parameters():
+        fqn = canonical_fqn(name)
+        names.append(fqn)
+        if not matches(fqn, p):
+            continue
+        if p.ndim not in (2, 3) or id(p) in embeddings:
+            what = "an nn.Embedding's table" if id(p) in embeddings else f"of shape {tuple(p.shape)}"
+            raise ValueError(
+                f"{label} matches {fqn!r}, {what}: Muon is for hidden-layer matrices (2-D weights, "
+                "3-D expert stacks); leave norms, biases, embeddings and the output head to AdamW by narrowing the "
+                "predicate" + (" (or pass the weight in a list to dedicate it anyway)" if id(p) in embeddings else ""))
+        chosen.append(p)
+    if not chosen:
+        raise ValueError(f"{label} matches no parameter of the model; its names look like "
+                         f"{names[:3]!r}")
+    return chosen
+
+
+def _predicate_fn(predicate: Predicate) -> Callable[[str, nn.Parameter], bool]:
+    if not isinstance(predicate, str):
+        if not callable(predicate):
+            raise TypeError(f"predicate must be a callable (name, param) -> bool or a regular expression, got "
+                            f"{type(predicate).__name__}")
+        return lambda name, p: bool(predicate(name, p))
+    try:
+        pattern = re.compile(predicate)
+    except re.error as e:
+        raise ValueError(f"predicate {predicate!r} is not a valid regular expression: {e}") from None
+    return lambda name, p: pattern.search(name) is not None
 
 
 def requested_params(params: Iterable[nn.Parameter], sites: Sites, split_rows: Mapping) -> list[Requested]:
@@ -130,7 +184,7 @@ def check_not_wrapped(module: nn.Module) -> None:
         if isinstance(sub, FSDPModule):
             raise ValueError(
                 f"module {name or '<root>'!r} is already sharded by fully_shard: call dedicate_params first, "
-                "then fully_shard(..., ignored_params=handle.ignored_params)"
+                "then fully_shard (which then leaves the dedicated weights alone)"
             )
 
 
