@@ -426,28 +426,30 @@ def _step_issue_order(rank, world):
     sources = [r.source for r in ledger.records]
     last_reduce = max(i for i, s in enumerate(sources) if s == CommLabel.SHARD_REDUCE)
     step = [r for r in ledger.records[last_reduce + 1 :] if r.source != CommLabel.OTHER]
-    runs = []  # consecutive records of one source, with their elements summed
+    runs, launches = [], []  # one per launch (a layer's broadcast: one per owner), its elements summed
     for r in step:
-        if runs and runs[-1][0] == r.source:
+        if launches and launches[-1] is r.launch:
             runs[-1][1] += r.elements
         else:
             runs.append([r.source, r.elements])
+            launches.append(r.launch)
     return [tuple(run) for run in runs]
 
 
 def test_tp_step_pipelines_the_exchange(pool4):
     """The step's issue order (4 layers, chunks [layer 0], [layer 1], [layers 2, 3]: 1, 1, 2, 4, ...
-    layers), identical on every rank: each chunk's shards go to their homes (one all-to-all per
-    chunk) before the previous chunk's results are applied, so that transfer overlaps its update;
-    layer 0 is broadcast for the next forward before layer 1's results come back. (Without the
-    pipeline layer 0's broadcast would come before layer 1's shards go out; other chunk sizes give
-    another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order of sizes, seen
-    in the elements of each.)"""
+    layers; each chunk one exchange at these sizes), identical on every rank: each chunk's shards go
+    to their homes (one all-to-all per chunk) before the previous chunk's Newton–Schulz, whose results
+    go back next, so each transfer overlaps a Newton–Schulz (tests/test_runtime_tensor_parallel_step.py
+    checks the stages' order and stream waits); layer 0 is broadcast for the next forward once its
+    results are applied, after layer 1's Newton–Schulz, before layer 1's results are applied. (Other
+    chunk sizes give another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order
+    of sizes, seen in the elements of each.)"""
     orders = pool4.run(_step_issue_order)
     exchange, back, broadcast = CommLabel.TP_TO_HOME, CommLabel.TP_FROM_HOME, CommLabel.FORWARD_BROADCAST
     sources = [[s for s, _ in order] for order in orders]
-    assert sources[0] == [exchange, back, exchange, broadcast, back, exchange, back], orders[0]
+    assert sources[0] == [exchange, exchange, back, exchange, back, broadcast, back], orders[0]
     assert all(order == sources[0] for order in sources)
     # summed over the ranks each exchange moves its layers' shards: 1, 1, 2 layers (all layers alike)
-    sizes = [sum(n for order in orders for s, n in order[i : i + 1] if s == exchange) for i in (0, 2, 5)]
+    sizes = [sum(n for order in orders for s, n in order[i : i + 1] if s == exchange) for i in (0, 1, 3)]
     assert sizes[0] == sizes[1] > 0 and sizes[2] == 2 * sizes[0], sizes
