@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers import allocation_peak
 from tests.runtime_parts import fake_pg
 from titan_dmuon.runtime.comm import CommLabel
 
@@ -172,3 +173,46 @@ def test_the_newton_schulz_timer_starts_once_the_shards_are_home(solo):
     order, matrices = solo.run(_timer_order)[0]
     assert order == [("wait",), ("timer starts",), ("newton_schulz", 1), ("timer stops",), ("wait",), ("applied",)]
     assert matrices == 1
+
+
+
+def _step_peak(_rank, _world, cap_matrices, jobs, experts):
+    """Bytes allocated at the peak of the TP step (above what it started with) for ``jobs`` jobs of one
+    stack of ``experts`` experts each, all homed on this rank (its worst case), with the cap at
+    ``cap_matrices`` experts' exchange bytes; that cap; the jobs' exchange bytes; and the peak of
+    Newton–Schulz alone on one capped batch (``muon_math.orthogonalise`` on its full matrices)."""
+    from titan_dmuon.muon_math import orthogonalise
+    from titan_dmuon.runtime import tensor_parallel_step
+
+    default = tensor_parallel_step.MAX_EXCHANGE_BYTES
+    with fake_pg(TP):
+        tp_step = _tp_step()
+        items = [_experts(experts, rows=32, cols=128, homes=[0] * experts) for _ in range(jobs)]
+        per_matrix = tensor_parallel_step.exchange_bytes(items[0].matrices[0], TP)
+
+        def step():
+            for item in items:
+                tp_step.submit([(GROUP, [item])], then=lambda: None)
+            tp_step.finish()
+
+        tensor_parallel_step.MAX_EXCHANGE_BYTES = cap_matrices * per_matrix
+        try:
+            step()  # (makes the momentum buffers)
+            peak = allocation_peak(step)
+        finally:
+            tensor_parallel_step.MAX_EXCHANGE_BYTES = default
+    batch = [torch.randn(32 * TP, 128).bfloat16() for _ in range(cap_matrices)]
+    newton_schulz = allocation_peak(lambda: orthogonalise(batch, ns_mode=GROUP["ns_mode"]))
+    return peak, cap_matrices * per_matrix, per_matrix * experts * jobs, newton_schulz
+
+
+def test_the_tp_steps_transient_memory_is_capped_whatever_the_chunk(solo):
+    """Two jobs of 32 experts each, each job 8 x the cap (lowered to 4 experts' exchange bytes to keep
+    the test small), all homed on this rank: the step's transient peak stays within the bound the
+    module states, 6 x MAX_EXCHANGE_BYTES for the exchange's buffers plus what Newton–Schulz itself
+    holds on one batch (measured here alone: its stack, X Xᵀ, the polynomial, the next X, the kernels'
+    scratch). Uncapped, each job went through as one exchange, about five copies of its 8 caps alive
+    (40 caps) beside Newton–Schulz on all of them."""
+    peak, cap, total, newton_schulz = solo.run(_step_peak, 4, 2, 32)[0]
+    assert total == 16 * cap
+    assert peak <= 6 * cap + newton_schulz, (peak / cap, newton_schulz / cap)

@@ -5,7 +5,7 @@ ranks of its TP group hold its T shards (``PlanEntry.tp_dim``), or T copies of a
 replicates (a router, MLA's ``wkv_a``); experts FSDP2 keeps in place are held the same way by the
 TP group of each data-parallel rank. Newton–Schulz needs the whole matrix, and each matrix (each
 expert of a stack: ``TPMatrix``) has one home in the TP group (``PlanEntry.tp_homes``), so per batch
-of matrices (a step chunk):
+of matrices (of at most ``tensor_parallel_step.MAX_EXCHANGE_BYTES``):
 
 1. ``send_to_homes``: every TP rank sends the bf16 Newton–Schulz input of its shards to each
    matrix's home (one all-to-all on the TP group; a replicated matrix's home has its input already);

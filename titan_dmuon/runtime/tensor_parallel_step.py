@@ -18,6 +18,19 @@ stream, each after an event recorded once its inputs are written, so the Newton�
 runs while batch k+1's shards travel to their homes and batch k-1's results travel back (in the
 other order, NS(k), back(k), send(k+1), NS(k+1), send(k+1) would queue behind back(k), which waits
 for NS(k), and NS(k+1) for send(k+1): no transfer beside any Newton–Schulz).
+
+Memory. A batch holds at most ``MAX_EXCHANGE_BYTES`` of exchange bytes (``exchange_bytes``: a matrix's
+full bf16 size, T copies of a replicated one's; a matrix larger than that alone), so no buffer of a
+batch is larger than the cap on any rank of the TP group, and at most three batches are alive at
+once. While batch k is orthogonalised: batch k+1's send and receive buffers (at most 1/T + 1 cap),
+batch k's assembled matrices, their Newton–Schulz inputs where a row block is gathered, and the
+results (at most 3 caps; its received shards are dropped once assembled), batch k-1's results on
+their way back (at most 1 + 1/T caps). So the step's transient memory is at most 6 x
+``MAX_EXCHANGE_BYTES`` whatever the chunk of layers (no more while batch k+1's inputs are made: its
+fp32 momentum of at most 2/T caps, its inputs and send buffer 2/T), plus what Newton–Schulz itself
+holds on one batch (its bf16 stack, X Xᵀ, the polynomial and the next X: about 4 copies of the batch,
+of its ``muon_math.MAX_STACK_BYTES`` stacks one at a time). Uncapped, a chunk of up to a third of
+the layers went through as one exchange, about five bf16 copies of its TP matrices alive at once.
 """
 
 from __future__ import annotations
@@ -27,8 +40,18 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_dmuon.plan import TPMatrix
 from titan_dmuon.runtime.owner_update import OwnerUpdate
 from titan_dmuon.runtime.tensor_parallel import Exchange, TensorParallelNewtonSchulz
+
+MAX_EXCHANGE_BYTES = 64 * 2**20  # of one exchange's matrices (exchange_bytes), as MAX_STACK_BYTES caps NS stacks
+
+
+def exchange_bytes(matrix: TPMatrix, tp_size: int) -> int:
+    """What a matrix counts toward its batch's cap: its largest buffer on any rank of the TP group, in
+    bf16: the full matrix (T shards of ``matrix.shape``, assembled on its home) or, replicated, T copies
+    of it (sent back from its home, one to each rank): T x its elements either way."""
+    return 2 * tp_size * matrix.numel
 
 
 @dataclass(eq=False)
@@ -114,8 +137,22 @@ class TensorParallelStep:
         self._back = batch
 
     def _batches(self, items: list[TPItem]) -> list[list[_Part]]:
-        """``items``' matrices in order, in the batches of one exchange each."""
-        return [[_Part(item, 0, len(item.matrices)) for item in items if item.matrices]]
+        """``items``' matrices in order, in batches of at most MAX_EXCHANGE_BYTES (a stack of experts
+        may be split between two); the same on every rank of the TP group (from the matrices' shapes)."""
+        size, batches, parts, used = self.exchange.tp.size, [], [], 0
+        for item in items:
+            first = 0
+            for k, matrix in enumerate(item.matrices):
+                cost = exchange_bytes(matrix, size)
+                if used and used + cost > MAX_EXCHANGE_BYTES:
+                    if k > first:
+                        parts.append(_Part(item, first, k))
+                    batches.append(parts)
+                    parts, used, first = [], 0, k
+                used += cost
+            if len(item.matrices) > first:
+                parts.append(_Part(item, first, len(item.matrices)))
+        return batches + ([parts] if parts else [])
 
     def _send(self, batch: _Batch) -> None:
         """Momentum and Newton–Schulz inputs of ``batch``, sent to their homes."""
