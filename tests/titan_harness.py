@@ -100,25 +100,26 @@ def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
 _SPMD_DIMS: dict = {}  # per worker process: the spmd_types backend keeps the first ParallelDims' meshes
 
 
-def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1):
-    """TorchTitan's ParallelDims. With tensor parallelism (spmd_types backend) one object per layout
-    and worker process, as in a trainer process: the backend's SPMD annotations name the meshes
+def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1, cp: int = 1):
+    """TorchTitan's ParallelDims. With tensor or context parallelism (spmd_types backend) one object per
+    layout and worker process, as in a trainer process: the backend's SPMD annotations name the meshes
     of the first one built, and FSDP2 refuses parameters annotated with another mesh object."""
-    if tp > 1:
-        key = (world, replicate, ep, tp)
+    if tp > 1 or cp > 1:
+        key = (world, replicate, ep, tp, cp)
         if key not in _SPMD_DIMS:
-            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
         return _SPMD_DIMS[key]
-    return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+    return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
 
 
-def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
+def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int, cp: int):
     from torchtitan.distributed import ParallelDims
 
     return ParallelDims(
-        dp_replicate=replicate, dp_shard=world // (replicate * tp), cp=1, tp=tp, pp=1, ep=ep, world_size=world,
-        # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards
-        spmd_backend="spmd_types" if tp > 1 else "partial_dtensor",
+        dp_replicate=replicate, dp_shard=world // (replicate * tp * cp), cp=cp, tp=tp, pp=1, ep=ep, world_size=world,
+        # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards;
+        # context parallelism runs on the CPU with spmd_types (integration/cpu.py)
+        spmd_backend="spmd_types" if tp > 1 or cp > 1 else "partial_dtensor",
     )
 
 
@@ -144,9 +145,9 @@ def build(
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)  # as Trainer.__init__ does
     parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep,
-                                    tensor_parallel_degree=dims.tp)
+                                    tensor_parallel_degree=dims.tp, context_parallel_degree=dims.cp)
     model_config.update_from_config(config=_Parallelism(parallelism))  # sharding plans (expert parallelism)
-    cpu.use_sdpa_attention(model_config)
+    cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
@@ -202,21 +203,22 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
 
     from torchtitan.distributed import utils as dist_utils
 
-    world = dist.get_world_size() // dims.tp  # data-parallel ranks (tp ranks see the same batch)
+    world = dist.get_world_size() // (dims.tp * dims.cp)  # data-parallel ranks (tp and cp ranks see the same batch)
     rank = dims.get_mesh("batch").get_local_rank() if world > 1 else 0
     context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     losses = []
     for tokens in data:
         b = tokens.shape[0] // world
         local = tokens[rank * b : (rank + 1) * b]
+        inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
         with context():
-            logits = model(local[:, :-1])
+            logits = model(inputs, **kwargs)
             if dims.tp > 1:  # loss parallel (TorchTitan's): each tp rank holds its vocabulary shard of the logits
                 from torchtitan.components.loss import _LossParallelCrossEntropy
 
-                summed = _LossParallelCrossEntropy.apply(logits, local[:, 1:], dims.get_mesh("tp").get_group(), VOCAB, "sum")
+                summed = _LossParallelCrossEntropy.apply(logits, labels, dims.get_mesh("tp").get_group(), VOCAB, "sum")
             else:
-                summed = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+                summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             loss = summed / (tokens.shape[0] * SEQ)
             loss.backward()
         handles = dmuon_handles(container)
@@ -233,6 +235,20 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
         dist.all_reduce(total)
         losses.append(total.item())
     return losses
+
+
+def sequence_part(dims, inputs, labels):
+    """(inputs, labels, model kwargs) of this rank: under context parallelism its part of each sequence,
+    as TorchTitan's trainer cuts it (``prepare_context_parallel_input``, head-tail load balancing), with
+    the positions of those tokens; else all of it."""
+    if dims.cp == 1:
+        return inputs, labels, {}
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+    inputs, labels, kwargs = prepare_context_parallel_input(
+        inputs, labels, {"positions": positions}, dims.get_mesh("cp"), torch.device("cpu"))
+    return inputs, labels, kwargs
 
 
 def _inf_norm(params, handles, pp_mesh=None):

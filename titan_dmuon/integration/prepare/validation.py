@@ -157,21 +157,8 @@ def _fault_tolerant(config) -> bool:
     return ft is not None and ft.enable
 
 
-CONTEXT_PARALLEL_REASON = (
-    "TorchTitan's context parallelism does not run without an accelerator, with any optimizer: the spmd_types "
-    "backend needs FlexAttention, which has no CPU backward, and partial_dtensor's ring attention has no CPU SDPA "
-    "kernel; DMuon's dedication over dp_shard x cp is not offered until it can be tested"
-)
-
-
 def check_supported(*, parallelism, compile_config, training) -> None:
     """DMuon's TorchTitan limits (NotImplementedError, which validate_dmuon words for the door)."""
-    if parallelism.context_parallel_degree != 1:
-        raise NotImplementedError(
-            f"parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: optimizer.name = 'dmuon' "
-            "supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism "
-            f"({CONTEXT_PARALLEL_REASON}); set it to 1 or use optimizer.name = 'AdamW'"
-        )
     if parallelism.tensor_parallel_degree > 1:
         if parallelism.spmd_backend == "partial_dtensor":
             raise NotImplementedError(

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.integration import cpu
 from titan_dmuon.integration.names import DMUON
+from titan_dmuon.integration.training.attention_clip import record_sequence_shards
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 DEFAULT_MUON_PARAMS = (
@@ -112,14 +113,21 @@ class ParallelDegrees:
                                tp=parallel_dims.tp, ep=parallel_dims.ep, pipelined=parallel_dims.pp_enabled)
 
     @property
+    def fsdp(self) -> int:
+        """The ranks FSDP2 shards over (TorchTitan's ``fsdp``): dp_shard x cp. Context-parallel ranks hold
+        the same weights and see different parts of each sequence, so their gradients are summed with the
+        data-parallel shards': they are DMuon's shard group, whose owners run Newton–Schulz."""
+        return self.shard * self.cp
+
+    @property
     def sharded(self) -> bool:
-        """FSDP2 shards the other parameters (FSDP or HSDP)."""
-        return self.shard > 1
+        """FSDP2 shards the other parameters (FSDP or HSDP, context parallelism included)."""
+        return self.fsdp > 1
 
     @property
     def ddp(self) -> bool:
         """Data parallelism by replicas only: every rank holds every parameter."""
-        return self.shard == 1 and self.replicate > 1
+        return self.fsdp == 1 and self.replicate > 1
 
     @property
     def expert_region_ranks(self) -> int:
@@ -169,8 +177,10 @@ def parallelize_with_dmuon(
         )
     if dedication.handle is not None:
         _initialise_as_titan_would(dedication.handle, degrees=degrees, parallel_dims=parallel_dims)
+    record_sequence_shards(model, parallel_dims, parallelism)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
+        cpu.bind_context_parallel_attention(model, parallel_dims, parallelism)
     return model
 
 
@@ -368,10 +378,11 @@ def _fsdp_tp_layout(parallel_dims, *, tp: int):
 
 
 def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Module:
-    """TorchTitan's own parallelize_fn, plus the gloo fix on a CPU machine."""
+    """TorchTitan's own parallelize_fn, plus the CPU accommodations on a CPU machine."""
     model = base_fn(model, **kwargs)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
+        cpu.bind_context_parallel_attention(model, kwargs["parallel_dims"], kwargs["parallelism"])
     return model
 
 
@@ -422,14 +433,30 @@ def fused_qkv_blocks(model: nn.Module, tp: int = 1) -> dict[nn.Parameter, list[l
 
 
 def dedication_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
-    shard_name = "dp_shard" if spmd else "fsdp"
-    replicate, shard = degrees.replicate, degrees.shard
-    if replicate > 1 and shard > 1:
-        return parallel_dims.get_mesh(["dp_replicate", shard_name])
-    if shard > 1:
-        return parallel_dims.get_mesh(shard_name)
+    """DMuon's dedication group: every rank that sums a dedicated weight's gradient. FSDP2's shard group
+    (``ParallelDegrees.fsdp``: dp_shard x cp), x the replicas under HSDP; the replicas alone under DDP.
+    Under the spmd_types backend TorchTitan names no dp_shard x cp mesh (FSDP2 flattens the two dims
+    itself): it is flattened here, under TorchTitan's legacy name for it, ``fsdp``."""
+    replicate, shard_ranks = degrees.replicate, degrees.fsdp
+    shard_mesh = _shard_mesh(parallel_dims, degrees, spmd)
+    if replicate > 1 and shard_ranks > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if spmd and degrees.cp > 1:  # (a 2-D mesh of the replicate dim and the flattened one)
+            return DeviceMesh._concatenate([parallel_dims.get_mesh("dp_replicate"), shard_mesh])
+        return parallel_dims.get_mesh(["dp_replicate", "dp_shard" if spmd else "fsdp"])
+    if shard_ranks > 1:
+        return shard_mesh
     if replicate > 1:
         return parallel_dims.get_mesh("dp_replicate")
     if parallel_dims.world_size > 1:  # one data-parallel rank under pipeline or tensor parallelism: a mesh of
-        return parallel_dims.get_mesh(shard_name)  # one (the world mesh would be the pp or tp ranks)
+        return shard_mesh  # one (the world mesh would be the pp or tp ranks)
     return parallel_dims.world_mesh
+
+
+def _shard_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
+    if not spmd:
+        return parallel_dims.get_mesh("fsdp")  # (TorchTitan's legacy backend: dp_shard x cp already)
+    if degrees.cp == 1:
+        return parallel_dims.get_mesh("dp_shard")
+    return parallel_dims.get_optional_mesh(["dp_shard", "cp"], include_singleton_axes=True)._flatten("fsdp")
