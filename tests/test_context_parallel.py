@@ -24,6 +24,92 @@ STEPS = 3
 LAYERS = 2
 
 
+# ---- the pieces, in one process ---------------------------------------------------------------------
+@pytest.mark.unit
+def test_head_tail_order_puts_chunks_r_and_2w_minus_1_minus_r_on_rank_r():
+    """The positions each cp rank holds, as TorchTitan's cp_shard cuts a sequence of 8 over 2 ranks with
+    its default head-tail load balancer (chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and
+    2), and over 2 ranks without one."""
+    from titan_dmuon.integration.training.attention_clip import load_balanced_order
+
+    assert load_balanced_order("headtail", 2, 8, "cpu").tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert load_balanced_order(None, 2, 8, "cpu").tolist() == list(range(8))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cp, balancer", [(2, "headtail"), (4, "headtail"), (2, None)])
+def test_cpu_attention_of_each_ranks_part_is_causal_attention_of_the_sequence(cp, balancer):
+    """ContextParallelCausalAttention on each cp rank (its queries, every rank's keys and values laid end
+    to end in rank order, as TorchTitan's spmd_types backend gathers them) gives that rank's rows of
+    causal SDPA over the whole sequence (GQA: 4 query heads, 2 key heads; fp32, the same sums with other
+    masked entries: 1e-6)."""
+    from titan_dmuon.integration.training.attention_clip import load_balanced_order
+
+    g = torch.Generator().manual_seed(0)
+    length = 8 * cp
+    q, k, v = (torch.randn(2, length, heads, 16, generator=g) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    order = load_balanced_order(balancer, cp, length, "cpu")
+    part = length // cp
+    for rank in range(cp):
+        attention = th.cpu.ContextParallelCausalAttention()
+        attention.bind(cp_rank=rank, cp_size=cp, load_balancer=balancer)
+        mine = order[rank * part : (rank + 1) * part]
+        out = attention(q[:, mine], k[:, order], v[:, order], enable_gqa=True)
+        torch.testing.assert_close(out, expected[:, mine], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_max_logits_by_positions_cover_the_whole_sequence():
+    """QK-clip's per-head max logit of each cp rank's queries against every rank's keys, masked by
+    sequence position, has the whole sequence's causal max as its max over the ranks (GQA)."""
+    from titan_dmuon.integration.training.attention_clip import load_balanced_order
+    from titan_dmuon.qk_clip_math import max_logits
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 16, 4, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
+    order = load_balanced_order("headtail", 2, 16, "cpu")
+    parts = [max_logits(q[:, order[r * 8 : (r + 1) * 8]], k[:, order], scale=0.5, query_positions=order[r * 8 : (r + 1) * 8],
+                        key_positions=order) for r in range(2)]
+    torch.testing.assert_close(torch.maximum(*parts), max_logits(q, k, scale=0.5), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="one per row of q"):
+        max_logits(q, k, scale=0.5, query_positions=order)
+
+
+@pytest.mark.unit
+def test_nothing_of_the_cpu_accommodation_runs_with_an_accelerator(monkeypatch):
+    """With an accelerator (``accelerator_present`` True) a CP job keeps TorchTitan's own attention
+    (FlexAttention), its parallelize step binds nothing, and the CPU-only checks do not run."""
+    import dataclasses
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    from titan_dmuon.integration.prepare import finalize, validation
+    from titan_dmuon.integration.training import parallelize
+    from titan_dmuon.config_registry import llama3_debugmodel_dmuon
+
+    monkeypatch.setattr(th.cpu, "accelerator_present", lambda: True)
+    config = llama3_debugmodel_dmuon()
+    config.parallelism = dataclasses.replace(config.parallelism, context_parallel_degree=2, spmd_backend="partial_dtensor")
+    config.model_spec = dataclasses.replace(config.model_spec, model=th.tiny_llama3()[0])
+    finalize._finalize_model_spec(config)
+    assert all(isinstance(layer.attention.inner_attention, FlexAttention.Config) for layer in config.model_spec.model.layers)
+    validation._validate_context_parallel(config, validation.PYTHON_NAMES, this_machine=True)  # (no CPU refusal)
+    calls = []
+    monkeypatch.setattr(th.cpu, "bind_context_parallel_attention", lambda *a: calls.append("bind"))
+    monkeypatch.setattr(th.cpu, "force_sum_reductions", lambda *a: calls.append("sum"))
+    parallelize.parallelize_without_dmuon(torch.nn.Linear(1, 1), base_fn=lambda m, **_: m, parallel_dims=None,
+                                          parallelism=config.parallelism)
+    assert calls == []
+    monkeypatch.setattr(th.cpu, "accelerator_present", lambda: False)  # (and without one, they do)
+    with pytest.raises(validation.ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"):
+        validation._validate_context_parallel(config, validation.PYTHON_NAMES, this_machine=True)
+    finalize._finalize_model_spec(config)
+    assert all(isinstance(layer.attention.inner_attention, th.cpu.ContextParallelCausalAttention.Config)
+               for layer in config.model_spec.model.layers)
+
+
 def _model():
     return th.tiny_llama3(n_layers=LAYERS)
 
@@ -33,36 +119,51 @@ def _data(global_batch: int):
 
 
 def _job(rank, world, state, settings: dict):
-    """One job of the tiny llama3 from ``state`` (``settings``: cp, replicate, tp, optimizer, global_batch
-    and the optimizer's options): losses, gradient norms, the full weights, DMuon's traffic per step
-    (the last two steps) and its design figure, QK-clip's maxima."""
-    settings = dict(settings)
-    cp, replicate, tp = (settings.pop(k, 1) for k in ("cp", "replicate", "tp"))
-    optimizer, global_batch = settings.pop("optimizer", "dmuon"), settings.pop("global_batch", 4)
+    """One job of the tiny llama3 from ``state`` (None: TorchTitan's own initialisation with seed 0)
+    (``settings``: cp, replicate, tp, optimizer, global_batch, steps and the optimizer's options):
+    losses, gradient norms, the full weights; with DMuon its traffic per step after the first, by its
+    own counts and by the CommLedger, the design's figure, the shard group, QK-clip's maxima."""
     from titan_dmuon.cost_model import design_elements_per_rank
     from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.runtime import CommLabel
 
+    settings = dict(settings)
+    cp, replicate, tp = (settings.pop(k, 1) for k in ("cp", "replicate", "tp"))
+    optimizer, global_batch, steps = (settings.pop(k, d) for k, d in (("optimizer", "dmuon"), ("global_batch", 4),
+                                                                        ("steps", STEPS)))
     dims = th.parallel_dims(world, replicate=replicate, tp=tp, cp=cp)
     model, container = th.build(_model(), dims, optimizer=optimizer, state=state, lr=0.02, param_dtype="float32",
                                 **settings)
-    data, norms = _data(global_batch), []
+    data, norms = _data(global_batch)[:steps], []
     losses = th.train(model, container, dims, data[:1], norms=norms)
+    out = {"losses": losses, "norms": norms}
+    if steps == 1:
+        return out
+    first_logits = _max_logits(container)
     handles = container.dmuon_optimizers()[0].dedicated_handles() if optimizer == "dmuon" else []
     for handle in handles:
         handle.pop_comm_stats()
     with CommLedger() as counted:
         losses += th.train(model, container, dims, data[1:], norms=norms)
-    out = {"losses": losses, "norms": norms, "weights": full_parameters(model, handles[0] if handles else None),
-           "other": counted.elements(source="other") / (STEPS - 1)}
+    out["weights"] = full_parameters(model, handles[0] if handles else None)
     if handles:
         (handle,) = handles
         stats = handle.pop_comm_stats()
         opt = container.dmuon_optimizers()[0]
-        out.update(moved=sum(e for e, _, _ in stats.values()) / (STEPS - 1), design=design_elements_per_rank(handle),
-                   shard_size=handle.mode.mesh.shard_size, momentum=_momentum(opt, handle), ns=opt.last_step_stats["ns_matrices"])
-        if opt.qk_clip is not None:
-            out["max_logits"] = opt.qk_clip.max_logits_by_layer()
+        dmuon = counted.select(source=CommLabel.DMUON)
+        out.update(moved=sum(e for e, _, _ in stats.values()) / (steps - 1), design=design_elements_per_rank(handle),
+                   counted=counted.elements(source=CommLabel.DMUON) / (steps - 1),
+                   groups={r.group_size for r in dmuon}, shard_size=handle.mode.mesh.shard_size,
+                   momentum=_momentum(opt, handle), ns=opt.last_step_stats["ns_matrices"],
+                   first_logits=first_logits, last_logits=_max_logits(container))
     return out
+
+
+def _max_logits(container) -> dict | None:
+    """QK-clip's per-head maxima of the last step, by layer (None without QK-clip)."""
+    opts = container.dmuon_optimizers() if hasattr(container, "dmuon_optimizers") else []
+    clip = opts[0].qk_clip if opts else None
+    return clip.max_logits_by_layer() if clip is not None else None
 
 
 def _momentum(opt, handle) -> dict:
@@ -121,3 +222,73 @@ def test_dmuon_traffic_under_cp_is_the_design(fsdp2, cp2):
     and v are the rest."""
     moved = [Fraction(r["moved"]) for r in cp2["dmuon"]]
     assert sum(moved) / 2 == cp2["dmuon"][0]["design"] == fsdp2["dmuon"][0]["design"] > 0
+
+
+def test_qk_clip_under_cp_takes_the_max_over_the_whole_sequence(pool2, state, fsdp2):
+    """QK-clip under CP 2: each rank's capture sees its own queries and keys; it gathers the keys of
+    the cp pair and takes its queries against every key at or before their positions, and the step's
+    MAX over the dedication group (which includes the cp ranks) completes each head's max over the
+    whole sequence. The per-head maxima of every layer at step 1 equal FSDP 2's (each rank whole
+    sequences) to fp32 reduction order, and with a threshold every head exceeds the job trains as
+    FSDP 2 with the clip (weights within 2e-3 after 3 steps: each step's gamma is a ratio of logits
+    of weights that bf16 Newton-Schulz left ~1 ulp apart, as under TP, test_tensor_parallel.py).
+    (Without the gather, each rank's keys alone, the maxima of the heads whose largest logit pairs a
+    query with the other rank's key come out lower.)"""
+    clip = {"qk_clip_threshold": 0.05}
+    reference = pool2.run(_job, state, {**clip})
+    results = pool2.run(_job, state, {"cp": 2, **clip})
+    expected = reference[0]["first_logits"]
+    for r in results:
+        assert r["first_logits"].keys() == expected.keys() and len(expected) == LAYERS
+        for name, m in r["first_logits"].items():
+            assert (m > clip["qk_clip_threshold"]).all()
+            torch.testing.assert_close(m, expected[name], rtol=1e-5, atol=0)
+    _assert_same_training(results, reference, weights=2e-3)
+    clipped, unclipped = (merge_rank_states(r["weights"] for r in job) for job in (results, fsdp2["dmuon"]))
+    assert max((clipped[k] - unclipped[k]).abs().max().item() for k in clipped) > 1e-2  # (the clip did bind)
+
+
+# ---- 4 ranks: each combination against the same job without CP --------------------------------------
+@pytest.fixture(scope="module")
+def fsdp4(pool4, state):
+    return pool4.run(_job, state, {})
+
+
+def test_cp_x_fsdp_trains_as_fsdp_without_cp_at_the_design_traffic(pool4, state, fsdp4):
+    """CP 2 x FSDP 2 (TorchTitan's FSDP mesh: dp_shard x cp, 4 ranks) trains as FSDP 4 on the same global
+    batch (each data-parallel pair of ranks cuts its 2 sequences between them); DMuon's dedication group
+    is those 4 ranks: every DMuon collective goes over 4 ranks, the CommLedger's count of them equals
+    DMuon's own and the design's figure for N = 4 (Z3: 3(N-1)/N x P_M less the kept layer), which is
+    what it moves on FSDP 4, and Newton-Schulz runs once per matrix in the job."""
+    cp = pool4.run(_job, state, {"cp": 2})
+    _assert_same_training(cp, fsdp4)
+    assert [r["shard_size"] for r in cp] == [4] * 4 and all(r["groups"] == {4} for r in cp)
+    moved, counted = (sum(Fraction(r[k]) for r in cp) / 4 for k in ("moved", "counted"))
+    assert moved == counted == cp[0]["design"] == fsdp4[0]["design"] == sum(Fraction(r["moved"]) for r in fsdp4) / 4 > 0
+    assert sum(r["ns"] for r in cp) == 7 * LAYERS
+
+
+def test_cp_x_hsdp_trains_as_hsdp_without_cp(pool4, state):
+    """CP 2 x HSDP (2 replicas, dp_shard 1): the shard group is the cp pair, the replicate stage the
+    replicas; it trains as HSDP 2 x 2 on the same global batch, at the design's traffic for R = 2, N = 2."""
+    cp = pool4.run(_job, state, {"cp": 2, "replicate": 2})
+    hsdp = pool4.run(_job, state, {"replicate": 2})
+    _assert_same_training(cp, hsdp)
+    assert [r["shard_size"] for r in cp] == [2] * 4
+    assert sum(Fraction(r["counted"]) for r in cp) / 4 == cp[0]["design"] == hsdp[0]["design"] > 0
+    assert sum(r["ns"] for r in cp) == 7 * LAYERS
+
+
+def test_cp_x_tp_trains_as_tp_without_cp_and_starts_where_adamw_starts(pool4, state):
+    """CP 2 x TP 2 (dp_shard 1) trains as FSDP 2 x TP 2 on the same global batch, Newton-Schulz once per
+    matrix; and from TorchTitan's own initialisation (seed 0, no shared state) DMuon's step 1 is AdamW's
+    on the CP x TP layout: DMuon initialises its TP-local weights as the DTensors FSDP2 makes of them,
+    which under CP shard over the flattened dp_shard x cp dim (test fails if the cp dim is taken as
+    replicated: each cp rank would draw another rank's numbers)."""
+    cp = pool4.run(_job, state, {"cp": 2, "tp": 2})
+    tp = pool4.run(_job, state, {"tp": 2})
+    _assert_same_training(cp, tp, weights=2e-3)  # (as test_tensor_parallel.py: TP sums matmuls in other orders)
+    assert sum(r["ns"] for r in cp) == 7 * LAYERS
+    dmuon, adamw = (pool4.run(_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1}) for opt in ("dmuon", "AdamW"))
+    assert dmuon[0]["losses"][0] == pytest.approx(adamw[0]["losses"][0], rel=1e-6)
+    assert dmuon[0]["norms"][0] == pytest.approx(adamw[0]["norms"][0], rel=1e-5)

@@ -195,7 +195,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.context_parallel_degree", "2"], None, "parallelism.context_parallel_degree = 2: optimizer.name = 'dmuon' supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism"),
+        (["--parallelism.context_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor"], None,
+         "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 on a machine without an accelerator"),
         (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
     ],
 )

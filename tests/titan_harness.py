@@ -290,9 +290,15 @@ def initial_state(model_and_spec, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---- pipeline parallelism, as the trainer runs it ---------------------------------------------------
-def pp_dims(world: int, *, pp: int = 2, replicate: int = 1):
+def pp_dims(world: int, *, pp: int = 2, replicate: int = 1, cp: int = 1):
     from torchtitan.distributed import ParallelDims
 
+    if cp > 1:  # (spmd_types: one object per layout and worker process, as parallel_dims explains)
+        key = ("pp", world, pp, replicate, cp)
+        if key not in _SPMD_DIMS:
+            _SPMD_DIMS[key] = ParallelDims(dp_replicate=replicate, dp_shard=world // (pp * replicate * cp), cp=cp, tp=1,
+                                           pp=pp, ep=1, world_size=world, spmd_backend="spmd_types")
+        return _SPMD_DIMS[key]
     return ParallelDims(
         dp_replicate=replicate, dp_shard=world // (pp * replicate), cp=1, tp=1, pp=pp, ep=1, world_size=world,
         spmd_backend="partial_dtensor",
@@ -316,10 +322,10 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     dist_utils.set_spmd_backend(dims.spmd_backend)
     parallelism = ParallelismConfig(
         spmd_backend=dims.spmd_backend, pipeline_parallel_degree=dims.pp, pipeline_parallel_schedule=schedule,
-        pipeline_parallel_microbatch_size=microbatch,
+        pipeline_parallel_microbatch_size=microbatch, context_parallel_degree=dims.cp,
     )
     model_config.update_from_config(config=_Parallelism(parallelism))
-    cpu.use_sdpa_attention(model_config)
+    cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
     container_kwargs = {k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs}
@@ -375,7 +381,8 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         losses = [] if has_last else None
         for handle in handles:
             handle.set_requires_gradient_sync(False)
-        schedule.step(local[:, :-1] if has_first else None, target=local[:, 1:] if has_last else None, losses=losses)
+        inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
+        schedule.step(inputs if has_first else None, target=labels if has_last else None, losses=losses, **kwargs)
         for handle in handles:
             handle.set_requires_gradient_sync(True)
             handle.reduce_gradients()

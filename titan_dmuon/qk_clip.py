@@ -74,9 +74,10 @@ class SequenceShards:
     def gather(self, q: torch.Tensor, k: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(every rank's k, laid end to end in rank order; this rank's query positions; the key positions)."""
         seq_dim = 1 if layout == "BLNH" else 2
-        parts = k.new_empty((self.size, *k.shape))
-        dist.all_gather_into_tensor(parts, k.contiguous(), group=self.group)
-        keys = torch.cat(parts.unbind(0), dim=seq_dim)
+        parts = k.new_empty((self.size * k.shape[0], *k.shape[1:]))  # (ranks x batch): gathered along dim 0
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name before torch 2.13)
+        gather(parts, k.contiguous(), group=self.group)
+        keys = torch.cat(parts.view(self.size, *k.shape).unbind(0), dim=seq_dim)
         local = q.shape[seq_dim]
         order = self.order(keys.shape[seq_dim], q.device)
         return keys, order[self.rank * local : (self.rank + 1) * local], order

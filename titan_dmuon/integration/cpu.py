@@ -159,6 +159,19 @@ def use_sdpa_attention(model_config, *, context_parallel: bool = False) -> None:
                 setattr(parent, attr, new)
 
 
+CONTEXT_PARALLEL_BACKEND = "spmd_types"
+CONTEXT_PARALLEL_BACKEND_REASON = (
+    "context parallelism runs here on TorchTitan's spmd_types backend, which all-gathers k and v over the cp ranks "
+    "and leaves the causal mask of each rank's positions to the attention (ContextParallelCausalAttention); the "
+    "other backends' SDPA path is PyTorch's ring attention, which has no CPU kernel (its CP dispatcher knows the "
+    "CUDA flash, efficient and cuDNN ops, not aten._scaled_dot_product_flash_attention_for_cpu)"
+)
+PTRR_REASON = (
+    "the PTRR load balancer places each rank's rows by FlexAttention's block masks, and FlexAttention has no CPU "
+    "backward; use 'headtail' (the default) or none"
+)
+
+
 class ContextParallelCausalAttention(TitanModule):
     """Causal attention of one context-parallel rank's part of each sequence, by the CPU's SDPA.
 
@@ -181,9 +194,8 @@ class ContextParallelCausalAttention(TitanModule):
         self.cp_rank, self.cp_size, self.load_balancer = 0, 1, None
 
     def bind(self, *, cp_rank: int, cp_size: int, load_balancer: str | None) -> None:
-        if load_balancer not in (None, "headtail"):
-            raise ValueError(f"context_parallel_load_balancer {load_balancer!r} needs FlexAttention's block masks; "
-                             "on a machine without an accelerator use 'headtail' (or none)")
+        if load_balancer not in (None, "headtail"):  # (checked before launch: validation)
+            raise ValueError(f"context_parallel_load_balancer = {load_balancer!r}: {PTRR_REASON}")
         self.cp_rank, self.cp_size, self.load_balancer = cp_rank, cp_size, load_balancer
 
     def sequence_positions(self, queries: int, keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from titan_dmuon.cost_model import dedication_shard_size
 from titan_dmuon.integration import cpu
 from titan_dmuon.integration.names import DMUON
 from titan_dmuon.integration.training.attention_clip import record_sequence_shards
@@ -117,7 +118,7 @@ class ParallelDegrees:
         """The ranks FSDP2 shards over (TorchTitan's ``fsdp``): dp_shard x cp. Context-parallel ranks hold
         the same weights and see different parts of each sequence, so their gradients are summed with the
         data-parallel shards': they are DMuon's shard group, whose owners run Newton–Schulz."""
-        return self.shard * self.cp
+        return dedication_shard_size(data_parallel_shard=self.shard, context_parallel=self.cp)
 
     @property
     def sharded(self) -> bool:
@@ -335,7 +336,7 @@ def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dim
     every rank draws exactly the random numbers it draws without DMuon, and for the same
     ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
     Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
-    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp) if handle.mode.tp is not None else None
+    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp, dedication=handle.mesh) if handle.mode.tp is not None else None
     sharded = degrees.sharded
     for module in handle.owning_modules:
         init_states = module.init_states
@@ -348,18 +349,23 @@ def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dim
         module.init_states = init_like_titan
 
 
-def _fsdp_tp_layout(parallel_dims, *, tp: int):
+def _fsdp_tp_layout(parallel_dims, *, tp: int, dedication):
     """``layout`` for ``DedicatedParams.initialising`` under tensor parallelism: the DTensor FSDP2 makes
     of a TP-local weight (TorchTitan's dense storage mesh: replicate x shard x tp), so initialisers
     draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard (dim 1 of an
     expert stack: TorchTitan shards experts on dim 1 exactly when DMuon dedicates them): a strided
     shard of the full weight when tensor parallelism split that dim too; a weight tensor parallelism
-    replicates is Replicate() on the tp dim."""
+    replicates is Replicate() on the tp dim. Under context parallelism FSDP2 shards over dp_shard x cp
+    as one flattened dim ahead of tp (its ``_build_spmd_sharding_spec``): the ``dedication`` mesh, the
+    same ranks in the same order."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
 
     mesh, _ = resolve_fsdp_mesh(parallel_dims)
+    if parallel_dims.cp > 1:
+        mesh = DeviceMesh._concatenate([dedication, mesh["tp"]])
 
     def layout(member):
         dim = member.entry.tp_dim
@@ -368,7 +374,7 @@ def _fsdp_tp_layout(parallel_dims, *, tp: int):
         for name in mesh.mesh_dim_names:
             if name == "tp":
                 placements.append(Replicate() if dim is None else Shard(dim))
-            elif name == "dp_shard":
+            elif name in ("dp_shard", "fsdp"):
                 placements.append(_StridedShard(fsdp_dim, split_factor=tp) if dim == fsdp_dim else Shard(fsdp_dim))
             else:
                 placements.append(Replicate())
