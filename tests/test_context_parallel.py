@@ -292,3 +292,89 @@ def test_cp_x_tp_trains_as_tp_without_cp_and_starts_where_adamw_starts(pool4, st
     dmuon, adamw = (pool4.run(_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1}) for opt in ("dmuon", "AdamW"))
     assert dmuon[0]["losses"][0] == pytest.approx(adamw[0]["losses"][0], rel=1e-6)
     assert dmuon[0]["norms"][0] == pytest.approx(adamw[0]["norms"][0], rel=1e-5)
+
+
+def _pipelined(rank, world, state, cp):
+    """Pipeline 2 x (CP 2 or FSDP 2), 1F1B, 2 micro-batches per step from a global batch of 4: losses (on
+    the last stage's ranks), norms, the stages' weights, DMuon's traffic (ledger) and design, NS matrices."""
+    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.runtime import CommLabel, DedicatedParams
+
+    dims = th.pp_dims(world, cp=cp)
+    local_batch = 4 // dims.dp_shard
+    built = th.build_pp(_model(), dims, schedule="1F1B", local_batch=local_batch, microbatch=local_batch // 2,
+                        state=state, lr=0.02, param_dtype="float32")
+    parts, container = built[1], built[4]
+    handles = [h for part in parts for h in DedicatedParams.of(part)]
+    norms = []
+    losses = th.train_pp(dims, built, _data(4)[:1], norms=norms)
+    with CommLedger() as ledger:
+        losses += th.train_pp(dims, built, _data(4)[1:], norms=norms)
+    weights = {}
+    for part in parts:
+        weights.update(full_parameters(part, DedicatedParams.of(part)[0] if DedicatedParams.of(part) else None))
+    return {"losses": losses, "norms": norms, "weights": weights,
+            "ns": sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers()),
+            "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1),
+            "design": sum(design_elements_per_rank(h, deferred=True) for h in handles)}
+
+
+def test_cp_x_pp_trains_as_pp_without_cp(pool4, state):
+    """Pipeline 2 x CP 2 (each stage's dedication group: its cp pair) trains as pipeline 2 x FSDP 2 on the
+    same global batch (TorchTitan hands every stage the cp part's positions), one gradient reduce per
+    stage and step at the design's traffic, Newton-Schulz once per matrix in the job."""
+    cp = pool4.run(_pipelined, state, 2)
+    pp = pool4.run(_pipelined, state, 1)
+    last = [i for i, r in enumerate(cp) if r["losses"][0] is not None]
+    assert len(last) == 2 and [i for i, r in enumerate(pp) if r["losses"][0] is not None] == last
+    for i in last:
+        assert cp[i]["losses"] == pytest.approx(pp[i]["losses"], rel=1e-4)
+        assert cp[i]["losses"][0] == pytest.approx(pp[i]["losses"][0], rel=1e-5)
+    for a, b in zip(cp, pp):
+        assert a["norms"][0] == pytest.approx(b["norms"][0], rel=1e-4)
+    wa, wb = merge_rank_states(r["weights"] for r in cp), merge_rank_states(r["weights"] for r in pp)
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < TOLERANCE
+    assert sum(Fraction(r["counted"]) for r in cp) / 4 == sum(Fraction(r["design"]) for r in cp) / 4 > 0
+    assert sum(r["ns"] for r in cp) == sum(r["ns"] for r in pp) == 7 * LAYERS
+
+
+def _moe_job(rank, world, state, cp):
+    """The tiny qwen3 MoE (8 experts, routing forced round-robin as in test_tensor_parallel_moe.py: a
+    top-k choice between nearly equal scores may otherwise flip with the summation order), expert
+    parallelism 2 over (CP 2 x FSDP 2) or FSDP 4: losses, norms, weights, DMuon's traffic and design."""
+    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.runtime import CommLabel
+
+    config, spec = th.tiny_qwen3_moe(experts=8)
+    for layer in config.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.router._debug_force_load_balance = True
+    dims = th.parallel_dims(world, ep=2, cp=cp)
+    model, container = th.build((config, spec), dims, state=state, lr=0.02, param_dtype="float32")
+    (handle,) = container.dmuon_optimizers()[0].dedicated_handles()
+    norms = []
+    losses = th.train(model, container, dims, _data(4)[:1], norms=norms)
+    with CommLedger() as ledger:
+        losses += th.train(model, container, dims, _data(4)[1:], norms=norms)
+    return {"losses": losses, "norms": norms, "weights": full_parameters(model, handle), "local": len(handle.local_experts),
+            "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1), "design": design_elements_per_rank(handle),
+            "ns": container.dmuon_optimizers()[0].last_step_stats["ns_matrices"]}
+
+
+def test_cp_x_moe_with_expert_parallelism_trains_as_without_cp(pool4):
+    """TorchTitan's expert region under CP counts the cp ranks (expert-FSDP x EP = dp_shard x cp x tp):
+    CP 2 x FSDP 2 with expert parallelism 2 keeps whole experts on their EP ranks as FSDP 4 with EP 2
+    does, each rank updating its own (no DMuon collective for them), the dense matrices dedicated over
+    the 4 ranks; it trains as FSDP 4 with EP 2 on the same global batch at the design's traffic (weights
+    within 2e-3, test_tensor_parallel_moe.py's tolerance: over 4 ranks with experts, bf16 Newton-Schulz
+    turns the gradients' last-bit differences into up to ~2 ulp of an update)."""
+    state = th.initial_state(th.tiny_qwen3_moe(experts=8))
+    cp = pool4.run(_moe_job, state, 2)
+    fsdp = pool4.run(_moe_job, state, 1)
+    _assert_same_training(cp, fsdp, weights=2e-3)
+    assert [r["local"] for r in cp] == [r["local"] for r in fsdp] == [6] * 4  # (3 expert stacks x 2 layers)
+    assert sum(Fraction(r["counted"]) for r in cp) / 4 == cp[0]["design"] == fsdp[0]["design"] > 0
+    assert sum(r["ns"] for r in cp) == sum(r["ns"] for r in fsdp)

@@ -370,8 +370,11 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
     from titan_dmuon import clip_grad_norm_
     from titan_dmuon.integration.training.trainer import dmuon_handles
 
+    from torchtitan.distributed import utils as dist_utils
+
     schedule, parts, has_first, has_last, container = built
     dp = dims.dp_shard * dims.dp_replicate
+    context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     rank = dims.get_mesh("batch").get_local_rank() if dp > 1 else 0
     handles = dmuon_handles(container)
     out = []
@@ -382,7 +385,8 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         for handle in handles:
             handle.set_requires_gradient_sync(False)
         inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
-        schedule.step(inputs if has_first else None, target=labels if has_last else None, losses=losses, **kwargs)
+        with context():
+            schedule.step(inputs if has_first else None, target=labels if has_last else None, losses=losses, **kwargs)
         for handle in handles:
             handle.set_requires_gradient_sync(True)
             handle.reduce_gradients()
@@ -396,8 +400,8 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         container.zero_grad()
         if has_last:
             total = torch.stack(losses).sum().detach().clone()
-            if dp > 1:
-                dist.all_reduce(total, group=dims.get_mesh("batch").get_group())
+            if dp * dims.cp > 1:  # (over the data-parallel and context-parallel ranks: TorchTitan's loss mesh)
+                dist.all_reduce(total, group=dims.get_mesh("loss").get_group())
             out.append(total.item())
         else:
             out.append(None)
