@@ -378,3 +378,93 @@ def test_cp_x_moe_with_expert_parallelism_trains_as_without_cp(pool4):
     assert [r["local"] for r in cp] == [r["local"] for r in fsdp] == [6] * 4  # (3 expert stacks x 2 layers)
     assert sum(Fraction(r["counted"]) for r in cp) / 4 == cp[0]["design"] == fsdp[0]["design"] > 0
     assert sum(r["ns"] for r in cp) == sum(r["ns"] for r in fsdp)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+def _checkpointed(rank, world, folder, state, cp, steps, hf):
+    """A DMuon job (CP 2 or FSDP 2) with TorchTitan's checkpointer: from ``state`` it trains ``steps``
+    steps and saves a DCP checkpoint at the last (and, with ``hf``, the model in HF safetensors beside
+    it: the last save); from None it loads the checkpoint at step 2. Its weights and Muon momentum in
+    full by name, and what the HF export must hold."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from tests.helpers import Counter
+    from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+
+    config, spec = _model()
+    dims = th.parallel_dims(world, cp=cp)
+    model, container = th.build((config, spec), dims, state=state, lr=0.02)
+    schedule = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=container, training_steps=steps)
+    counter, managers = Counter(), {}
+    for kind in ("dcp", "hf") if hf else ("dcp",):
+        manager = DMuonCheckpointManager.Config(enable=True, folder=kind, interval=steps, last_save_model_only=kind == "hf",
+                                                last_save_in_hf=kind == "hf")
+        managers[kind] = manager.build(dataloader=Counter(), model_parts=[model], optimizers=container,
+                                       lr_schedulers=schedule, states={"train_state": counter},
+                                       sd_adapter=spec.state_dict_adapter(config, None), base_folder=folder)
+    if state is None:
+        assert managers["dcp"].load(step=2)
+    else:
+        th.train(model, container, dims, _data(4)[:steps])
+        counter.step = steps
+        managers["dcp"].save(steps)
+        if hf:
+            managers["hf"].save(steps, last_step=True)
+    (handle,) = container.dmuon_optimizers()[0].dedicated_handles()
+    weights = full_parameters(model, handle)
+    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    momentum = {}
+    for opt in container.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                value = opt.state.get(p, {}).get("momentum_buffer")
+                if value is not None:
+                    momentum[names[id(p)]] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+    expected_hf = th.hf_export_expected(weights, [model], spec.state_dict_adapter(config, None)) if hf else None
+    return weights, momentum, expected_hf
+
+
+def test_cp_checkpoint_resumes_without_cp_and_the_other_way(pool2, tmp_path, state):
+    """A DCP checkpoint of a CP 2 job (DMuon's dedicated weights and momentum written once, by their
+    owners on the dp_shard x cp group) loads into FSDP 2 without CP, and an FSDP 2 checkpoint into CP 2:
+    every weight and Muon momentum equal the saving job's, bitwise; the CP job's HF export (its last
+    save) holds its full weights."""
+    from tests.helpers import assert_states_equal
+    from tests.test_pipeline import _check_hf_export
+
+    for saving_cp, loading_cp in ((2, 1), (1, 2)):
+        folder = str(tmp_path / f"cp{saving_cp}")
+        saved = pool2.run(_checkpointed, folder, state, saving_cp, 2, saving_cp > 1)
+        loaded = pool2.run(_checkpointed, folder, None, loading_cp, 2, False)
+        for i in (0, 1):
+            assert_states_equal(merge_rank_states(r[i] for r in loaded), merge_rank_states(r[i] for r in saved))
+        assert len(merge_rank_states(r[1] for r in loaded)) == 5 * LAYERS  # (wqkv, wo, w1, w2, w3: each on its owner)
+        if saving_cp > 1:
+            _check_hf_export(f"{folder}/hf/step-2", saved[0][2])
+
+
+# ---- run_train.sh, as a user runs it -------------------------------------------------------------------
+CP_COMMAND = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2")
+
+
+def test_run_train_with_context_parallelism_as_written(tmp_path):
+    """``NGPU=4 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh`` with CP 2 x FSDP 2 and no other
+    flag (here 6 steps): DMuon trains on this CPU (TorchTitan's default spmd_types backend; the CPU
+    attention in place of FlexAttention, said in the log), the loss falls, and every step after the
+    first moves the design's figure for N = 4 (the first also re-broadcasts the layer Z3 keeps and
+    launches step 2's first broadcast). The same command with debug_model_adamw.toml (TorchTitan's
+    AdamW) sees the same step-1 loss as printed and the same gradient norm (1e-4: the norm summed in
+    another order): DMuon starts from TorchTitan's own initial weights under CP too."""
+    from tests.test_titan_e2e import parse, run_train
+
+    result = run_train(tmp_path / "dmuon", *CP_COMMAND, "--training.steps", "6", ngpu=4)
+    dmuon, comm = parse(result)
+    assert "ContextParallelCausalAttention" in result.stdout + result.stderr
+    adamw, _ = parse(run_train(tmp_path / "adamw", *CP_COMMAND, "--training.steps", "1", config="debug_model_adamw.toml",
+                               ngpu=4))
+    assert sorted(dmuon) == list(range(1, 7)) and dmuon[6][0] < 0.9 * dmuon[1][0], dmuon
+    assert dmuon[1][0] == adamw[1][0]
+    assert dmuon[1][1] == pytest.approx(adamw[1][1], rel=1e-4)
+    assert len(comm) == 6 and all(elements == design for elements, _, design in comm[1:]), comm

@@ -226,10 +226,15 @@ def bind_context_parallel_attention(model: torch.nn.Module, parallel_dims, paral
     modules = [m for m in model.modules() if isinstance(m, ContextParallelCausalAttention)]
     if not modules:
         return
+    from torchtitan.tools.logging import logger
+
     mesh = parallel_dims.get_mesh("cp")
     for module in modules:
         module.bind(cp_rank=mesh.get_local_rank(), cp_size=mesh.size(),
                     load_balancer=parallelism.context_parallel_load_balancer)
+    logger.info(f"titan_dmuon: context parallelism without an accelerator: {len(modules)} attention layers run as "
+                f"ContextParallelCausalAttention (CPU SDPA with the causal mask of each cp rank's positions, "
+                f"load balancer {parallelism.context_parallel_load_balancer}) in place of FlexAttention")
 
 
 def force_sum_reductions(model: torch.nn.Module) -> None:
