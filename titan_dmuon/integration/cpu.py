@@ -2,7 +2,7 @@
 
 Nothing here runs when an accelerator is present: on GPU clusters TorchTitan
 keeps its own device selection, NCCL, memory monitor and attention backend.
-On a CPU machine (the project's development and CI machine) six blockers
+On a CPU machine (the project's development and CI machine) seven blockers
 are handled:
 
 1. device type: TorchTitan picks "cuda" when it sees no accelerator and copies
@@ -21,6 +21,12 @@ are handled:
    exchanges expert-parallel tokens with it (uneven splits): ``enable`` gives spmd_types a
    ``torch.distributed`` whose ``all_to_all`` on gloo goes through ``all_to_all_single`` with split
    sizes (gloo's alltoallv), by ``spmd_types.set_dist``, the hook it offers for this.
+7. context parallelism: TorchTitan's spmd_types backend refuses SDPA under CP and FlexAttention
+   has no CPU backward (its other backends' ring attention has no CPU kernel). Under CP
+   ``use_sdpa_attention`` gives each layer ``ContextParallelCausalAttention``: the CPU's SDPA on
+   spmd_types' all-gathered k and v with the causal mask of each cp rank's positions (TorchTitan's
+   head-tail load balancer), bound to its cp rank by the parallelize step
+   (``bind_context_parallel_attention``); validation refuses the rest before launch.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ expert-FSDP mesh), symmetric memory and prefetching stay exactly TorchTitan's.
 Mesh: FSDP (dp_shard > 1) -> 1-D shard mesh; HSDP (dp_replicate > 1 and
 dp_shard > 1) -> 2-D (dp_replicate, dp_shard); DDP (dp_replicate > 1 only)
 -> 1-D replicate mesh, broadcast/reduce like DMuon-Z2 (the all-reduce floor).
+Context parallelism: the shard dim is dp_shard x cp (TorchTitan's FSDP mesh
+under CP; ``dedication_mesh``).
 
 Experts (3-D): where TorchTitan shards them on dim 0 (whole experts per rank:
 at most as many FSDP ranks as experts, or expert parallelism) they stay with
@@ -465,4 +467,4 @@ def _shard_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
         return parallel_dims.get_mesh("fsdp")  # (TorchTitan's legacy backend: dp_shard x cp already)
     if degrees.cp == 1:
         return parallel_dims.get_mesh("dp_shard")
-    return parallel_dims.get_optional_mesh(["dp_shard", "cp"], include_singleton_axes=True)._flatten("fsdp")
+    return parallel_dims.get_mesh(["dp_shard", "cp"])._flatten("fsdp")  # (spmd_types keeps dp_shard at size 1)
