@@ -111,7 +111,7 @@ ERRORS = [
     (MINIMAL + "[parallelism]\ndata_parallel_replicate_degree = 3\n", [], 4, ["does not divide the world size 4"]),
     (MINIMAL + "[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 6\n", [], 2,
      ["[training] seq_len = 6 with parallelism.context_parallel_degree = 2", "divisible by 4"]),
-    (MINIMAL + "[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_load_balancer = \"roundrobin\"\n", [], 2,
+    (MINIMAL + "[parallelism]\ncontext_parallel_load_balancer = \"roundrobin\"\n", [], 2,
      ["context_parallel_load_balancer = 'roundrobin': expected 'headtail'"]),
     (MINIMAL + "qk_clip_threshold = 100.0\n[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_load_balancer = \"ptrr\"\n",
      [], 2, ["qk_clip_threshold = 100.0 with parallelism.context_parallel_load_balancer = 'ptrr'", "head-tail"]),

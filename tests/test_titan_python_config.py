@@ -130,7 +130,8 @@ SAME_ERRORS = [
     (dict(ns_method="gram", ns_mode="exact"), None,
      "[optimizer]\nname = \"dmuon\"\nns_method = \"gram\"\nns_mode = \"exact\"\n"),
     (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
-    ({}, ("parallelism", "context_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_degree = 2\n"),
+    ({}, ("parallelism", "context_parallel_load_balancer", "roundrobin"),
+     "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_load_balancer = \"roundrobin\"\n"),
     ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),
     ({}, ("training", "steps", 0), "[optimizer]\nname = \"dmuon\"\n[training]\nsteps = 0\n"),
 ]

@@ -193,14 +193,14 @@ def _validate_context_parallel(config, names: Naming, *, this_machine: bool) -> 
     """Context parallelism's settings TorchTitan checks only once the process groups started (or at its
     first step), QK-clip's, and what a machine without an accelerator runs (``cpu.py``)."""
     p, opt = config.parallelism, config.optimizer
-    cp = p.context_parallel_degree
-    if cp == 1:
-        return
-    with_cp = f"with parallelism.context_parallel_degree = {cp}"
     balancer = p.context_parallel_load_balancer
     if balancer not in LOAD_BALANCERS:
         raise ConfigError(f"{names.key('parallelism', 'context_parallel_load_balancer')} = {balancer!r}: expected "
                           "'headtail' (the default), 'ptrr' or none (unset)")
+    cp = p.context_parallel_degree
+    if cp == 1:
+        return
+    with_cp = f"with parallelism.context_parallel_degree = {cp}"
     divisor = 2 * cp * (p.tensor_parallel_degree if p.enable_sequence_parallel else 1)
     if config.training.seq_len % divisor:
         raise ConfigError(
