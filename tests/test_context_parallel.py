@@ -254,6 +254,52 @@ def test_qk_clip_under_cp_takes_the_max_over_the_whole_sequence(pool2, state, fs
     assert max((clipped[k] - unclipped[k]).abs().max().item() for k in clipped) > 1e-2  # (the clip did bind)
 
 
+def _dedication_groups(_rank, _world, replicate, shard, cp, tp):
+    """Each rank of a replicate x shard x cp x tp job in turn (fake process group), both SPMD backends:
+    the ranks of its dedication mesh's shard group and replicate group (None without one)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed import ParallelDims
+
+    from titan_dmuon.integration.training.parallelize import ParallelDegrees, dedication_mesh
+    from titan_dmuon.runtime.mode import MeshInfo
+
+    world = replicate * shard * cp * tp
+    out = {}
+    for backend in ("spmd_types", "partial_dtensor"):
+        groups = []
+        for rank in range(world):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            try:
+                dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, pp=1, ep=1, world_size=world,
+                                    spmd_backend=backend)
+                info = MeshInfo.from_mesh(dedication_mesh(dims, ParallelDegrees.of(dims), backend != "partial_dtensor"))
+                groups.append((tuple(dist.get_process_group_ranks(info.shard_group)),
+                               tuple(dist.get_process_group_ranks(info.replicate_group)) if info.hsdp else None))
+            finally:
+                dist.destroy_process_group()
+        out[backend] = groups
+    return out
+
+
+@pytest.mark.parametrize("replicate, shard, cp, tp", [(1, 2, 2, 1), (2, 2, 2, 1), (2, 1, 2, 1), (1, 2, 2, 2)])
+def test_dedication_group_is_dp_shard_x_cp_on_both_backends(solo, replicate, shard, cp, tp):
+    """The dedication mesh of every rank, built as on the job's ranks (fake process group, up to 8 ranks): its
+    shard group is the ranks with this rank's replicate and tp coordinates (TorchTitan's world mesh is
+    laid out replicate, shard, cp, tp, tp fastest), its replicate group the ranks with its shard, cp and tp
+    coordinates, under spmd_types (the flattened dp_shard x cp) and partial_dtensor (TorchTitan's fsdp
+    mesh: the path GPU jobs on that backend take) alike."""
+    groups = solo.run(_dedication_groups, replicate, shard, cp, tp)[0]
+    world, n = replicate * shard * cp * tp, shard * cp
+    expected = []
+    for rank in range(world):
+        r, t = rank // (n * tp), rank % tp
+        shard_group = tuple(r * n * tp + s * tp + t for s in range(n))
+        replicate_group = tuple(q * n * tp + rank % (n * tp) for q in range(replicate)) if replicate > 1 else None
+        expected.append((shard_group, replicate_group))
+    assert groups["spmd_types"] == groups["partial_dtensor"] == expected
+
+
 # ---- 4 ranks: each combination against the same job without CP --------------------------------------
 @pytest.fixture(scope="module")
 def fsdp4(pool4, state):
