@@ -284,6 +284,7 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     (dict(parallelism={"data_parallel_replicate_degree": 2}),
      "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner"),
     (dict(parallelism={"pipeline_parallel_degree": 2}), "pipeline_parallel_degree = 2 with fault_tolerance.enable = true"),
+    (dict(parallelism={"context_parallel_degree": 2}), "context_parallel_degree = 2 with fault_tolerance.enable = true"),
     (dict(checkpoint={"enable": False}), "checkpoint.enable = false: TorchFT's state transfer"),
     (dict(fault_tolerance={"semi_sync_method": "streaming"}), "semi_sync_method = 'streaming': expected unset"),
     (dict(fault_tolerance={"replica_id": 2}), "replica_id = 2: expected this group's index, 0 to group_size - 1 = 1"),

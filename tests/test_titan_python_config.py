@@ -130,7 +130,8 @@ SAME_ERRORS = [
     (dict(ns_method="gram", ns_mode="exact"), None,
      "[optimizer]\nname = \"dmuon\"\nns_method = \"gram\"\nns_mode = \"exact\"\n"),
     (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
-    ({}, ("parallelism", "context_parallel_degree", 2), "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_degree = 2\n"),
+    ({}, ("parallelism", "context_parallel_load_balancer", "roundrobin"),
+     "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_load_balancer = \"roundrobin\"\n"),
     ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),
     ({}, ("training", "steps", 0), "[optimizer]\nname = \"dmuon\"\n[training]\nsteps = 0\n"),
 ]
@@ -195,7 +196,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.context_parallel_degree", "2"], None, "parallelism.context_parallel_degree = 2: optimizer.name = 'dmuon' supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism"),
+        (["--parallelism.context_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor"], None,
+         "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 on a machine without an accelerator"),
         (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
     ],
 )

@@ -100,25 +100,26 @@ def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
 _SPMD_DIMS: dict = {}  # per worker process: the spmd_types backend keeps the first ParallelDims' meshes
 
 
-def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1):
-    """TorchTitan's ParallelDims. With tensor parallelism (spmd_types backend) one object per layout
-    and worker process, as in a trainer process: the backend's SPMD annotations name the meshes
+def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1, cp: int = 1):
+    """TorchTitan's ParallelDims. With tensor or context parallelism (spmd_types backend) one object per
+    layout and worker process, as in a trainer process: the backend's SPMD annotations name the meshes
     of the first one built, and FSDP2 refuses parameters annotated with another mesh object."""
-    if tp > 1:
-        key = (world, replicate, ep, tp)
+    if tp > 1 or cp > 1:
+        key = (world, replicate, ep, tp, cp)
         if key not in _SPMD_DIMS:
-            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
         return _SPMD_DIMS[key]
-    return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp)
+    return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
 
 
-def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int):
+def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int, cp: int):
     from torchtitan.distributed import ParallelDims
 
     return ParallelDims(
-        dp_replicate=replicate, dp_shard=world // (replicate * tp), cp=1, tp=tp, pp=1, ep=ep, world_size=world,
-        # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards
-        spmd_backend="spmd_types" if tp > 1 else "partial_dtensor",
+        dp_replicate=replicate, dp_shard=world // (replicate * tp * cp), cp=cp, tp=tp, pp=1, ep=ep, world_size=world,
+        # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards;
+        # context parallelism runs on the CPU with spmd_types (integration/cpu.py)
+        spmd_backend="spmd_types" if tp > 1 or cp > 1 else "partial_dtensor",
     )
 
 
@@ -144,9 +145,9 @@ def build(
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)  # as Trainer.__init__ does
     parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep,
-                                    tensor_parallel_degree=dims.tp)
+                                    tensor_parallel_degree=dims.tp, context_parallel_degree=dims.cp)
     model_config.update_from_config(config=_Parallelism(parallelism))  # sharding plans (expert parallelism)
-    cpu.use_sdpa_attention(model_config)
+    cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
@@ -202,21 +203,22 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
 
     from torchtitan.distributed import utils as dist_utils
 
-    world = dist.get_world_size() // dims.tp  # data-parallel ranks (tp ranks see the same batch)
+    world = dist.get_world_size() // (dims.tp * dims.cp)  # data-parallel ranks (tp and cp ranks see the same batch)
     rank = dims.get_mesh("batch").get_local_rank() if world > 1 else 0
     context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     losses = []
     for tokens in data:
         b = tokens.shape[0] // world
         local = tokens[rank * b : (rank + 1) * b]
+        inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
         with context():
-            logits = model(local[:, :-1])
+            logits = model(inputs, **kwargs)
             if dims.tp > 1:  # loss parallel (TorchTitan's): each tp rank holds its vocabulary shard of the logits
                 from torchtitan.components.loss import _LossParallelCrossEntropy
 
-                summed = _LossParallelCrossEntropy.apply(logits, local[:, 1:], dims.get_mesh("tp").get_group(), VOCAB, "sum")
+                summed = _LossParallelCrossEntropy.apply(logits, labels, dims.get_mesh("tp").get_group(), VOCAB, "sum")
             else:
-                summed = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum")
+                summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             loss = summed / (tokens.shape[0] * SEQ)
             loss.backward()
         handles = dmuon_handles(container)
@@ -233,6 +235,20 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
         dist.all_reduce(total)
         losses.append(total.item())
     return losses
+
+
+def sequence_part(dims, inputs, labels):
+    """(inputs, labels, model kwargs) of this rank: under context parallelism its part of each sequence,
+    as TorchTitan's trainer cuts it (``prepare_context_parallel_input``, head-tail load balancing), with
+    the positions of those tokens; else all of it."""
+    if dims.cp == 1:
+        return inputs, labels, {}
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+    inputs, labels, kwargs = prepare_context_parallel_input(
+        inputs, labels, {"positions": positions}, dims.get_mesh("cp"), torch.device("cpu"))
+    return inputs, labels, kwargs
 
 
 def _inf_norm(params, handles, pp_mesh=None):
@@ -274,9 +290,15 @@ def initial_state(model_and_spec, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---- pipeline parallelism, as the trainer runs it ---------------------------------------------------
-def pp_dims(world: int, *, pp: int = 2, replicate: int = 1):
+def pp_dims(world: int, *, pp: int = 2, replicate: int = 1, cp: int = 1):
     from torchtitan.distributed import ParallelDims
 
+    if cp > 1:  # (spmd_types: one object per layout and worker process, as parallel_dims explains)
+        key = ("pp", world, pp, replicate, cp)
+        if key not in _SPMD_DIMS:
+            _SPMD_DIMS[key] = ParallelDims(dp_replicate=replicate, dp_shard=world // (pp * replicate * cp), cp=cp, tp=1,
+                                           pp=pp, ep=1, world_size=world, spmd_backend="spmd_types")
+        return _SPMD_DIMS[key]
     return ParallelDims(
         dp_replicate=replicate, dp_shard=world // (pp * replicate), cp=1, tp=1, pp=pp, ep=1, world_size=world,
         spmd_backend="partial_dtensor",
@@ -300,10 +322,10 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     dist_utils.set_spmd_backend(dims.spmd_backend)
     parallelism = ParallelismConfig(
         spmd_backend=dims.spmd_backend, pipeline_parallel_degree=dims.pp, pipeline_parallel_schedule=schedule,
-        pipeline_parallel_microbatch_size=microbatch,
+        pipeline_parallel_microbatch_size=microbatch, context_parallel_degree=dims.cp,
     )
     model_config.update_from_config(config=_Parallelism(parallelism))
-    cpu.use_sdpa_attention(model_config)
+    cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
     container_kwargs = {k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs}
@@ -348,8 +370,11 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
     from titan_dmuon import clip_grad_norm_
     from titan_dmuon.integration.training.trainer import dmuon_handles
 
+    from torchtitan.distributed import utils as dist_utils
+
     schedule, parts, has_first, has_last, container = built
     dp = dims.dp_shard * dims.dp_replicate
+    context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)  # as Trainer's train_context
     rank = dims.get_mesh("batch").get_local_rank() if dp > 1 else 0
     handles = dmuon_handles(container)
     out = []
@@ -359,7 +384,9 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         losses = [] if has_last else None
         for handle in handles:
             handle.set_requires_gradient_sync(False)
-        schedule.step(local[:, :-1] if has_first else None, target=local[:, 1:] if has_last else None, losses=losses)
+        inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
+        with context():
+            schedule.step(inputs if has_first else None, target=labels if has_last else None, losses=losses, **kwargs)
         for handle in handles:
             handle.set_requires_gradient_sync(True)
             handle.reduce_gradients()
@@ -373,8 +400,8 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         container.zero_grad()
         if has_last:
             total = torch.stack(losses).sum().detach().clone()
-            if dp > 1:
-                dist.all_reduce(total, group=dims.get_mesh("batch").get_group())
+            if dp * dims.cp > 1:  # (over the data-parallel and context-parallel ranks: TorchTitan's loss mesh)
+                dist.all_reduce(total, group=dims.get_mesh("loss").get_group())
             out.append(total.item())
         else:
             out.append(None)

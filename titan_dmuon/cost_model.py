@@ -12,6 +12,16 @@ from fractions import Fraction
 BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
 
 
+def dedication_shard_size(*, data_parallel_shard: int, context_parallel: int = 1) -> int:
+    """N of every figure here: the ranks whose gradients of a dedicated weight are summed on its owner
+    before the replicate stage. Context-parallel ranks hold the same weights and see other parts of
+    each sequence, so they sum with the data-parallel shards: N = dp_shard x cp (TorchTitan's FSDP mesh
+    under CP), and Newton–Schulz still runs once per matrix in the job. TorchTitan's own CP collectives
+    (its attention's all-gather of k and v over the cp ranks, their gradients reduce-scattered back)
+    come on top with any optimizer; DMuon adds none (QK-clip's capture gathers k once more)."""
+    return data_parallel_shard * context_parallel
+
+
 def dmuon_elements_per_rank(
     mode, *, numel: int, kept_unit_numel: int = 0, deferred: bool = False, local_tp_numel: int = 0,
 ) -> Fraction:

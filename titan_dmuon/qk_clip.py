@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +53,45 @@ class QKRows:
 
 
 @dataclass(frozen=True, eq=False)
+class SequenceShards:
+    """Context parallelism as QK-clip sees it: every rank of ``group`` holds a part of each sequence
+    and its capture module sees that part's q and k. ``order(length, device)``: the position in the
+    sequence of each row of the ranks' parts laid end to end in rank order (an int tensor of
+    ``length``; TorchTitan's head-tail load balancer puts chunks r and 2W-1-r of 2W on rank r).
+    Each call's capture gathers k over ``group`` (no grad, one all-gather per attention layer and
+    forward) and takes this rank's queries against every key at or before their positions; the
+    step's MAX over the handle's data-parallel ranks, which include ``group``, completes the max."""
+
+    group: dist.ProcessGroup
+    order: Callable[[int, torch.device], torch.Tensor]
+    rank: int = dataclasses.field(init=False)
+    size: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank", dist.get_rank(self.group))
+        object.__setattr__(self, "size", dist.get_world_size(self.group))
+
+    def gather(self, q: torch.Tensor, k: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(every rank's k, laid end to end in rank order; this rank's query positions; the key positions)."""
+        seq_dim = 1 if layout == "BLNH" else 2
+        parts = k.new_empty((self.size * k.shape[0], *k.shape[1:]))  # (ranks x batch): gathered along dim 0
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name before torch 2.13)
+        gather(parts, k.contiguous(), group=self.group)
+        keys = torch.cat(parts.view(self.size, *k.shape).unbind(0), dim=seq_dim)
+        local = q.shape[seq_dim]
+        order = self.order(keys.shape[seq_dim], q.device)
+        return keys, order[self.rank * local : (self.rank + 1) * local], order
+
+
+@dataclass(frozen=True, eq=False)
 class QKClipAttention:
     """One attention module as QK-clip sees it.
 
     ``capture``: the module whose forward receives the post-RoPE ``q, k`` as its first two
     arguments (``layout`` "BLNH": batch, positions, heads, head dim; or "BNLH") and the softmax
     scale as the keyword ``scale`` (None or absent: ``head_dim ** -0.5``). Causal attention.
-    ``rows``: where each head's q (and k) rows are; the weights must be dedicated (DMuon's)."""
+    ``rows``: where each head's q (and k) rows are; the weights must be dedicated (DMuon's).
+    ``sequence``: under context parallelism, where the capture module's rows sit in the sequence."""
 
     capture: nn.Module
     n_heads: int
@@ -69,6 +101,7 @@ class QKClipAttention:
     layout: str = "BLNH"
     causal: bool = True
     name: str = ""
+    sequence: SequenceShards | None = None  # context parallelism: the capture sees a part of each sequence
 
     def __post_init__(self) -> None:
         if not isinstance(self.capture, nn.Module):
@@ -345,7 +378,10 @@ def _capture(capturing: list, clip: _HandleClip, slot: int, attention: QKClipAtt
     # outside the dispatch modes in effect (selective activation checkpointing's caching mode): the
     # checkpointed region records the model's ops only, not the capture's logits
     with torch.no_grad(), _disable_current_modes():
-        m = max_logits(_plain(q), _plain(k), scale=scale, causal=attention.causal, layout=attention.layout)
+        q, k, positions = _plain(q), _plain(k), {}
+        if attention.sequence is not None and attention.sequence.size > 1:
+            k, positions["query_positions"], positions["key_positions"] = attention.sequence.gather(q, k, attention.layout)
+        m = max_logits(q, k, scale=scale, causal=attention.causal, layout=attention.layout, **positions)
         row = clip.running[slot, : m.shape[0]]
         torch.maximum(row, m, out=row)
 

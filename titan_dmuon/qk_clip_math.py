@@ -32,12 +32,17 @@ def max_logits(
     causal: bool = True,
     layout: str = "BLNH",
     chunk_elements: int = CHUNK_ELEMENTS,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per query head, ``max over batch, i, j<=i of scale * q[b, i, h] . k[b, j, h // G]`` (fp32, [H]).
 
     ``layout``: "BLNH" (batch, positions, heads, head dim: TorchTitan's inner attention) or "BNLH"
     (SDPA's). GQA: ``k`` has H / G heads, query head h reads key head h // G (SDPA's
-    ``enable_gqa``). Causal with more keys than queries aligns the last query with the last key."""
+    ``enable_gqa``). Causal with more keys than queries aligns the last query with the last key;
+    with ``query_positions`` and ``key_positions`` (where each row of q and of k sits in the sequence:
+    under context parallelism a rank's part of the queries and every rank's keys) query i reads the
+    keys at positions up to its own."""
     if layout == "BLNH":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     elif layout != "BNLH":
@@ -51,14 +56,20 @@ def max_logits(
     kt = k.reshape(b, hkv, 1, lk, d).transpose(-1, -2)
     best = torch.full((hkv, g), float("-inf"), dtype=torch.float32, device=q.device)
     rows = max(1, chunk_elements // max(1, b * h * lk))
+    positioned = query_positions is not None or key_positions is not None
+    if positioned and (query_positions is None or key_positions is None
+                       or query_positions.shape != (lq,) or key_positions.shape != (lk,)):
+        raise ValueError(f"query_positions and key_positions must both be given, one per row of q ({lq}) and of k ({lk})")
     offset = lk - lq
     for start in range(0, lq, rows):
         stop = min(lq, start + rows)
-        keys = min(lk, stop + offset) if causal else lk
+        keys = min(lk, stop + offset) if causal and not positioned else lk
         if keys <= 0:
             continue
         logits = torch.matmul(qg[:, :, :, start:stop].float(), kt[..., :keys].float())  # b, hkv, g, rows, keys
-        if causal:
+        if causal and positioned:
+            logits.masked_fill_(key_positions[None, :] > query_positions[start:stop, None], float("-inf"))
+        elif causal:
             i = torch.arange(start, stop, device=q.device)[:, None]
             j = torch.arange(keys, device=q.device)[None, :]
             logits.masked_fill_(j > i + offset, float("-inf"))

@@ -123,7 +123,7 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
                 "TorchFT the replica groups are the replicas and each group dedicates on its own mesh "
                 "(data_parallel_replicate_degree = 1; fault_tolerance.group_size groups)"
             )
-        for degree in ("pipeline_parallel_degree", "tensor_parallel_degree"):
+        for degree in ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree"):
             if getattr(p, degree) > 1:
                 return (
                     f"{names.key('parallelism', degree)} = {getattr(p, degree)} with {key('enable')} = true: DMuon under "

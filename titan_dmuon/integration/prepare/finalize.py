@@ -74,6 +74,6 @@ def _finalize_model_spec(config) -> None:
     """Idempotent: causal SDPA without an accelerator; the optimizer-aware parallelize_fn."""
     spec = config.model_spec
     if not cpu.accelerator_present():
-        cpu.use_sdpa_attention(spec.model)
+        cpu.use_sdpa_attention(spec.model, context_parallel=config.parallelism.context_parallel_degree > 1)
     if not isinstance(spec.parallelize_fn, DMuonParallelize):
         config.model_spec = dataclasses.replace(spec, parallelize_fn=DMuonParallelize(base_fn=spec.parallelize_fn))

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from titan_dmuon.integration import cpu
 from titan_dmuon.integration.prepare.fault_tolerance_checks import fault_tolerance_problem, moe_problem
 from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
 from titan_dmuon.integration.training.models import ModelNotSupported, check_model
@@ -143,6 +144,7 @@ def validate_dmuon(
     _validate_training(config.training, names)
     _validate_checkpoint(config.checkpoint, names)
     _validate_parallelism(config.parallelism, world_size, names)
+    _validate_context_parallel(config, names, this_machine=this_machine)
     _validate_pipeline(config, names)
     _validate_sections(config, names)
     problem = fault_tolerance_problem(config, names, this_machine=this_machine) if _fault_tolerant(config) else None
@@ -157,21 +159,8 @@ def _fault_tolerant(config) -> bool:
     return ft is not None and ft.enable
 
 
-CONTEXT_PARALLEL_REASON = (
-    "TorchTitan's context parallelism does not run without an accelerator, with any optimizer: the spmd_types "
-    "backend needs FlexAttention, which has no CPU backward, and partial_dtensor's ring attention has no CPU SDPA "
-    "kernel; DMuon's dedication over dp_shard x cp is not offered until it can be tested"
-)
-
-
 def check_supported(*, parallelism, compile_config, training) -> None:
     """DMuon's TorchTitan limits (NotImplementedError, which validate_dmuon words for the door)."""
-    if parallelism.context_parallel_degree != 1:
-        raise NotImplementedError(
-            f"parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: optimizer.name = 'dmuon' "
-            "supports data (FSDP, HSDP, DDP), tensor, pipeline and expert parallelism, not context parallelism "
-            f"({CONTEXT_PARALLEL_REASON}); set it to 1 or use optimizer.name = 'AdamW'"
-        )
     if parallelism.tensor_parallel_degree > 1:
         if parallelism.spmd_backend == "partial_dtensor":
             raise NotImplementedError(
@@ -195,6 +184,46 @@ def check_supported(*, parallelism, compile_config, training) -> None:
             "training.enable_cpu_offload = true is not supported with optimizer.name = 'dmuon' (owners keep their "
             "weights on the device); set it to false or use optimizer.name = 'AdamW'"
         )
+
+
+LOAD_BALANCERS = ("headtail", "ptrr", None)
+
+
+def _validate_context_parallel(config, names: Naming, *, this_machine: bool) -> None:
+    """Context parallelism's settings TorchTitan checks only once the process groups started (or at its
+    first step), QK-clip's, and what a machine without an accelerator runs (``cpu.py``)."""
+    p, opt = config.parallelism, config.optimizer
+    balancer = p.context_parallel_load_balancer
+    if balancer not in LOAD_BALANCERS:
+        raise ConfigError(f"{names.key('parallelism', 'context_parallel_load_balancer')} = {balancer!r}: expected "
+                          "'headtail' (the default), 'ptrr' or none (unset)")
+    cp = p.context_parallel_degree
+    if cp == 1:
+        return
+    with_cp = f"with parallelism.context_parallel_degree = {cp}"
+    divisor = 2 * cp * (p.tensor_parallel_degree if p.enable_sequence_parallel else 1)
+    if config.training.seq_len % divisor:
+        raise ConfigError(
+            f"{names.key('training', 'seq_len')} = {config.training.seq_len} {with_cp}: TorchTitan cuts each sequence "
+            f"into 2 x {cp} chunks (and by tensor_parallel_degree under sequence parallelism); use a seq_len divisible "
+            f"by {divisor}"
+        )
+    if opt.name == DMUON and opt.qk_clip_threshold is not None and balancer == "ptrr":
+        raise ConfigError(
+            f"{names.key('optimizer', 'qk_clip_threshold')} = {opt.qk_clip_threshold!r} with "
+            "parallelism.context_parallel_load_balancer = 'ptrr': QK-clip takes each rank's queries against the keys "
+            "at or before their positions in the sequence, which it knows for the head-tail load balancer (or none) "
+            "but not for PTRR, whose order follows FlexAttention's block mask; use 'headtail' (the default) with QK-clip"
+        )
+    if this_machine and not cpu.accelerator_present():
+        if p.spmd_backend != cpu.CONTEXT_PARALLEL_BACKEND:
+            raise ConfigError(
+                f"{names.key('parallelism', 'spmd_backend')} = {p.spmd_backend!r} {with_cp} on a machine without an "
+                f"accelerator: {cpu.CONTEXT_PARALLEL_BACKEND_REASON}; use {cpu.CONTEXT_PARALLEL_BACKEND!r} (the default)"
+            )
+        if balancer == "ptrr":
+            raise ConfigError(f"{names.key('parallelism', 'context_parallel_load_balancer')} = 'ptrr' {with_cp} on a "
+                              f"machine without an accelerator: {cpu.PTRR_REASON}")
 
 
 def _validate_adamw_switch(opt, names: Naming) -> None:

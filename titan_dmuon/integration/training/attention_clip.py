@@ -14,10 +14,13 @@ document masking (flex ``block_causal``) S also counts cross-document pairs, an 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
+import torch
 from torch import nn
 
-from titan_dmuon.qk_clip import QKClipAttention
+from titan_dmuon.qk_clip import QKClipAttention, SequenceShards
 from titan_dmuon.runtime import canonical_fqn
 
 
@@ -37,7 +40,41 @@ def attention_descriptions(model: nn.Module, tp_size: int = 1) -> list[QKClipAtt
 
     Under tensor parallelism (``tp_size`` > 1) each rank's q/k weights are its TP-local shards, which
     hold whole heads (and, for GQA, whole kv groups with their query heads), and its inner attention
-    sees exactly those heads: each rank describes and clips its own heads."""
+    sees exactly those heads: each rank describes and clips its own heads. Under context parallelism
+    each inner attention sees this rank's part of every sequence (``record_sequence_shards``)."""
+    sequence = model.__dict__.get(_SEQUENCE_SHARDS)
+    return [dataclasses.replace(d, sequence=sequence) for d in _descriptions(model, tp_size)]
+
+
+_SEQUENCE_SHARDS = "_dmuon_sequence_shards"  # (on the model part, as its handles are: DedicatedParams.of)
+
+
+def record_sequence_shards(model: nn.Module, parallel_dims, parallelism) -> None:
+    """Under context parallelism, note on the model part how its attention sees each sequence: this
+    rank's part, placed by TorchTitan's load balancer (QK-clip's capture reads it)."""
+    if parallel_dims.cp > 1:
+        model.__dict__[_SEQUENCE_SHARDS] = SequenceShards(
+            group=parallel_dims.get_mesh("cp").get_group(),
+            order=functools.partial(load_balanced_order, parallelism.context_parallel_load_balancer,
+                                    parallel_dims.cp))
+
+
+def load_balanced_order(load_balancer: str | None, cp_size: int, length: int, device) -> torch.Tensor:
+    """The position in the sequence of each row of the cp ranks' parts of a ``length``-long sequence,
+    laid end to end in rank order, as TorchTitan's ``cp_shard`` places them: with the head-tail load
+    balancer (its default; chunks r and 2W-1-r of 2W on rank r) the order of PyTorch's
+    ``_HeadTailLoadBalancer``, without one the sequence in order. (PTRR follows FlexAttention's block
+    mask; QK-clip and the CPU attention refuse it before launch.)"""
+    if load_balancer is None:
+        return torch.arange(length, device=device)
+    if load_balancer != "headtail":
+        raise ValueError(f"context_parallel_load_balancer {load_balancer!r}: expected 'headtail' or none")
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    return _HeadTailLoadBalancer(length, cp_size, device)._generate_indices()[0]
+
+
+def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
     from torchtitan.models.common.attention import BaseAttention, FusedQKVLinear, GQAttention, QKVLinear
 
     out = []

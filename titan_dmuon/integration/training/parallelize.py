@@ -13,6 +13,8 @@ expert-FSDP mesh), symmetric memory and prefetching stay exactly TorchTitan's.
 Mesh: FSDP (dp_shard > 1) -> 1-D shard mesh; HSDP (dp_replicate > 1 and
 dp_shard > 1) -> 2-D (dp_replicate, dp_shard); DDP (dp_replicate > 1 only)
 -> 1-D replicate mesh, broadcast/reduce like DMuon-Z2 (the all-reduce floor).
+Context parallelism: the shard dim is dp_shard x cp (TorchTitan's FSDP mesh
+under CP; ``dedication_mesh``).
 
 Experts (3-D): where TorchTitan shards them on dim 0 (whole experts per rank:
 at most as many FSDP ranks as experts, or expert parallelism) they stay with
@@ -32,8 +34,10 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from titan_dmuon.cost_model import dedication_shard_size
 from titan_dmuon.integration import cpu
 from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
+from titan_dmuon.integration.training.attention_clip import record_sequence_shards
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 
@@ -103,14 +107,21 @@ class ParallelDegrees:
                                tp=parallel_dims.tp, ep=parallel_dims.ep, pipelined=parallel_dims.pp_enabled)
 
     @property
+    def fsdp(self) -> int:
+        """The ranks FSDP2 shards over (TorchTitan's ``fsdp``): dp_shard x cp. Context-parallel ranks hold
+        the same weights and see different parts of each sequence, so their gradients are summed with the
+        data-parallel shards': they are DMuon's shard group, whose owners run Newton–Schulz."""
+        return dedication_shard_size(data_parallel_shard=self.shard, context_parallel=self.cp)
+
+    @property
     def sharded(self) -> bool:
-        """FSDP2 shards the other parameters (FSDP or HSDP)."""
-        return self.shard > 1
+        """FSDP2 shards the other parameters (FSDP or HSDP, context parallelism included)."""
+        return self.fsdp > 1
 
     @property
     def ddp(self) -> bool:
         """Data parallelism by replicas only: every rank holds every parameter."""
-        return self.shard == 1 and self.replicate > 1
+        return self.fsdp == 1 and self.replicate > 1
 
     @property
     def expert_region_ranks(self) -> int:
@@ -160,8 +171,10 @@ def parallelize_with_dmuon(
         )
     if dedication.handle is not None:
         _initialise_as_titan_would(dedication.handle, degrees=degrees, parallel_dims=parallel_dims)
+    record_sequence_shards(model, parallel_dims, parallelism)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
+        cpu.bind_context_parallel_attention(model, parallel_dims, parallelism)
     return model
 
 
@@ -316,7 +329,7 @@ def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dim
     every rank draws exactly the random numbers it draws without DMuon, and for the same
     ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
     Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
-    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp) if handle.mode.tp is not None else None
+    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp, dedication=handle.mesh) if handle.mode.tp is not None else None
     sharded = degrees.sharded
     for module in handle.owning_modules:
         init_states = module.init_states
@@ -329,18 +342,23 @@ def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dim
         module.init_states = init_like_titan
 
 
-def _fsdp_tp_layout(parallel_dims, *, tp: int):
+def _fsdp_tp_layout(parallel_dims, *, tp: int, dedication):
     """``layout`` for ``DedicatedParams.initialising`` under tensor parallelism: the DTensor FSDP2 makes
     of a TP-local weight (TorchTitan's dense storage mesh: replicate x shard x tp), so initialisers
     draw the random numbers they draw without DMuon. FSDP2 shards dim 0 of the TP shard (dim 1 of an
     expert stack: TorchTitan shards experts on dim 1 exactly when DMuon dedicates them): a strided
     shard of the full weight when tensor parallelism split that dim too; a weight tensor parallelism
-    replicates is Replicate() on the tp dim."""
+    replicates is Replicate() on the tp dim. Under context parallelism FSDP2 shards over dp_shard x cp
+    as one flattened dim ahead of tp (its ``_build_spmd_sharding_spec``): the ``dedication`` mesh, the
+    same ranks in the same order."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
 
     mesh, _ = resolve_fsdp_mesh(parallel_dims)
+    if parallel_dims.cp > 1:
+        mesh = DeviceMesh._concatenate([dedication, mesh["tp"]])
 
     def layout(member):
         dim = member.entry.tp_dim
@@ -349,7 +367,7 @@ def _fsdp_tp_layout(parallel_dims, *, tp: int):
         for name in mesh.mesh_dim_names:
             if name == "tp":
                 placements.append(Replicate() if dim is None else Shard(dim))
-            elif name == "dp_shard":
+            elif name in ("dp_shard", "fsdp"):
                 placements.append(_StridedShard(fsdp_dim, split_factor=tp) if dim == fsdp_dim else Shard(fsdp_dim))
             else:
                 placements.append(Replicate())
@@ -359,10 +377,11 @@ def _fsdp_tp_layout(parallel_dims, *, tp: int):
 
 
 def parallelize_without_dmuon(model: nn.Module, *, base_fn, **kwargs) -> nn.Module:
-    """TorchTitan's own parallelize_fn, plus the gloo fix on a CPU machine."""
+    """TorchTitan's own parallelize_fn, plus the CPU accommodations on a CPU machine."""
     model = base_fn(model, **kwargs)
     if not cpu.accelerator_present():
         cpu.force_sum_reductions(model)
+        cpu.bind_context_parallel_attention(model, kwargs["parallel_dims"], kwargs["parallelism"])
     return model
 
 
@@ -413,14 +432,30 @@ def fused_qkv_blocks(model: nn.Module, tp: int = 1) -> dict[nn.Parameter, list[l
 
 
 def dedication_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
-    shard_name = "dp_shard" if spmd else "fsdp"
-    replicate, shard = degrees.replicate, degrees.shard
-    if replicate > 1 and shard > 1:
-        return parallel_dims.get_mesh(["dp_replicate", shard_name])
-    if shard > 1:
-        return parallel_dims.get_mesh(shard_name)
+    """DMuon's dedication group: every rank that sums a dedicated weight's gradient. FSDP2's shard group
+    (``ParallelDegrees.fsdp``: dp_shard x cp), x the replicas under HSDP; the replicas alone under DDP.
+    Under the spmd_types backend TorchTitan names no dp_shard x cp mesh (FSDP2 flattens the two dims
+    itself): it is flattened here, under TorchTitan's legacy name for it, ``fsdp``."""
+    replicate, shard_ranks = degrees.replicate, degrees.fsdp
+    shard_mesh = _shard_mesh(parallel_dims, degrees, spmd)
+    if replicate > 1 and shard_ranks > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if spmd and degrees.cp > 1:  # (a 2-D mesh of the replicate dim and the flattened one)
+            return DeviceMesh._concatenate([parallel_dims.get_mesh("dp_replicate"), shard_mesh])
+        return parallel_dims.get_mesh(["dp_replicate", "dp_shard" if spmd else "fsdp"])
+    if shard_ranks > 1:
+        return shard_mesh
     if replicate > 1:
         return parallel_dims.get_mesh("dp_replicate")
     if parallel_dims.world_size > 1:  # one data-parallel rank under pipeline or tensor parallelism: a mesh of
-        return parallel_dims.get_mesh(shard_name)  # one (the world mesh would be the pp or tp ranks)
+        return shard_mesh  # one (the world mesh would be the pp or tp ranks)
     return parallel_dims.world_mesh
+
+
+def _shard_mesh(parallel_dims, degrees: ParallelDegrees, spmd: bool):
+    if not spmd:
+        return parallel_dims.get_mesh("fsdp")  # (TorchTitan's legacy backend: dp_shard x cp already)
+    if degrees.cp == 1:
+        return parallel_dims.get_mesh("dp_shard")
+    return parallel_dims.get_mesh(["dp_shard", "cp"])._flatten("fsdp")  # (spmd_types keeps dp_shard at size 1)
