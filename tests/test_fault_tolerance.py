@@ -169,7 +169,15 @@ def _commit_and_served_state(rank, world):
     for o in container.optimizers:
         for group in o.param_groups:
             group["lr"] = 0.123  # as the LR schedule does each step
-    out["served_lr"] = {v for k, v in container.state_dict().items() if k.endswith(".lr")}
+    from titan_dmuon.integration.training import fault_tolerance
+
+    synchronized, real_sync = [], fault_tolerance.synchronize_device
+    fault_tolerance.synchronize_device = lambda device: synchronized.append(str(device))
+    try:
+        out["served_lr"] = {v for k, v in container.state_dict().items() if k.endswith(".lr")}
+    finally:
+        fault_tolerance.synchronize_device = real_sync
+    out["synchronized"] = synchronized
     with pytest.raises(NotImplementedError, match="asynchronous quorum"):
         _ft_container(model, manager, use_async_quorum=True)
     return out
@@ -180,7 +188,10 @@ def test_commit_gate_and_the_state_torchft_serves(pool2):
     momentum exists from construction; a step TorchFT does not commit changes no weight or
     optimizer state; the state dict TorchFT serves to a joining group holds the live tensors (the
     step updates them in place) and the learning rate as it is now (TorchTitan's cached copy kept
-    the first step's: a healed group then stepped with another LR than its peers); an
+    the first step's: a healed group then stepped with another LR than its peers), after the host
+    waited for the device of the parameters (TorchFT copies the live tensors on its quorum thread
+    and stream, which nothing else orders after the step's writes: a healing group could get
+    half-updated momentum; ``synchronize_device`` itself is checked in test_runtime_streams.py); an
     asynchronous quorum is refused."""
     for r in pool2.run(_commit_and_served_state):
         assert r["momentum_at_construction"]
@@ -188,6 +199,7 @@ def test_commit_gate_and_the_state_torchft_serves(pool2):
         assert r["quorums"] == 2
         assert r["served_is_live"]
         assert r["served_lr"] == {0.123}
+        assert r["synchronized"] == ["cpu"]  # (every parameter of this job is on the CPU)
 
 
 # ---- semi-sync: weights TorchFT writes after DMuon's step reach the next forward -------------------
