@@ -1,6 +1,12 @@
 """Launching the fault-tolerance jobs (tests/test_fault_tolerance_e2e.py, benchmarks/fault_tolerance.py):
 a TorchFT lighthouse and replica groups through ./run_train.sh with ``MODULE=tests.ft_harness`` (the
-README's job, instrumented: tests/ft_harness.py), waits that poll with a deadline, SIGKILL of a group."""
+README's job, instrumented: tests/ft_harness.py), waits that poll with a deadline, SIGKILL of a group.
+
+No wait inside a group is shorter than the test's own deadline: TorchFT's quorum and its other
+operations (60 s by default) and the groups' cross-group process group (the job's 10 s) are given
+``DEADLINE_S``. A group held by the test, or slowed by a loaded machine, then makes its peers wait
+instead of failing them (a killed peer is still seen at once: its connections close); the test's
+own waits fail with every log's tail."""
 
 from __future__ import annotations
 
@@ -74,12 +80,15 @@ class Job:
             **os.environ, "MODULE": "tests.ft_harness", "CONFIG": "llama3_debugmodel_dmuon_ft", "NGPU": str(self.ranks),
             "PYTHON": sys.executable, "TITAN_DMUON_PRECHECK": "0", "TORCHFT_LIGHTHOUSE": f"http://localhost:{self.port}",
             "FT_TEST_RECORD": str(self.records), "FT_TEST_PAUSE": pause or "", "FT_TEST_HOLD": ",".join(map(str, hold)),
-            "LOG_RANK": "0",
+            "LOG_RANK": "0", "TORCHFT_QUORUM_TIMEOUT_SEC": str(DEADLINE_S), "TORCHFT_TIMEOUT_SEC": str(DEADLINE_S),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
+        for stale in self.records.glob(f"{replica}_*.joining"):  # (a killed incarnation's)
+            stale.unlink()
         log = self.folder / f"{name}.log"
         cmd = ["./run_train.sh", "--dump_folder", str(self.folder / "dump"), "--fault_tolerance.replica_id", str(replica),
-               "--training.steps", str(self.steps), "--metrics.disable_color_printing", *self.extra]
+               "--training.steps", str(self.steps), "--metrics.disable_color_printing",
+               "--fault_tolerance.process_group_timeout_ms", str(DEADLINE_S * 1000), *self.extra]
         return self._start(cmd, log, env), log
 
     def wait_paused(self, replica: int, logs, alive, *, marker: str = "paused") -> list[int]:
@@ -143,7 +152,13 @@ def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kil
     group 0 finishes. Group 0 waits after the step that follows each kill until the restarted group
     has started, so that it rejoins before the job ends. Returns the records per (group, rank) (the
     restarted groups' records after the first kill under "healed", each restart's under
-    "incarnations"), the logs, the kill times and the first restart's."""
+    "incarnations"), the logs, the kill times and the first restart's.
+
+    Group 0 is released once every rank of the restarted group is in its first quorum (its
+    ``.joining`` marker), not when its log says it has started: the quorum then forms as soon as
+    group 0 asks (TorchFT's lighthouse waits for every live group: a held group 0 is alive).
+    Regression: released on the log line, group 0 could still be held when the restarted group's
+    quorum timed out (60 s) on a loaded machine."""
     kills = [kill_in] + ([kill_between] if kill_between is not None else [])
     with Job(folder, ranks=ranks, steps=steps) as job:
         a, a_log = job.group(0, "a", hold=tuple(k + 1 for k in kills))
@@ -158,8 +173,7 @@ def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kil
             logs.append(b_log)
             group_logs[f"b{n + 2}"] = b_log
             job.wait_paused(0, logs, [a, b], marker="held")
-            wait("the restarted group to start", lambda log=b_log: "Trainer is initialized" in log.read_text(),
-                 logs=logs, alive=[a, b])
+            job.wait_paused(1, logs, [a, b], marker="joining")
             job.release(0, killed_after_step + 1)
         kill_last = job.kill(b, job.wait_paused(1, logs, [a, b]))
         wait("group 0 to finish", lambda: a.poll() is not None, logs=logs)
