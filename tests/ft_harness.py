@@ -12,10 +12,7 @@ that TorchTitan's entry point loads with it:
   so the test can SIGKILL the group exactly there;
 * ``FT_TEST_HOLD=<step>[,<step>...]``: after each of those steps every rank writes
   ``<folder>/<replica>_<rank>.held`` and waits until ``<folder>/<replica>.release<step>`` exists (so a
-  restarting group can catch up with it);
-* as each rank starts its first step (whose first act is TorchFT's quorum, where a restarted group
-  asks to join and heal) it writes ``<folder>/<replica>_<rank>.joining`` (its pid), so the test
-  releases a held group only once the restarted one is in its quorum.
+  restarting group can catch up with it).
 """
 
 from __future__ import annotations
@@ -89,10 +86,6 @@ if _RECORD is not None:
     _train_step, _forward_backward = DMuonFaultTolerantTrainer.train_step, DMuonFaultTolerantTrainer.forward_backward_step
 
     def _recorded_train_step(self, data_iterator):
-        if not getattr(self, "_ft_test_joining_written", False):
-            self._ft_test_joining_written = True
-            with open(_path(self, ".joining"), "w") as f:
-                f.write(f"{os.getpid()} {time.time()}")
         out = _train_step(self, data_iterator)
         with open(_path(self, ".jsonl"), "a") as f:
             f.write(json.dumps(_state(self)) + "\n")

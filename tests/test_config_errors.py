@@ -242,10 +242,12 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1FB1"], 2,
      "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining (did you mean "
      "'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"], 2,
+    (["--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"], 2,
      "pipeline_parallel_schedule = 'PipelineScheduleMulti' is an abstract base class: use a schedule such as 1F1B or "
      "Interleaved1F1B"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "PipelineScheduleSingle"], 2,
+    (["--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_schedule", "PipelineScheduleSingle"], 2,
      "pipeline_parallel_schedule = 'PipelineScheduleSingle' is an abstract base class: use a schedule such as 1F1B or "
      "Interleaved1F1B"),
     (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"], 6,

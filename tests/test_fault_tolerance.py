@@ -184,8 +184,9 @@ def test_the_managers_own_hook_averages_across_groups_and_counts_what_it_moves(p
     rank holds per backward (checked only end to end before)."""
     for r in pool2.run(_managers_own_hook):
         assert r["known"] == [1.5] * 5
-        assert r["known_figures"]["ft/allreduced_elements_per_rank"] == r["known_figures"]["ft/moved_elements_per_rank"] == 5
-        assert r["figures"]["ft/allreduced_elements_per_rank"] == r["figures"]["ft/moved_elements_per_rank"] == r["held"]
+        known, backward = r["known_figures"], r["figures"]
+        assert known["ft/allreduced_elements_per_rank"] == known["ft/moved_elements_per_rank"] == 5
+        assert backward["ft/allreduced_elements_per_rank"] == backward["ft/moved_elements_per_rank"] == r["held"]
         assert r["diff"] < 1e-6, r["diff"]
         assert len(r["averaged"]) > 1 and all(r["averaged"])
 

@@ -158,7 +158,8 @@ def test_rows_mla_splits_the_factor_by_alpha(alpha):
     is non-rotary q gamma ** alpha, rotary q gamma, non-rotary k gamma ** (1 - alpha) (their product
     on a nope logit and on a rope logit both gamma), v and the shared rotary key untouched."""
     wq, wkv_b = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(10, 4))
-    a = QKClipAttention.mla(nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=3)
+    a = QKClipAttention.mla(nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1,
+                            v_head_dim=3)
     g = torch.tensor([0.25, 1.0])
     f = _factors(a, alpha, g)
     nope_q, nope_k = g[0] ** alpha, g[0] ** (1.0 - alpha)
