@@ -12,7 +12,9 @@ that TorchTitan's entry point loads with it:
   so the test can SIGKILL the group exactly there;
 * ``FT_TEST_HOLD=<step>[,<step>...]``: after each of those steps every rank writes
   ``<folder>/<replica>_<rank>.held`` and waits until ``<folder>/<replica>.release<step>`` exists (so a
-  restarting group can catch up with it).
+  restarting group can catch up with it); step 0 holds before the first step of this process,
+  before its first quorum (so that groups started together meet in their first quorum: a group
+  that asks while the other is not yet alive gets a quorum of its own).
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ def _pause(trainer) -> None:
     time.sleep(3600)  # (the test kills the group; bounded in case it does not)
 
 
-def _hold(trainer) -> None:
+def _hold(trainer, step: int) -> None:
     with open(_path(trainer, ".held"), "w") as f:
         f.write(f"{os.getpid()} {time.time()}")
-    release = os.path.join(_RECORD, f"{trainer.config.fault_tolerance.replica_id}.release{trainer.step}")
+    release = os.path.join(_RECORD, f"{trainer.config.fault_tolerance.replica_id}.release{step}")
     deadline = time.monotonic() + 900
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -85,14 +87,19 @@ if _RECORD is not None:
     _when, _, _at = (_PAUSE or "none:0").partition(":")
     _train_step, _forward_backward = DMuonFaultTolerantTrainer.train_step, DMuonFaultTolerantTrainer.forward_backward_step
 
+    _holds = {int(step) for step in _HOLD.split(",")} if _HOLD else set()
+
     def _recorded_train_step(self, data_iterator):
+        if 0 in _holds and not getattr(self, "_ft_test_started", False):
+            self._ft_test_started = True
+            _hold(self, 0)
         out = _train_step(self, data_iterator)
         with open(_path(self, ".jsonl"), "a") as f:
             f.write(json.dumps(_state(self)) + "\n")
         if _when == "end" and self.step == int(_at):
             _pause(self)
-        if _HOLD and self.step in {int(step) for step in _HOLD.split(",")}:
-            _hold(self)
+        if self.step in _holds:
+            _hold(self, self.step)
         return out
 
     def _paused_forward_backward(self, **kwargs):

@@ -68,3 +68,64 @@ def runtime_parts(world: int, *, hsdp: bool = False, reshard: bool = True, model
         for unit in ctx.units:
             unit.allocate_compute_params(torch.float32, mode.mesh.device)
     return Parts(model=model, mode=mode, dedication=dedication, ctx=ctx)
+
+
+class RecordingDevice:
+    """A stand-in for an accelerator's device module (what ``torch.get_device_module`` returns),
+    recording what the runtime asks of it, so that stream order can be checked on a CPU: streams
+    that know which one is current (``stream(s)`` makes ``s`` current for its block), events named
+    after the stream that recorded them, and ``synchronize``. Entries of ``log``:
+    ("record", stream, event), ("wait_event", stream, event), ("wait_stream", waiter, waited),
+    ("synchronize", device), and whatever a test appends (``current`` names the current stream)."""
+
+    SIDE_STREAMS = ("gather", "reduce", "replicate")  # in the order runtime.streams.Streams makes them
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self._made = 0
+        self._events = 0
+        self.compute = _RecordingStream(self, "compute")
+        self._current = self.compute
+
+    @property
+    def current(self) -> str:
+        return self._current.name
+
+    def Stream(self, device=None, priority=0):  # noqa: N802 (torch's name)
+        name = self.SIDE_STREAMS[self._made] if self._made < len(self.SIDE_STREAMS) else f"side{self._made}"
+        self._made += 1
+        return _RecordingStream(self, name)
+
+    def current_stream(self, device=None):
+        return self._current
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self._current = self._current, stream
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def synchronize(self, device=None):
+        self.log.append(("synchronize", str(device)))
+
+    def new_event(self, stream: str) -> str:
+        self._events += 1
+        return f"{stream}#{self._events}"
+
+
+class _RecordingStream:
+    def __init__(self, device: RecordingDevice, name: str):
+        self.device, self.name = device, name
+
+    def record_event(self):
+        event = self.device.new_event(self.name)
+        self.device.log.append(("record", self.name, event))
+        return event
+
+    def wait_event(self, event):
+        self.device.log.append(("wait_event", self.name, event))
+
+    def wait_stream(self, other):
+        self.device.log.append(("wait_stream", self.name, other.name))

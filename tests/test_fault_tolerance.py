@@ -102,6 +102,95 @@ def test_hook_refused_under_hsdp(pool4):
     assert all(pool4.run(_hook_on_hsdp))
 
 
+# ---- the manager's own hook: TorchFT's average across the groups, and its figures --------------------------
+class _Quorum:
+    """What DMuonTorchFTManager's hook reaches of a torchft Manager through torchft's
+    ManagedProcessGroup: ``allreduce(tensor, reduce_op)`` with torchft's contract (an AVG is the
+    sum over the participants divided by their number), over the gloo ranks (each rank here is
+    rank 0 of its own one-rank group), and the participants."""
+
+    def __init__(self):
+        self._pg = dist.group.WORLD
+        self.averaged = []  # per call: whether the hook asked for an average
+
+    def num_participants(self):
+        return dist.get_world_size()
+
+    def current_step(self):
+        return 0
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
+        from torchft.work import _DummyWork
+
+        self.averaged.append(reduce_op == dist.ReduceOp.AVG)
+        dist.all_reduce(tensor, group=self._pg)
+        if reduce_op == dist.ReduceOp.AVG:
+            tensor /= self.num_participants()
+        return _DummyWork(tensor)
+
+
+def _managers_own_hook(rank, world):
+    """Two replica groups of one rank each (Z3 on a one-rank mesh, as TorchFT's groups dedicate on
+    their own mesh): the hook DMuonTorchFTManager installs on DMuon's handle and on FSDP2's modules,
+    first on a known tensor, then through a backward, against the mean of the groups' gradients
+    computed without it; and the figures it counts (``AcrossGroups``)."""
+    from torchft.process_group import ManagedProcessGroup
+
+    from titan_dmuon.integration.training.fault_tolerance import DMuonTorchFTManager
+    from titan_dmuon.runtime import DedicatedParams
+
+    manager = DMuonTorchFTManager(DMuonTorchFTManager.Config())  # (not enabled: no lighthouse; given a quorum)
+    quorum = _Quorum()
+    manager._manager, manager.replicate_pg = quorum, ManagedProcessGroup(quorum)
+    grid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("group", "dp_shard"))
+    setup = distribute(toy_model(), "z3", 1, mesh=grid["dp_shard"])
+    x, y = batches(1)[0]
+    x, y = x[rank::world], y[rank::world]  # each group its own data
+    from titan_dmuon.testing.toy_model import loss_fn
+
+    loss_fn(setup.module(x), y).backward()  # step 1 (records the layer order), no hook: this group's gradients
+    own = {n: p.grad.detach().clone() for n, p in setup.model.named_parameters()}
+    setup.opt.zero_grad()
+    installed, real_set = [], DedicatedParams.set_all_reduce_hook
+    DedicatedParams.set_all_reduce_hook = lambda self, hook: (installed.append(hook), real_set(self, hook))[1]
+    try:
+        manager.maybe_set_all_reduce_hook([setup.model])
+    finally:
+        DedicatedParams.set_all_reduce_hook = real_set
+    (hook,) = installed
+    known = torch.full((5,), float(rank + 1))
+    hook(known)
+    out = {"known": known.tolist(), "known_figures": manager.figures.figures(1)}
+    loss_fn(setup.module(x), y).backward()
+    out["figures"] = manager.figures.figures(1)
+    out["held"] = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)  # (all of it: one-rank group)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, own)
+    mean = {n: sum(g[n] for g in everyone) / world for n in own}
+    out["diff"] = max((p.grad - mean[n]).abs().max().item() for n, p in setup.model.named_parameters())
+    out["averaged"] = quorum.averaged
+    return out
+
+
+@needs_torchft
+def test_the_managers_own_hook_averages_across_groups_and_counts_what_it_moves(pool2):
+    """The hook DMuonTorchFTManager installs (``maybe_set_all_reduce_hook``) on DMuon's handle and
+    FSDP2's modules averages across the groups: a known tensor (1 on one group, 2 on the other)
+    becomes 1.5 on both, and after a backward every gradient is the mean of the two groups' own
+    (to 1e-6: two fp32 terms, summed and halved here as there). Regression: the in-process tests
+    installed their own hook, so a hook that summed (``op=SUM``) passed them, and the e2e test
+    compares the groups only with each other. Its figures, counted where it runs: every element
+    it all-reduces, and 2(G-1)/G of them moved (G = 2: as many), once per gradient element the
+    rank holds per backward (checked only end to end before)."""
+    for r in pool2.run(_managers_own_hook):
+        assert r["known"] == [1.5] * 5
+        known, backward = r["known_figures"], r["figures"]
+        assert known["ft/allreduced_elements_per_rank"] == known["ft/moved_elements_per_rank"] == 5
+        assert backward["ft/allreduced_elements_per_rank"] == backward["ft/moved_elements_per_rank"] == r["held"]
+        assert r["diff"] < 1e-6, r["diff"]
+        assert len(r["averaged"]) > 1 and all(r["averaged"])
+
+
 # ---- the optimizer container's commit and the state TorchFT serves (a stand-in manager) -----------------
 class _Manager:
     """What the container asks TorchFT's Manager: a quorum per zero_grad, a decision per step."""
@@ -169,7 +258,15 @@ def _commit_and_served_state(rank, world):
     for o in container.optimizers:
         for group in o.param_groups:
             group["lr"] = 0.123  # as the LR schedule does each step
-    out["served_lr"] = {v for k, v in container.state_dict().items() if k.endswith(".lr")}
+    from titan_dmuon.integration.training import fault_tolerance
+
+    synchronized, real_sync = [], fault_tolerance.synchronize_device
+    fault_tolerance.synchronize_device = lambda device: synchronized.append(str(device))
+    try:
+        out["served_lr"] = {v for k, v in container.state_dict().items() if k.endswith(".lr")}
+    finally:
+        fault_tolerance.synchronize_device = real_sync
+    out["synchronized"] = synchronized
     with pytest.raises(NotImplementedError, match="asynchronous quorum"):
         _ft_container(model, manager, use_async_quorum=True)
     return out
@@ -180,7 +277,10 @@ def test_commit_gate_and_the_state_torchft_serves(pool2):
     momentum exists from construction; a step TorchFT does not commit changes no weight or
     optimizer state; the state dict TorchFT serves to a joining group holds the live tensors (the
     step updates them in place) and the learning rate as it is now (TorchTitan's cached copy kept
-    the first step's: a healed group then stepped with another LR than its peers); an
+    the first step's: a healed group then stepped with another LR than its peers), after the host
+    waited for the device of the parameters (TorchFT copies the live tensors on its quorum thread
+    and stream, which nothing else orders after the step's writes: a healing group could get
+    half-updated momentum; ``synchronize_device`` itself is checked in test_runtime_streams.py); an
     asynchronous quorum is refused."""
     for r in pool2.run(_commit_and_served_state):
         assert r["momentum_at_construction"]
@@ -188,6 +288,7 @@ def test_commit_gate_and_the_state_torchft_serves(pool2):
         assert r["quorums"] == 2
         assert r["served_is_live"]
         assert r["served_lr"] == {0.123}
+        assert r["synchronized"] == ["cpu"]  # (every parameter of this job is on the CPU)
 
 
 # ---- semi-sync: weights TorchFT writes after DMuon's step reach the next forward -------------------

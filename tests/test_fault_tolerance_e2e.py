@@ -25,9 +25,11 @@ pytestmark = pytest.mark.skipif(torchft_missing(), reason="torchft is not instal
 
 def test_groups_killed_in_a_step_and_between_steps(tmp_path):
     """Two groups of two ranks (DMuon-Z3 in each; the README's job, 11 steps). Group 1 is SIGKILLed
-    in the forward of step 3 and restarted at once (group 0 waits after step 4 until it has
-    started); the restarted group is SIGKILLed after step 6, between steps, and restarted again
-    (group 0 waits after step 7); that one is SIGKILLed after step 9 and never comes back.
+    in the forward of step 3 and restarted once group 0 has finished step 4 (group 0 waits until the
+    restarted group is in its quorum); the restarted group is SIGKILLed after step 6, between steps,
+    and restarted again (group 0 waits after step 7); that one is SIGKILLed after step 9 and never
+    comes back. Every hand-over waits for an event, not a time (``tests/ft_jobs.py``:
+    ``kill_restart_kill``), so that a loaded machine changes only how long it takes.
 
     * Group 0 commits nothing for step 3 (its weights, momentum and AdamW state after step 3 are
       bitwise those after step 2), continues alone, and commits every other step: one step lost,
@@ -80,7 +82,8 @@ def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method, rank
     (owners' full weights, the other ranks' placeholders and FSDP2's shards alike); the job trains."""
     with Job(tmp_path, ranks=ranks, steps=4, extra=("--fault_tolerance.semi_sync_method", method,
                                                 "--fault_tolerance.sync_steps", "2")) as job:
-        groups = [job.group(replica, f"g{replica}") for replica in (0, 1)]
+        groups = [job.group(replica, f"g{replica}", hold=(0,)) for replica in (0, 1)]
+        job.release_together((0, 1), [log for _, log in groups], [proc for proc, _ in groups])
         for proc, log in groups:
             wait(f"group {log.stem} to finish", lambda p=proc: p.poll() is not None, logs=[log for _, log in groups])
             assert proc.returncode == 0, log.read_text()[-5000:]

@@ -122,19 +122,25 @@ def test_config_follows_the_model_arguments():
         hf_config(th.tiny_deepseek_v3()[0])
 
 
-def test_qwen3_moe_config_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("route_norm", [True, False])
+def test_qwen3_moe_config_loads_in_transformers(tmp_path, route_norm):
     """qwen3 MoE (Qwen3MoeForCausalLM): TorchTitan's adapter's HF weights of a tiny model (8 experts,
-    top 2, normalised top-k weights; one process, its initial weights: the load-balancing bias is
-    still zero) with the written config.json load in transformers and give TorchTitan's logits to
-    bf16 rounding: TorchTitan's routed experts always compute in bf16 (its grouped matmul), HF's in
-    fp32, so the bound is 2^-8 of the logits' size (2.5e-3 here; 1.4e-4 measured); a wrong top-k
-    or normalisation is off by 1.5e-2 and more."""
+    top 2; one process, its initial weights: the load-balancing bias is still zero) with the written
+    config.json load in transformers and give TorchTitan's logits to bf16 rounding: TorchTitan's
+    routed experts always compute in bf16 (its grouped matmul), HF's in fp32, so the bound is 2^-8
+    of the logits' size (2.5e-3 here; 1.4e-4 measured); a wrong top-k or normalisation is off by
+    1.5e-2 and more. With the top-k weights normalised (``route_norm``, HF's ``norm_topk_prob``) and
+    not: regression, a config that always wrote True passed, the only model tested normalising."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from titan_dmuon.integration.adapters.hf_export import hf_config
 
     config, spec = th.tiny_qwen3_moe(experts=8)
+    for layer in config.layers:
+        if layer.moe is not None:
+            layer.moe.router.route_norm = route_norm
+    assert hf_config(config)["norm_topk_prob"] is route_norm
     state = th.initial_state((config, spec))
     with torch.device("meta"):
         titan = config.build()

@@ -227,6 +227,31 @@ def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
     assert all((a - b).abs().max() < BATCHED_WEIGHT_TOLERANCE for a, b in zip(whole, capped))
 
 
+def test_capped_batches_are_smaller_for_a_method_with_a_larger_workspace(monkeypatch):
+    """At the stack cap each method's batch holds as many matrices as keep its Newton-Schulz
+    workspace within the standard iteration's at the cap (no method needs more memory than "torch"
+    there). On six bf16 8 x 32 matrices (Gram Newton-Schulz runs on them: long > 1.5 short) with a
+    cap of four such matrices: "torch" and "polar_express" hold X, its next value, X X^T and the
+    polynomial, 2*8*32 + 2*8*8 = 640 elements a matrix, and go 4 + 2; Gram holds X and its next
+    value and six 8 x 8 products, 2*8*32 + 6*8*8 = 896: 4 * 640 // 896 = 2 a batch, 2 + 2 + 2.
+    Regression: the cap test covered "torch" only, so Gram's batches were never checked against
+    its larger workspace (memory only: the results are the same)."""
+    import titan_dmuon.muon_math as math
+
+    short, long = 8, 32
+    monkeypatch.setattr(math, "MAX_STACK_BYTES", 4 * short * long * 2)
+    standard = 2 * short * long + 2 * short * short
+    workspace = {"torch": standard, "polar_express": standard, "gram": 2 * short * long + 6 * short * short}
+    original = math._orthogonalise_wide_
+    for method, expected in (("torch", [4, 2]), ("polar_express", [4, 2]), ("gram", [2, 2, 2])):
+        assert math.uses_gram(short, long) or method != "gram"
+        batches = []
+        monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
+        math.orthogonalise([torch.randn(short, long) for _ in range(6)], ns_method=method)
+        assert batches == expected, (method, batches)
+        assert max(batches) * workspace[method] <= 4 * standard  # within the standard iteration's at the cap
+
+
 def test_orthogonalise_exact_is_torch_muon_newton_schulz_on_the_bf16_input():
     """The TP step sends the bf16 of Muon's input to the NS home; torch.optim.Muon casts its fp32 input
     to bf16 first, so the exact mode on the bf16 matrix is bitwise Muon's NS of the fp32 one; the

@@ -154,19 +154,25 @@ def test_traffic_per_step_does_not_grow_with_micro_batches(pool4, microbatch):
 
 def _reduce_order(rank, world, schedule):
     """Steps 2 and 3 of a 6-layer llama3 (1F1B: 2 stages of 3 layers, embedding and head with the
-    outer ones; Interleaved1F1B: 4 stages, layers 1-2 and 3-4 alone) on 2 pipeline x 2 FSDP ranks,
-    4 micro-batches: the events of this rank in order, each layer's backward start (a hook on
-    its output's gradient) and each unit's reduce to its owners (with the collectives the
-    CommLedger saw it issue), and DMuon's elements per step as the ledger counted them."""
+    outer ones; Interleaved1F1B and InterleavedZeroBubble: 4 stages, layers 1-2 and 3-4 alone) on 2
+    pipeline x 2 FSDP ranks, 4 micro-batches: the events of this rank in order, each layer's
+    backward start (a hook on its output's gradient), each unit's reduce to its owners (with the
+    collectives the CommLedger saw it issue), each send of an input gradient to the previous stage
+    as the schedule issues it ("send_b", stage, micro-batch), each wait for a unit's reduce ("wait":
+    on the CPU the host blocks; on NCCL the current stream, the compute stream, waits), the end of
+    ``schedule.step`` (with whether a stage still held unreduced gradients then), and DMuon's
+    elements per step as the ledger counted them."""
+    from torch.distributed.pipelining import schedules as pipelining_schedules
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     from titan_dmuon.cost_model import design_elements_per_rank
     from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.runtime.comm import InFlight
     from titan_dmuon.runtime.reducer import GradientReducer
 
     dims = th.pp_dims(world)
     built = th.build_pp(th.tiny_llama3(n_layers=6), dims, schedule=schedule, local_batch=LOCAL_BATCH, lr=0.02)
-    parts = built[1]
+    pipeline, parts = built[0], built[1]
     events, ledger = [], CommLedger()
 
     def mark_backward(name):
@@ -181,39 +187,84 @@ def _reduce_order(rank, world, schedule):
             layer.register_forward_hook(mark_backward(f"layers.{key}"))
     data = th.batches(3, 1, batch=2 * LOCAL_BATCH)
     th.train_pp(dims, built, data[:1])  # step 1 records the layers' order
-    real = GradientReducer.reduce
+
+    pipeline_stages = getattr(pipeline, "_stages", None) or [pipeline._stage]
+    stage_of_reducer = {id(h._ctx.reducer): st.stage_index for st in pipeline_stages for h in _handles([st.submod])}
+    handles = _handles(parts)
+
+    def tagged_sends(stage):
+        real_ops = stage.get_bwd_send_ops
+
+        def get_bwd_send_ops(mb):
+            ops = real_ops(mb)
+            for op in ops:  # (P2POps sending an input gradient, tagged with their stage and micro-batch)
+                op.recorded = (stage.stage_index, mb)
+            return ops
+        return get_bwd_send_ops
+
+    for st in pipeline_stages:
+        st.get_bwd_send_ops = tagged_sends(st)
+    real_p2p, real_reduce, real_wait, real_step = (pipelining_schedules._batch_p2p, GradientReducer.reduce,
+                                                   InFlight.wait, pipeline.step)
+
+    def batch_p2p(ops, desc=None):
+        events.extend(("send_b", *op.recorded) for op in ops if getattr(op, "recorded", None) is not None)
+        return real_p2p(ops, desc=desc)
 
     def reduce(reducer, unit):
         issued = len(ledger.records)
-        real(reducer, unit)
-        events.append(("reduce", canonical_fqn(unit.name), [r.kind for r in ledger.records[issued:]]))
+        real_reduce(reducer, unit)
+        name = canonical_fqn(unit.name)
+        reducer._in_flight[-1].in_flight.recorded = (stage_of_reducer[id(reducer)], name)
+        events.append(("reduce", name, [r.kind for r in ledger.records[issued:]]))
+
+    def wait(in_flight, stream=None):
+        if getattr(in_flight, "recorded", None) is not None:
+            events.append(("wait", *in_flight.recorded))
+        real_wait(in_flight, stream)
+
+    def step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        events.append(("schedule_end", any(u.holds_unreduced_grads for h in handles for u in h._units)))
+        return out
 
     events.clear()
-    GradientReducer.reduce = reduce
+    pipelining_schedules._batch_p2p, GradientReducer.reduce, InFlight.wait, pipeline.step = (
+        batch_p2p, reduce, wait, step)
     try:
         with ledger:
             for batch in data[1:]:
                 events.append(("step",))
                 th.train_pp(dims, built, [batch])
     finally:
-        GradientReducer.reduce = real
-    handles = _handles(parts)
+        pipelining_schedules._batch_p2p, GradientReducer.reduce, InFlight.wait = real_p2p, real_reduce, real_wait
+        del pipeline.step
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     return {"events": events, "stages": stages, "pp_rank": dims.get_mesh("pp").get_local_rank(),
+            "stage_indices": [st.stage_index for st in pipeline_stages if _handles([st.submod])],
             "moved": ledger.elements(source=CommLabel.DMUON) / 2, "design": design}
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_each_stage_reduces_during_its_last_backward(pool4, schedule):
     """Each stage's gradient sync is on for its last micro-batch's backward only (as
     torch.distributed.pipelining's ``last_backward``): every layer's reduce is issued once per
     step, by its post-backward hook, so the stage's last layer's reduce goes out before the
     backward of the stage's first layer of that micro-batch starts (it overlaps the rest of the
-    backward); the order is the same on both ranks of a stage (NCCL matches collectives by
-    order); and DMuon's traffic, counted by the CommLedger, is the design's 2(N-1)/N x P_M of each
-    stage per step. Regression: the reduce ran after the whole schedule returned, every byte of it
-    exposed."""
+    backward; a split backward, InterleavedZeroBubble's, reduces right after its last weight pass);
+    the order is the same on both ranks of a stage (NCCL matches collectives by order); and
+    DMuon's traffic, counted by the CommLedger, is the design's 2(N-1)/N x P_M of each stage per
+    step. Regression: the reduce ran after the whole schedule returned, every byte of it exposed.
+
+    When ``schedule.step`` returns every reduce is issued and no stage holds unreduced gradients
+    (regression, zero-bubble: without the reduce after the last weight pass the harness's reduce
+    after the schedule hid it). And nothing waits for a stage's last reduce before the schedule has
+    returned, so the send of the stage's last input gradient is issued first (regression: the end
+    of the last backward waited for it, and on NCCL the send, which waits for the compute stream,
+    queued behind a layer's reduce on every stage: the pipeline's drain; FSDP2 reduces in the
+    schedule's REDUCE_GRAD, after the sends)."""
     results = pool4.run(_reduce_order, schedule)
+    split_backward = schedule == "InterleavedZeroBubble"
     for r in results:
         assert r["moved"] == r["design"] > 0, (r["moved"], r["design"])
         steps = [[]]
@@ -226,15 +277,24 @@ def test_each_stage_reduces_during_its_last_backward(pool4, schedule):
             reduces = [e[1] for e in events if e[0] == "reduce"]
             assert sorted(reduces) == sorted(layers)  # once per step
             assert all(e[2] and set(e[2]) == {"reduce"} for e in events if e[0] == "reduce")  # issued there
+            (schedule_end,) = [i for i, e in enumerate(events) if e[0] == "schedule_end"]
+            assert events[schedule_end] == ("schedule_end", False)  # nothing left unreduced
+            assert all(i < schedule_end for i, e in enumerate(events) if e[0] == "reduce")  # every reduce issued
+            for stage in r["stage_indices"]:
+                waits = [i for i, e in enumerate(events) if e[0] == "wait" and e[1] == stage]
+                last_send = max((i for i, e in enumerate(events) if e[:2] == ("send_b", stage)), default=-1)
+                assert waits and waits[-1] > schedule_end > last_send, (stage, events)
             for stage in r["stages"]:
-                if len(stage) < 2:
+                if len(stage) < 2 or split_backward:
                     continue
                 first, last = stage[0], stage[-1]
                 kinds = [e[:2] for e in events]
                 last_backward_of_first = max(i for i, e in enumerate(kinds) if e == ("backward", first))
                 assert kinds.index(("reduce", last)) < last_backward_of_first, (stage, kinds)
                 overlapped += 1
-        assert overlapped >= 2  # every rank holds a stage of two layers or more
+        assert overlapped >= 2 or split_backward  # every rank holds a stage of two layers or more
+        senders = {e[1] for e in r["events"] if e[0] == "send_b"}
+        assert senders == set(r["stage_indices"]) - {0}  # (every stage sends its input gradient but the first)
     for a in results:
         for b in results:
             if a["pp_rank"] == b["pp_rank"]:

@@ -151,6 +151,23 @@ def test_rows_mla():
     assert a.head_dim == 3 and not a.shared_keys
 
 
+@pytest.mark.parametrize("alpha", [0.25, 0.8])
+def test_rows_mla_splits_the_factor_by_alpha(alpha):
+    """MLA at alpha != 0.5, where gamma ** alpha and gamma ** (1 - alpha) differ (at 0.5 they are
+    equal, so a k_nope scaled by gamma ** alpha passed every MLA test): the rule, written out per row,
+    is non-rotary q gamma ** alpha, rotary q gamma, non-rotary k gamma ** (1 - alpha) (their product
+    on a nope logit and on a rope logit both gamma), v and the shared rotary key untouched."""
+    wq, wkv_b = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(10, 4))
+    a = QKClipAttention.mla(nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1,
+                            v_head_dim=3)
+    g = torch.tensor([0.25, 1.0])
+    f = _factors(a, alpha, g)
+    nope_q, nope_k = g[0] ** alpha, g[0] ** (1.0 - alpha)
+    torch.testing.assert_close(f[wq], torch.tensor([nope_q, nope_q, g[0], 1.0, 1.0, 1.0]))
+    torch.testing.assert_close(f[wkv_b], torch.tensor([nope_k, nope_k, 1.0, 1.0, 1.0] + [1.0] * 5))
+    torch.testing.assert_close(f[wq][0] * f[wkv_b][0], g[0])  # a nope logit scaled by gamma
+
+
 # ---- options --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,key", [
     ({"qk_clip_threshold": 0.0}, "qk_clip_threshold"),

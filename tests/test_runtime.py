@@ -225,18 +225,27 @@ def _finish_in_flight(rank, world, mode):
     units = setup.handle._units
     launched = sum(u.state is BufferState.GATHERING for u in units)
     synchronized = []  # the host's waits (a stream wait would leave an accelerator's broadcast running)
+
+    def recorded(flight, what):
+        return types.SimpleNamespace(synchronize=lambda: (synchronized.append(what), flight.synchronize()),
+                                     wait=flight.wait)
+
     for unit in units:
         if unit.state is BufferState.GATHERING:
-            flight = unit._in_flight
-            unit._in_flight = types.SimpleNamespace(
-                synchronize=lambda flight=flight: (synchronized.append(1), flight.synchronize()), wait=flight.wait)
+            unit._in_flight = recorded(unit._in_flight, "gather")
+    replicas = setup.handle._ctx.replicas._in_flight  # (HSDP: the step's broadcasts to the replicas)
+    replica_launched = len(replicas)
+    for index in list(replicas):
+        replicas[index] = recorded(replicas[index], "replica")
     setup.handle.finish_in_flight()
     left = sum(u.state is not BufferState.FREE or u._in_flight is not None for u in units)
     left += len(setup.handle._ctx.replicas._in_flight)
     train(setup, data[2:], rank, world)  # the next forward gathers again
     straight = distribute(toy_model(), mode, world)
     train(straight, data, rank, world)
-    return launched, len(synchronized), left, bitwise_equal(full_state(setup), full_state(straight))
+    return {"launched": launched, "gathers_synchronized": synchronized.count("gather"),
+            "replica_launched": replica_launched, "replicas_synchronized": synchronized.count("replica"),
+            "left": left, "same": bitwise_equal(full_state(setup), full_state(straight))}
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
@@ -248,9 +257,23 @@ def test_finish_in_flight_leaves_no_collective_and_training_goes_on(pool2, mode)
     had launched one, the host waited for it (not only a stream), afterwards nothing is gathering or
     in flight, and training goes on bitwise as the same job without the call (same kernels in the same
     order: only waits and frees differ)."""
-    for launched, synchronized, left, same in pool2.run(_finish_in_flight, mode):
-        assert launched == synchronized == 1 and left == 0
-        assert same
+    for r in pool2.run(_finish_in_flight, mode):
+        assert r["launched"] == r["gathers_synchronized"] == 1 and r["left"] == 0
+        assert r["replica_launched"] == 0
+        assert r["same"]
+
+
+def test_finish_in_flight_waits_for_hsdps_replica_broadcasts_on_the_host(pool4):
+    """Under HSDP the step also leaves its post-step broadcasts to the replicas in flight (each
+    layer's, but the first's, which the next forward's gather already waited for): the host waits
+    for every one (``synchronize``), not a stream, which on an accelerator would leave them running
+    when the process groups go. Regression: the Z2/Z3 runs above have no replica broadcast, so a
+    ``finish_in_flight`` that waited for them by the stream (on gloo the host blocks either way)
+    passed."""
+    for r in pool4.run(_finish_in_flight, "hsdp"):
+        assert r["launched"] == r["gathers_synchronized"] == 1 and r["left"] == 0
+        assert r["replica_launched"] == r["replicas_synchronized"] > 0
+        assert r["same"]
 
 
 # ---- DDP with activation checkpointing ----------------------------------------------------------------

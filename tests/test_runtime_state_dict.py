@@ -1,10 +1,15 @@
 """``runtime/state_dict.py``'s hooks on a module with two dedicated weights, one held here and one not,
 with a recording stand-in for the handle (no process group): a state dict has exactly the weights
-this rank holds; a load takes exactly those, reports no other as missing, and tells the handle."""
+this rank holds; a load takes exactly those, reports no other as missing, and tells the handle. On an
+accelerator a state dict first waits for the device (a recording stand-in for its device module)."""
+
+import types
 
 import pytest
 import torch
 from torch import nn
+
+from tests.runtime_parts import RecordingDevice
 
 from titan_dmuon.plan import MatrixSpec, build_plan
 from titan_dmuon.runtime.members import Member
@@ -16,8 +21,9 @@ pytestmark = pytest.mark.unit
 class _Handle:
     """What the hooks call on ``DedicatedParams``, recorded; TP conversions as tp rank 1 of 2 would do."""
 
-    def __init__(self, members):
+    def __init__(self, members, device="cpu"):
         self.members, self.calls = members, []
+        self.mode = types.SimpleNamespace(mesh=types.SimpleNamespace(device=torch.device(device)))
 
     def members_of(self, module):
         return [m for m in self.members if m.module is module]
@@ -39,8 +45,9 @@ class _Handle:
         return full.chunk(2, dim=member.entry.tp_dim)[1]
 
 
-def _layer(tp_dim=None):
-    """``held`` (6 x 4, this rank keeps it) and ``other`` (a 0-element placeholder: another rank's)."""
+def _layer(tp_dim=None, device="cpu"):
+    """``held`` (6 x 4, this rank keeps it) and ``other`` (a 0-element placeholder: another rank's);
+    the handle's mesh is on ``device`` (the tensors stay on the CPU)."""
     tp_size = 1 if tp_dim is None else 2
     specs = [MatrixSpec(fqn=name, shape=(6, 4), unit=0, blocks=(((0, 6 * (2 if tp_dim == 0 else 1)),),), tp_dim=tp_dim,
                         tp_size=tp_size) for name in ("held", "other")]
@@ -51,7 +58,7 @@ def _layer(tp_dim=None):
     members = [Member(entry=held_entry, module=layer, name="held", param=layer.held, holds_full=True, runs_ns=True),
                Member(entry=other_entry, module=layer, name="other", param=layer.other, holds_full=False,
                       runs_ns=False)]
-    handle = _Handle(members)
+    handle = _Handle(members, device)
     install_state_dict_hooks(handle, layer)
     return layer, handle
 
@@ -61,6 +68,22 @@ def test_a_state_dict_has_the_weights_this_rank_holds_after_the_replica_broadcas
     state = layer.state_dict()
     assert list(state) == ["held"] and torch.equal(state["held"], layer.held)
     assert handle.calls == [("wait", True)]  # the host waited: DCP may read from another thread
+
+
+def test_a_state_dict_on_an_accelerator_waits_for_the_device(monkeypatch):
+    """The owners' weights and momentum are written by the step on the compute stream, which never
+    syncs the host; DCP's background stager and TorchFT's recovery (on its quorum thread) copy the
+    live tensors on their own streams. Regression: only the replica broadcasts were waited for, so
+    a checkpoint or a healing group could get half-updated weights. The hook now synchronises the
+    handle's device (named: TorchFT's thread may have another current device), after the replica
+    broadcasts; load hooks do not (the load writes on the compute stream, in order)."""
+    device = RecordingDevice()
+    monkeypatch.setattr(torch, "get_device_module", lambda d=None: device)
+    layer, handle = _layer(device="cuda:1")
+    layer.state_dict()
+    assert handle.calls == [("wait", True)] and device.log == [("synchronize", "cuda:1")]
+    layer.load_state_dict({"held": torch.ones(6, 4)})
+    assert device.log == [("synchronize", "cuda:1")]
 
 
 def test_a_load_takes_the_held_weights_only_and_reports_no_other_missing():

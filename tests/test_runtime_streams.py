@@ -5,7 +5,8 @@ device module (``torch.get_device_module``), since this machine has no accelerat
 import pytest
 import torch
 
-from titan_dmuon.runtime.streams import DeviceTimer, Streams
+from tests.runtime_parts import RecordingDevice
+from titan_dmuon.runtime.streams import DeviceTimer, Streams, synchronize_device
 
 pytestmark = pytest.mark.unit
 
@@ -135,3 +136,14 @@ def test_a_device_timer_records_events_and_syncs_only_when_read(device_module):
     with timer.timing():
         pass
     assert timer.seconds() == 0.25
+
+
+def test_synchronize_device_names_the_device_and_is_a_no_op_on_the_cpu(monkeypatch):
+    """Checkpoints and recovery wait for every stream of the job's device (named: TorchFT calls from
+    its quorum thread, whose current device may be another); on the CPU work is done when its call
+    returns, and no device module is asked."""
+    device = RecordingDevice()
+    monkeypatch.setattr(torch, "get_device_module", lambda d=None: device)
+    synchronize_device(torch.device("cpu"))
+    synchronize_device(torch.device("cuda", 3))
+    assert device.log == [("synchronize", "cuda:3")]

@@ -199,7 +199,7 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
     default DMuon's; each step's norm is appended to ``norms`` if given, and its max-norm, by DMuon's
     clip with norm_type inf before the clip, to ``inf_norms``)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.training.trainer import dmuon_handles
+    from titan_dmuon.integration.training.trainer import dmuon_handles, finish_pipeline_reduces
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -368,7 +368,7 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
     gradient sync deferred to one reduce per step as DMuonTrainer does; global mean loss per step on
     the last stage's ranks, None elsewhere (the loss lives there)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.training.trainer import dmuon_handles
+    from titan_dmuon.integration.training.trainer import dmuon_handles, finish_pipeline_reduces
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -387,9 +387,7 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
         inputs, labels, kwargs = sequence_part(dims, local[:, :-1], local[:, 1:])
         with context():
             schedule.step(inputs if has_first else None, target=labels if has_last else None, losses=losses, **kwargs)
-        for handle in handles:
-            handle.set_requires_gradient_sync(True)
-            handle.reduce_gradients()
+        finish_pipeline_reduces(handles)
         params = [p for m in parts for p in m.parameters()]
         if inf_norms is not None:
             inf_norms.append(float(_inf_norm(params, handles, dims.get_mesh("pp"))))

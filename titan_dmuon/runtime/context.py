@@ -41,6 +41,7 @@ class RuntimeContext:
     forward_order: list = field(default_factory=list)
     recording: bool = True  # the first forward+backward records the order of the units
     gradient_sync: bool = True  # False: gradients accumulate on every rank until reduced
+    is_last_backward: bool = True  # False: a backward's end leaves its reduces in flight (pipelining)
     buffer_bytes: int = 0  # packed-buffer memory allocated now on this rank
     peak_buffer_bytes: int = 0  # its high-water mark since the last reset
     host_seconds: float = 0.0  # host time in DMuon's hooks since the last read (Python and launches)

@@ -228,7 +228,8 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         """The units in the order ``DMuon.step`` updates them: forward order (known after a step)."""
         if self.holds_unreduced_gradients:
             raise RuntimeError(
-                "the optimizer step came while gradients were held unreduced (gradient sync off): call "
+                "the optimizer step came while gradients were held unreduced (gradient sync off) or their "
+                "reduces unfinished (set_is_last_backward(False)): call handle.set_is_last_backward(True) and "
                 "handle.reduce_gradients() after the last micro-batch, or turn gradient sync back on "
                 "(set_requires_gradient_sync(True)) before its backward"
             )

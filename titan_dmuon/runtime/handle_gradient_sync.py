@@ -24,12 +24,21 @@ class GradientSync:
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce the gradients that accumulated with sync off (a collective at the same point on
-        every rank; what pipelining schedules call after the last micro-batch's backward)."""
+        every rank; what pipelining schedules call after the last micro-batch's backward), and, when
+        this is the last backward (``set_is_last_backward``), finish every reduce in flight."""
         held = [u for u in reversed(self._ctx.units_in_order()) if u.holds_unreduced_grads]
         for unit in held:
             unit.reduce_held_gradients()
-        if held:
-            self._ctx.reducer.finish()
+        reducer = self._ctx.reducer
+        reducer.finish() if self._ctx.is_last_backward else reducer.issue_rest()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False (a pipeline schedule's backward passes): the end of a backward with gradient sync,
+        and ``reduce_gradients()``, issue what is left of the reduces but leave the compute stream's
+        waits for them, and the owners' ``.grad``, to ``reduce_gradients()`` after it is True again
+        (after the schedule), so that the stage's sends do not queue behind them. As FSDP2's method
+        of the same name, which torch.distributed.pipelining sets False during the schedule."""
+        self._ctx.is_last_backward = bool(is_last_backward)
 
     def set_all_reduce_hook(self, hook) -> None:
         """As FSDP2's method of the same name (``FSDPModule.set_all_reduce_hook``), for fault-tolerant
@@ -49,4 +58,5 @@ class GradientSync:
 
     @property
     def holds_unreduced_gradients(self) -> bool:
-        return any(u.holds_unreduced_grads for u in self._units)
+        """Gradients held with sync off, or reduces not finished (``set_is_last_backward(False)``)."""
+        return self._ctx.reducer.awaiting_finish or any(u.holds_unreduced_grads for u in self._units)

@@ -13,7 +13,8 @@ One step, for a unit (a layer) U with dedicated weights:
 * U post-backward (its inputs' gradient is computed, so every weight gradient
   of U is too): free U's buffer, put the registered params back, reduce U's
   gradients to their owners (every member, zeros where this rank has none);
-* end of backward: the reducer finishes; owners have ``.grad``;
+* end of backward: the reducer finishes; owners have ``.grad`` (not the last backward, as a
+  pipeline schedule runs them: the reduces left are issued, and finished after the schedule);
 * the optimizer step (``DMuon.step``) goes unit by unit in forward order and
   calls ``DedicatedParams.updated(U)`` after each (``handle.py``).
 
@@ -207,4 +208,4 @@ class StepHooks:
             elif unit.state is not BufferState.FREE and not unit.swapped_in and ctx.gradient_sync:
                 unit.free()  # prefetched but never used
         if ctx.gradient_sync:
-            ctx.reducer.finish()
+            ctx.reducer.finish() if ctx.is_last_backward else ctx.reducer.issue_rest()

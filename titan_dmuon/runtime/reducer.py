@@ -28,12 +28,21 @@ tp ranks' gradients are zeroed (they apply the home's orthogonalised update in t
 
 With an all-reduce hook (``DedicatedParams.set_all_reduce_hook``, fault tolerance across replica
 groups) each owner's reduced bucket goes through the hook once its shard stage is done, at the
-same program point, before it becomes ``.grad``.
+same program point, on the replicate stream (unused without HSDP), before it becomes ``.grad``.
+The compute stream waits for the hook's work only at the end of backward (``finish``), as FSDP2
+waits for its all-reduce stream only in ``finalize_backward``: waiting at the next layer would
+run backward at the inter-group network's speed.
 
 Lifetimes, as FSDP2's reduce-scatter inputs: the flats live in the compute
 stream's memory and are held by reference until the compute stream has
 waited for the collective that reads them (at the next program point: at
 most one layer in flight, FSDP2's default); owners keep theirs as ``.grad``.
+
+The end of a backward whose completion comes later (a pipeline stage's last backward: the
+schedule's sends to the neighbour stage follow it, and NCCL's point-to-point waits for the
+current stream) issues every stage left from the side streams but leaves the compute stream's
+waits, and the owners' ``.grad``, to ``finish`` after the schedule (``issue_rest``), as FSDP2
+under pipelining reduces in ``perform_reduce_grad``, after the stage's sends.
 """
 
 from __future__ import annotations
@@ -76,6 +85,8 @@ class GradientReducer:
         self.divide_factor = divide_factor
         self.all_reduce_hook = None  # (flat) -> None: across replica groups, on each owner's reduced bucket
         self._in_flight: list[_Flight] = []
+        self._unwaited: list[_Flight] = []  # moved on, the compute stream not yet waiting for them (issue_rest)
+        self._hooks_done: list = []  # events after the all-reduce hook's work, for finish's compute wait
         self._done: list[tuple[Bucket, torch.Tensor]] = []  # reduced buckets this rank owns
         self._missing_on_owner: list[Member] = []
         self._warned: set[str] = set()
@@ -145,13 +156,14 @@ class GradientReducer:
             torch._foreach_zero_(missing)
         return items
 
-    def _advance(self) -> None:
-        """Every launch issued so far moves one stage on; a program point, the same on every rank."""
+    def _advance(self, *, wait: bool = True) -> None:
+        """Every launch issued so far moves one stage on; a program point, the same on every rank.
+        ``wait``: the compute stream waits for each launch it moved on (before the flats' memory,
+        the compute stream's, can be reused; non-owners' flats hold partial sums and are dropped
+        then), else the launch is kept, flats and all, for ``finish``."""
         mesh, streams = self.mode.mesh, self.streams
         flights, self._in_flight = self._in_flight, []
         for flight in flights:
-            # non-owners' flats hold partial sums (dist.reduce overwrites them): dropped below,
-            # once the compute stream (whose memory they are) has waited for the reduce
             mine = [(b, f) for b, f in flight.items if b.shard_owner == mesh.shard_rank]
             if flight.stage is Stage.SHARD and mesh.hsdp:
                 with streams.use(streams.replicate):
@@ -160,26 +172,30 @@ class GradientReducer:
                                 self.stats, coalesce=mesh.coalesces) as launch:
                         for bucket, flat in mine:
                             launch.reduce(flat, dst=bucket.replicate_owner)
-                flight.in_flight.wait()  # compute, before the other flats' memory can be reused
                 self._in_flight.append(_Flight(Stage.REPLICATE, launch.in_flight, mine))
-                continue
-            if self.all_reduce_hook is not None and mine:
-                self._across_groups(flight, mine)
-            flight.in_flight.wait()
-            self._done += [(b, f) for b, f in mine if b.replicate_owner == mesh.replicate_rank]
+            else:
+                if self.all_reduce_hook is not None and mine:
+                    self._across_groups(flight, mine)
+                self._done += [(b, f) for b, f in mine if b.replicate_owner == mesh.replicate_rank]
+            if wait:
+                flight.in_flight.wait()
+            else:
+                self._unwaited.append(flight)
 
     def _across_groups(self, flight: _Flight, mine: list[tuple[Bucket, torch.Tensor]]) -> None:
         """The all-reduce hook on each bucket this rank owns (fault tolerance: the owners at this
         coordinate of every replica group average their reduced gradients), as FSDP2 runs its own
         after the reduce-scatter: on a side stream (the replicate stream, unused without HSDP) that
-        waits for the shard stage; the compute stream waits for the hook's work."""
+        waits for the shard stage. The compute stream waits for the hook's work in ``finish`` only
+        (the flats are the owners' and stay held until then)."""
         streams = self.streams
         with streams.use(streams.replicate):
             flight.in_flight.wait()
             for _, flat in mine:
                 self.all_reduce_hook(flat)
             done = streams.record()
-        streams.wait_event(None, done)
+        if done is not None:
+            self._hooks_done.append(done)
 
     def _sum_over_tensor_parallel(self, partial: list[tuple[Member, torch.Tensor]]) -> None:
         """This backward's partial gradients of TP-replicated weights, reduced over the TP group to each
@@ -204,10 +220,29 @@ class GradientReducer:
             torch._foreach_zero_(others)
 
     @torch.no_grad()
+    def issue_rest(self) -> None:
+        """End of a backward whose completion comes later (``finish``): every stage left is issued from
+        the side streams; the compute stream waits for none of them yet."""
+        while self._in_flight:
+            self._advance(wait=False)
+
+    @property
+    def awaiting_finish(self) -> bool:
+        """Reduces issued whose gradients are not yet handed to the owners (``finish`` hands them)."""
+        return bool(self._in_flight or self._unwaited or self._done or self._hooks_done)
+
+    @torch.no_grad()
     def finish(self) -> None:
-        """End of backward: finish every stage, then hand the global owners their gradients."""
+        """End of backward: finish every stage; the compute stream waits for what ``issue_rest`` and
+        the all-reduce hook left in flight; then the global owners get their gradients."""
         while self._in_flight:
             self._advance()
+        for flight in self._unwaited:
+            flight.in_flight.wait()
+        self._unwaited.clear()
+        for done in self._hooks_done:
+            self.streams.wait_event(None, done)
+        self._hooks_done.clear()
         handed = []
         for bucket, flat in self._done:
             offset = 0

@@ -7,10 +7,12 @@ once the HSDP post-step broadcasts have landed) and, on load, each rank
 requests exactly the weights it holds now, which reshards across world sizes,
 Z2/Z3, FSDP/HSDP and ownership plans.
 
-Saving waits on the host for the HSDP post-step broadcasts: DCP's asynchronous
-checkpointing stages tensors on its own stream from another thread, which
-nothing else orders after them. Checkpoints only, so the host wait costs
-nothing per step.
+Saving waits on the host for the HSDP post-step broadcasts and for everything
+queued on the device (the step's writes of owners' weights and momentum: the
+step never syncs the host): DCP's asynchronous checkpointing stages tensors on
+its own stream from another thread, and TorchFT's recovery copies them on its
+quorum thread, neither ordered after that work otherwise. Checkpoints and
+recovery only, so the host waits cost nothing per step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
+from titan_dmuon.runtime.streams import synchronize_device
+
 
 def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]:
     """Hooks on a module that registers dedicated weights (``handle``: its DedicatedParams)."""
@@ -27,6 +31,7 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
 
     def on_state_dict(module, state_dict, prefix, local_metadata) -> None:
         handle.wait_for_replicate_broadcasts(host=True)
+        synchronize_device(handle.mode.mesh.device)
         for m in handle.members_of(module):
             key = prefix + m.name
             if m.holds_full:  # the master weight, also while compute views are swapped in

@@ -53,6 +53,16 @@ class Streams:
             waiter.wait_stream(waited or self._module.current_stream(self.device))
 
 
+def synchronize_device(device: torch.device) -> None:
+    """The host waits for everything queued on ``device``, every stream (a no-op on the CPU, where
+    the work is done when its call returns). For checkpoints and recovery only: DCP's background
+    stager and TorchFT's checkpoint transfer copy live tensors from another thread and stream,
+    which nothing orders after the step's writes (the step itself never syncs the host). The
+    device is named: TorchFT calls from its quorum thread, whose current device may be another."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
+
+
 class DeviceTimer:
     """Times work queued on a device without syncing the host: events are recorded now
     and read at log time (on the CPU, where work is synchronous, a host clock)."""

@@ -58,6 +58,7 @@ from titan_dmuon.integration.prepare.fault_tolerance_checks import ASYNC_QUORUM_
 from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
 from titan_dmuon.integration.training.trainer import DMuonTrainer, _replaced, dmuon_handles
 from titan_dmuon.runtime import DedicatedParams
+from titan_dmuon.runtime.streams import synchronize_device
 
 
 class AcrossGroups:
@@ -185,7 +186,11 @@ class DMuonFTOptimizersContainer(DMuonOptimizersContainer):
     def state_dict(self):
         """The cached state dict (its tensors are the live state) with the param groups' settings
         as they are now: the learning rate has moved on since the cache was taken (the LR schedule
-        sets it every step), and a group that loads this must step with the current one."""
+        sets it every step), and a group that loads this must step with the current one. The host
+        first waits for the device: TorchFT copies these tensors on its quorum thread and its own
+        stream, which nothing else orders after the last step's writes (DMuon's step never syncs)."""
+        for device in {p.device for optim in self.optimizers for group in optim.param_groups for p in group["params"]}:
+            synchronize_device(device)
         if self.cache_state_dict is None:
             return super().state_dict()
         for optim in self.optimizers:

@@ -115,15 +115,13 @@ class DMuonTrainer(Trainer):
     def pp_forward_backward_step(self, **kwargs):
         """Gradient sync once per schedule step: off over the micro-batches (each dedicated weight
         is broadcast once and its gradients accumulate on every rank), on for each stage's last
-        backward (``prepare_pipeline_schedule``), which reduces them to the owners. Whatever a
-        stage still holds after the schedule (none with TorchTitan's schedules) is reduced here."""
+        backward (``prepare_pipeline_schedule``), which issues their reduces to the owners; they
+        are finished after the schedule (``finish_pipeline_reduces``)."""
         handles = dmuon_handles(self.optimizers)
         for handle in handles:
             handle.set_requires_gradient_sync(False)
         loss = super().pp_forward_backward_step(**kwargs)
-        for handle in handles:
-            handle.set_requires_gradient_sync(True)
-            handle.reduce_gradients()
+        finish_pipeline_reduces(handles)
         return loss
 
     def _sync_debug(self) -> bool:
@@ -147,6 +145,16 @@ def prepare_pipeline_schedule(schedule, optimizers) -> None:
     pause_capture_in_metadata_inference(stages, optimizers.dmuon_optimizers())
 
 
+def finish_pipeline_reduces(handles) -> None:
+    """After a schedule step: each stage's reduces, issued in its last backward, are finished (the
+    compute stream waits for them only now, after the stages' sends) and the owners get their
+    gradients; whatever a stage still holds (none with TorchTitan's schedules) is reduced too."""
+    for handle in handles:
+        handle.set_requires_gradient_sync(True)
+        handle.set_is_last_backward(True)
+        handle.reduce_gradients()
+
+
 def _reduce_in_last_backward(stage, handles) -> None:
     """Every backward pass of a pipeline stage goes through ``stage.backward_maybe_with_nosync(
     backward_type, bwd_kwargs, last_backward)``, where torch.distributed.pipelining adapts DDP and
@@ -156,7 +164,14 @@ def _reduce_in_last_backward(stage, handles) -> None:
     backward, the same program point on every rank of the stage. A split backward (zero-bubble
     schedules) computes the weight gradients in the weight pass, all at once: the stage reduces
     right after its last one. Elsewhere sync is off (gradients accumulate), as the forwards have
-    it (DMuonTrainer turns it off for the whole schedule)."""
+    it (DMuonTrainer turns it off for the whole schedule).
+
+    No backward inside the schedule is the last for the handles (``set_is_last_backward(False)``):
+    the end of the stage's last backward issues the reduces left but the compute stream does not
+    wait for them there, since the schedule's send of that micro-batch's input gradient comes next
+    and NCCL's point-to-point waits for the current stream (a layer's reduce on the critical path of
+    every stage); ``finish_pipeline_reduces`` finishes them after the schedule, as FSDP2 reduces in
+    the schedule's REDUCE_GRAD, after the sends."""
     backward = getattr(stage, "backward_maybe_with_nosync", None)
     if backward is None or getattr(stage, "dw_builder", None) is not None:
         # another torch.distributed.pipelining, or a custom weight-gradient function (run after
@@ -168,12 +183,13 @@ def _reduce_in_last_backward(stage, handles) -> None:
 
     def with_dmuon_sync(backward_type, bwd_kwargs, last_backward=False):
         for handle in handles:
+            handle.set_is_last_backward(False)
             handle.set_requires_gradient_sync(last_backward and backward_type == "full")
         result = backward(backward_type, bwd_kwargs, last_backward=last_backward)
         for handle in handles:
             handle.set_requires_gradient_sync(False)
             if last_backward:
-                handle.reduce_gradients()  # (the weight pass's; nothing left after a full backward)
+                handle.reduce_gradients()  # (issues the weight pass's; nothing left after a full backward)
         return result
 
     stage.backward_maybe_with_nosync = with_dmuon_sync
