@@ -113,11 +113,17 @@ def exact_iteration(matrices: torch.Tensor, ns_method: str) -> torch.Tensor:
 
 
 def test_blocks_cover_the_long_side_contiguously():
-    assert block_bounds(10, 3) == (0, 4, 7, 10)
+    """torch.chunk's sizes (DTensor's Shard): ceil(l/k) each, the last shorter; never an empty block."""
+    assert block_bounds(10, 3) == (0, 4, 8, 10)
     assert block_bounds(8, 4) == (0, 2, 4, 6, 8)
     assert block_bounds(5, 1) == (0, 5)
-    with pytest.raises(ValueError, match="cannot split"):
-        block_bounds(3, 4)
+    for long, k in [(10, 3), (11, 4), (53248, 16), (100, 7)]:
+        bounds = block_bounds(long, k)
+        chunks = torch.arange(long).chunk(k)
+        assert [len(c) for c in chunks] == [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for long, k in [(3, 4), (5, 4), (9, 4), (10, 6)]:
+        with pytest.raises(ValueError, match="cannot split"):
+            block_bounds(long, k)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 9])

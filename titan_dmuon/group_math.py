@@ -60,14 +60,18 @@ GRAM_REDUCE_BYTES = 4
 
 def block_bounds(long: int, group_size: int) -> tuple[int, ...]:
     """Where each member's block starts along the long side (and where the last ends): ``group_size``
-    contiguous blocks, the first ``long % group_size`` one longer."""
-    if not 1 <= group_size <= long:
-        raise ValueError(f"an owner group of {group_size} ranks cannot split a long side of {long}")
-    base, extra = divmod(long, group_size)
-    bounds = [0]
-    for i in range(group_size):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return tuple(bounds)
+    contiguous blocks of ceil(long / k), the last one shorter, as ``torch.chunk`` (and so DTensor's
+    ``Shard``) splits, none of them empty (``has_blocks``)."""
+    if not has_blocks(long, group_size):
+        raise ValueError(f"an owner group of {group_size} ranks cannot split a long side of {long} into "
+                         f"{group_size} blocks of ceil({long}/{group_size}) (torch.chunk's sizes)")
+    width = widest_block(long, group_size)
+    return tuple(min(i * width, long) for i in range(group_size + 1))
+
+
+def has_blocks(long: int, group_size: int) -> bool:
+    """Whether ``long`` splits into ``group_size`` non-empty blocks of ceil(long / k), the last shorter."""
+    return 1 <= group_size <= long and (group_size - 1) * widest_block(long, group_size) < long
 
 
 def widest_block(long: int, group_size: int) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from titan_dmuon.group_math import (
     GRAM_REDUCE_BYTES,
+    has_blocks,
     widest_block,
     gram_all_reduces,
     group_ns_flops,
@@ -118,10 +119,12 @@ def member_load(short: int, long: int, group_size: int, options: GroupOptions, s
 
 def group_sizes(shard_size: int, long: int, options: GroupOptions) -> list[int]:
     """Sizes a group may have: k >= 2 dividing the shard group (aligned slots), inside a node (k divides
-    the node size) or whole nodes (the node size divides k), at most ``long`` and ``max_size``."""
+    the node size) or whole nodes (the node size divides k), at most ``max_size``, with k non-empty
+    blocks of the long side (``has_blocks``)."""
     cap = min(shard_size, long, options.max_size or shard_size)
     node = options.node_size
-    return [k for k in range(2, cap + 1) if shard_size % k == 0 and (node % k == 0 or k % node == 0)]
+    return [k for k in range(2, cap + 1)
+            if shard_size % k == 0 and (node % k == 0 or k % node == 0) and has_blocks(long, k)]
 
 
 def sizings(

@@ -156,14 +156,15 @@ class DMuon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
     def _tensor_parallel_params(self):
-        """(state-dict index, param, member, handle) of each TP-sharded dedicated weight, in the
+        """(state-dict index, param, member, handle) of each TP-sharded dedicated weight (and each block
+        of an owner group's weight: its momentum too is a DTensor of the whole matrix), in the
         numbering ``Optimizer.state_dict`` gives parameters."""
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 for handle in self._handles:
                     member = handle.member_of(p)
-                    if member is not None and member.entry.tp_dim is not None:
+                    if member is not None and (member.entry.tp_dim is not None or member.block is not None):
                         yield index, p, member, handle
                 index += 1
 

@@ -114,6 +114,11 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         return self.mode.mesh.mesh
 
     @property
+    def owner_groups(self):
+        """The owner groups this rank is in (``group_update.OwnerGroups``), or None (none in the plan)."""
+        return self._ctx.owner_groups
+
+    @property
     def reshard_after_forward(self) -> bool:
         return self.mode.reshard_after_forward
 
