@@ -178,18 +178,17 @@ def short_cube_table(options: GroupOptions) -> None:
     for name, (short, long) in {"w1 (16384 x 53248)": (16384, 53248), "wq (16384 x 16384)": (16384, 16384)}.items():
         for k in (2, 4, 8, 16, 32):
             block = -(-long // k)
-            share = 2 * (k - 1) / k
-            gram_bytes = share * (packed_numel(short) * GRAM_REDUCE_BYTES) * steps
-            gather_bytes = (k - 1) / k * short * short * 2 * steps
+            gram = packed_numel(short) * GRAM_REDUCE_BYTES * steps  # summed over the group (an all-reduce)
+            gather = short * short * 2 * steps  # A² in bf16, gathered (half an all-reduce's traffic and time)
+            sums = (2 * (k - 1) / k * gram, options.all_reduce_seconds(gram, k))
+            gathered = (sums[0] + (k - 1) / k * gather, sums[1] + options.all_reduce_seconds(gather, k) / 2)
             ways = {
-                "repeat": (steps * (4 * short * short * block + 2 * short**3), gram_bytes),
-                "twice": (steps * 6 * short * short * block, gram_bytes),
-                "split": (steps * (4 * short * short * block + 2 * short**3 // k), gram_bytes + gather_bytes),
+                "repeat": (steps * (4 * short * short * block + 2 * short**3), *sums),
+                "twice": (steps * 6 * short * short * block, *sums),
+                "split": (steps * (4 * short * short * block + 2 * short**3 // k), *gathered),
             }
-            cells = []
-            for flops, data in ways.values():
-                cells.append(f"{flops / 1e12:.1f}, {data / 1e9:.2f}, "
-                             f"{1e3 * (flops / rate + data / options.bandwidth(k)):.1f}")
+            cells = [f"{flops / 1e12:.1f}, {data / 1e9:.2f}, {1e3 * (flops / rate + seconds):.1f}"
+                     for flops, data, seconds in ways.values()]
             chosen = "A twice" if block < short else "repeat"
             print(f"| {name} | {k} | " + " | ".join(cells) + f" | {chosen} |")
 

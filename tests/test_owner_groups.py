@@ -65,8 +65,9 @@ from tests.helpers import (  # noqa: E402
 from titan_dmuon.group_plan import GroupOptions  # noqa: E402
 
 # Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
-# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner).
-TINY_GROUPS = GroupOptions(ns_tflops=1e-3)
+# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
+# nodes of 2 ranks, so that a group of 4 spans two "nodes" and sums on two rings.
+TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2)
 STEPS = 4
 # The group's Newton–Schulz may be GROUP_RATIO times as far from exact arithmetic as the one owner's, on
 # top of the one owner's own distance (tests/test_group_math.py): the update's deviation from the
@@ -193,3 +194,96 @@ def test_owner_groups_move_what_the_design_says(pool4, mode):
     assert results[0]["design_gram"] > 0 and mean["gram"] == results[0]["design_gram"]
     assert mean["dmuon"] == results[0]["design"]
     assert all(r["kinds"] <= {"send"} for r in results)
+
+
+def _clip_and_initialise(rank, world):
+    """The global norm clipped at each step (a group's blocks are each counted once, on their members), and
+    an initialiser run in FSDP2's form of each weight, whose values each member keeps its block of."""
+    data = batches(2)
+    setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                       opt_kwargs=ADAMW_EPS)
+    norms = [norm for _, norm, _ in train(setup, data, rank, world, max_norm=0.1)]
+    layer = setup.model.layers[1]
+    with setup.handle.initialising(layer.big, sharded=True), torch.no_grad():
+        torch.manual_seed(5 + rank)  # (each rank draws its own shard, as with FSDP2)
+        layer.big.weight.normal_()
+        drawn = layer.big.weight.data.full_tensor()
+    return norms, drawn, setup.handle.full_tensors()["layers.1.big.weight"]
+
+
+def test_the_clip_counts_each_block_once_and_initialisers_keep_their_values(pool4):
+    """clip_grad_norm_ over a model with an owner group: the same global norm as single-process
+    torch.nn.utils.clip_grad_norm_ at step 1 (the same weights; gradients summed in another order: 1e-5,
+    as test_correctness), within 1e-3 after (weights within GROUP_TOLERANCE); a block counted twice or not
+    at all is off by far more. An initialiser's values (FSDP2's shards, assembled) are what the members keep."""
+    results = pool4.run(_clip_and_initialise)
+    _, ref_norms = reference_train(dominant_model(), batches(2), targets_fn=dominant_targets, max_norm=0.1,
+                                   adamw={**ADAMW, **ADAMW_EPS})[1:]
+    for norms, drawn, kept in results:
+        assert norms[0] == pytest.approx(ref_norms[0], rel=1e-5) and norms == pytest.approx(ref_norms, rel=1e-3)
+        assert all(n > 0.1 for n in ref_norms)  # clipping was active
+        assert torch.equal(drawn, kept)
+
+
+def test_torchtitan_settings_turn_groups_on_off_and_keep_attention_whole_under_qk_clip():
+    """optimizer.owner_groups (default on), owner_group_node_size / owner_group_ns_tflops, and the rules:
+    ns_mode 'exact' keeps one owner per weight (torch.optim.Muon's own update), QK-clip keeps the
+    attention projections whole (its per-head rescale reads their rows on one owner)."""
+    from titan_dmuon.integration import cpu
+
+    cpu.enable()
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.training.parallelize import ATTENTION_PARAMS, DedicationSettings
+
+    def settings(**options):
+        return DedicationSettings.of(DMuonOptimizersContainer.Config(name="dmuon", **options))
+
+    assert settings().owner_groups == GroupOptions() and settings().keep_whole == ()
+    assert settings(owner_groups=False).owner_groups is None
+    assert settings(ns_mode="exact").owner_groups is None
+    assert settings(owner_group_node_size=4, owner_group_ns_tflops=300.0).owner_groups == GroupOptions(
+        node_size=4, ns_tflops=300.0)
+    assert settings(qk_clip_threshold=100.0).keep_whole == (ATTENTION_PARAMS,)
+
+
+def _exact_mode_with_groups(rank, world):
+    try:
+        distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                   opt_kwargs={"ns_mode": "exact"})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_exact_mode_refuses_owner_groups_on_every_rank(pool4):
+    """ns_mode 'exact' is torch.optim.Muon's own update, a property of one owner: DMuon refuses a grouped
+    weight when it is built, on every rank (also those outside the group), naming how to fix it."""
+    for message in pool4.run(_exact_mode_with_groups):
+        assert message is not None and "owner_groups=None" in message and "layers.1.big.weight" in message
+
+
+def _ring_sums(rank, world, members, rings):
+    from titan_dmuon.runtime.comm import CommStats
+    from titan_dmuon.runtime.group_update import ring_all_reduce
+
+    torch.manual_seed(rank)
+    tensor = torch.randn(37)
+    mine = tensor.clone()
+    if rank in members:
+        ring_all_reduce(tensor, members, members.index(rank), dist.group.WORLD, CommStats(), rings)
+    return mine, tensor
+
+
+@pytest.mark.parametrize("members, rings", [([0, 1, 2, 3], 1), ([0, 1, 2, 3], 2), ([2, 3], 1)])
+def test_ring_sums_are_the_sum_with_the_same_bits_everywhere(pool4, members, rings):
+    """The group's sum over point-to-point rings (one, or one per rank of a 2-rank node, each crossing
+    between the nodes at another rank): the sum of the members' tensors to fp32 rounding, bit-identical on
+    every member; the other ranks untouched (and not waited for)."""
+    results = pool4.run(_ring_sums, members, rings)
+    expected = sum(results[m][0].double() for m in members)
+    for rank, (before, after) in enumerate(results):
+        if rank in members:
+            assert torch.equal(after, results[members[0]][1])
+            assert (after.double() - expected).abs().max() <= len(members) * 2.0**-24 * expected.abs().max() * 4
+        else:
+            assert torch.equal(after, before)

@@ -72,16 +72,25 @@ class GroupOptions:
     def flops_per_second(self) -> float:
         return self.ns_tflops * 1e12
 
-    def bandwidth(self, group_size: int) -> float:
-        """All-reduce bus bandwidth per rank (bytes/s) of an aligned group of ``group_size`` ranks: inside a
-        node, the node's links; over whole nodes, NCCL's rings cross between nodes through every rank's NIC
-        at once (one ring per NIC), so the node's NICs together, at most the node's links; a group that
-        shares nodes with others, its own NIC."""
-        if self.node_size % group_size == 0:
-            return 1e9 * self.intra_node_gbps
-        if group_size % self.node_size == 0:
-            return 1e9 * min(self.intra_node_gbps, self.node_size * self.nic_gbps)
-        return 1e9 * self.nic_gbps
+    def all_reduce_seconds(self, nbytes: float, group_size: int) -> float:
+        """A sum of ``nbytes`` over an aligned group of ``group_size`` ranks as ``group_update.ring_all_reduce``
+        runs it, 2 (k - 1) / k of it per rank: inside a node, one ring on the node's links; over whole nodes,
+        one ring per rank of a node, each crossing between nodes at a different rank (its own NIC), so the
+        node's NICs carry the crossings together, at most as fast as the node's links."""
+        k, n = group_size, self.node_size
+        if k == 1:
+            return 0.0
+        if n % k == 0:
+            rate = self.intra_node_gbps
+        elif k % n == 0:
+            rate = min(self.intra_node_gbps, n * self.nic_gbps)
+        else:
+            rate = self.nic_gbps
+        return 2 * (k - 1) / k * nbytes / (1e9 * rate)
+
+    def rings(self, group_size: int) -> int:
+        """The rings ``ring_all_reduce`` runs a group's sum on: one per rank of a node over whole nodes."""
+        return self.node_size if group_size > self.node_size and group_size % self.node_size == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -102,11 +111,8 @@ def gram_elements(short: int, long: int, group_size: int, steps: int = NS_STEPS,
 
 
 def member_comm_seconds(short: int, long: int, group_size: int, options: GroupOptions, steps: int = NS_STEPS) -> float:
-    """One member's time in its group's all-reduces: 2 (k - 1) / k x the bytes at the group's bandwidth."""
-    if group_size == 1:
-        return 0.0
-    data = gram_elements(short, long, group_size, steps) * GRAM_REDUCE_BYTES
-    return 2 * (group_size - 1) / group_size * data / options.bandwidth(group_size)
+    """One member's time in its group's sums (``GroupOptions.all_reduce_seconds``)."""
+    return options.all_reduce_seconds(gram_elements(short, long, group_size, steps) * GRAM_REDUCE_BYTES, group_size)
 
 
 def member_load(short: int, long: int, group_size: int, options: GroupOptions, steps: int = NS_STEPS) -> int:

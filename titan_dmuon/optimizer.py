@@ -30,6 +30,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from titan_dmuon.muon_math import scalar
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
+from titan_dmuon.runtime.group_update import check_exact_mode
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
 from titan_dmuon.runtime.step_schedule import StepSchedule
@@ -93,6 +94,7 @@ class DMuon(torch.optim.Optimizer):
                 group.update(merged.muon() if use_muon else merged.adamw())
                 groups.append(group)
         super().__init__(groups, {})
+        check_exact_mode(self.param_groups, self._handles)
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
         self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)

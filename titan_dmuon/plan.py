@@ -237,8 +237,8 @@ class OwnershipPlan:
 
     def ns_seconds_per_rank(self, options: GroupOptions | None = None, ns_steps: int = NS_STEPS) -> list[float]:
         """Each rank's Newton–Schulz time per step: its FLOPs at ``options.ns_tflops`` and its groups'
-        all-reduces (2 (k - 1) / k x their bytes at the group's bus bandwidth), by ``options`` (default:
-        the plan's, else ``GroupOptions()``'s rates)."""
+        sums (``GroupOptions.all_reduce_seconds``), by ``options`` (default: the plan's, else
+        ``GroupOptions()``'s rates)."""
         options = options or self.groups or GroupOptions()
         seconds = [f / options.flops_per_second() for f in self.ns_flops_per_rank]
         for e in self.entries:
@@ -246,7 +246,7 @@ class OwnershipPlan:
                 k = e.group.size
                 data = gram_elements(min(e.shape), max(e.shape), k, ns_steps) * GRAM_REDUCE_BYTES
                 for rank in e.group.ranks:
-                    seconds[rank] += 2 * (k - 1) / k * data / options.bandwidth(k)
+                    seconds[rank] += options.all_reduce_seconds(data, k)
         return seconds
 
     @property

@@ -72,7 +72,7 @@ def dedicate_params(
     initial_load: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
-    owner_groups: GroupOptions | None = None,
+    owner_groups: GroupOptions | None = GroupOptions(),
     keep_whole: Iterable[nn.Parameter] = (),
 ) -> DedicatedParams:
     """Give each of ``params`` one owner rank on ``mesh``; call before ``fully_shard``/DDP.
@@ -122,8 +122,10 @@ def dedicate_params(
             there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
             group of each data-parallel rank that holds them.
         owner_groups: let the plan split a dominant weight's Newton–Schulz and storage over k ranks of
-            its shard group (``titan_dmuon.group_plan.GroupOptions``: the rates its cost model uses,
-            the node size; ``docs/owner-groups.md``); None: one owner per weight.
+            its shard group where its cost model says that shortens the busiest rank's step
+            (``titan_dmuon.group_plan.GroupOptions``: the rates it uses, the node size;
+            ``docs/owner-groups.md``; default: an H200 node's); None: one owner per weight (required
+            by ``ns_mode="exact"``).
         keep_whole: weights that keep one owner whatever ``owner_groups`` says (a rule reads the
             whole matrix on its owner: QK-clip's q/k rows, per-row statistics).
     """
@@ -183,7 +185,7 @@ def build_context(
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
     if any(e.group is not None for e in dedication.plan.entries):
-        ctx.owner_groups = OwnerGroups(mode.mesh, stats)
+        ctx.owner_groups = OwnerGroups(mode.mesh, stats, dedication.plan.groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
         layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_dmuon.group_math import AllReduce, group_newton_schulz
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.muon_math import adjusted_lr, scalar
 from titan_dmuon.runtime.comm import CommLabel, CommStats, comm_source
 from titan_dmuon.runtime.members import Member
@@ -40,13 +41,24 @@ def slot_of(member: Member, shard_size: int) -> tuple[int, ...]:
     return tuple(rank % shard_size for rank in member.group.ranks)
 
 
+def ring_orders(group_size: int, rings: int) -> list[list[int]]:
+    """The member positions of each ring: one ring in member order, or (``rings`` ranks per node, whole
+    nodes) one ring per rank of a node, each node's ranks rotated by the ring's index, so that ring c
+    crosses from each node to the next at a different rank (its own network link)."""
+    if rings == 1:
+        return [list(range(group_size))]
+    return [[node * rings + (i + c) % rings for node in range(group_size // rings) for i in range(rings)]
+            for c in range(rings)]
+
+
 def ring_all_reduce(tensor: torch.Tensor, members: Sequence[int], me: int, group: dist.ProcessGroup,
-                    stats: CommStats) -> None:
-    """Sum ``tensor`` in place over ``members`` (ranks of ``group`` in ring order; this rank is
-    ``members[me]``) by point-to-point sends on ``group``: a reduce-scatter then an all-gather of k chunks,
-    2 (k - 1) rounds of one send to the next member and one receive from the previous, each chunk summed
-    in ring order once and then copied, so every member ends with the same bits. Counted under
-    ``CommLabel.GROUP_GRAM`` as the design counts an all-reduce (2 (k - 1) / k of it per member on
+                    stats: CommStats, rings: int = 1) -> None:
+    """Sum ``tensor`` in place over ``members`` (ranks of ``group``; this rank is ``members[me]``) by
+    point-to-point sends on ``group``: ``rings`` rings (``ring_orders``) in lockstep, each a reduce-scatter
+    then an all-gather of its part of the tensor in k chunks, 2 (k - 1) rounds of one send to the next
+    member and one receive from the previous per ring (all of a round in one ``batch_isend_irecv``). Each
+    chunk is summed in ring order once and then copied, so every member ends with the same bits. Counted
+    under ``CommLabel.GROUP_GRAM`` as the design counts an all-reduce (2 (k - 1) / k of it per member on
     average; the ledger counts each send).
 
     No process group of its own: a group made by its members alone (``new_group`` with local
@@ -56,24 +68,37 @@ def ring_all_reduce(tensor: torch.Tensor, members: Sequence[int], me: int, group
     if k == 1:
         return
     flat = tensor.view(-1)
-    width = -(-flat.numel() // k)
-    chunks = [flat[i * width : (i + 1) * width] for i in range(k)]
-    scratch = torch.empty(width, dtype=flat.dtype, device=flat.device)
-    following = dist.get_global_rank(group, members[(me + 1) % k])
-    preceding = dist.get_global_rank(group, members[(me - 1) % k])
+    orders = ring_orders(k, rings)
+    part = -(-flat.numel() // len(orders))
+    plans = []
+    for c, order in enumerate(orders):
+        mine = flat[c * part : (c + 1) * part]
+        width = -(-mine.numel() // k)
+        position = order.index(me)
+        plans.append((
+            [mine[i * width : (i + 1) * width] for i in range(k)],
+            position,
+            dist.get_global_rank(group, members[order[(position + 1) % k]]),
+            dist.get_global_rank(group, members[order[(position - 1) % k]]),
+            torch.empty(width, dtype=flat.dtype, device=flat.device),
+        ))
 
-    def exchange(send: torch.Tensor, receive: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, send, following, group), dist.P2POp(dist.irecv, receive, preceding, group)]
+    def exchange(pairs) -> None:  # (send, receive) per ring
+        ops = []
+        for (_, _, following, preceding, _), (send, receive) in zip(plans, pairs):
+            ops += [dist.P2POp(dist.isend, send, following, group), dist.P2POp(dist.irecv, receive, preceding, group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
     with comm_source(CommLabel.GROUP_GRAM):
-        for step in range(k - 1):  # reduce-scatter: this member ends with chunk me + 1 summed
-            received = chunks[(me - step - 1) % k]
-            exchange(chunks[(me - step) % k], scratch[: received.numel()])
-            received.add_(scratch[: received.numel()])
+        for step in range(k - 1):  # reduce-scatter: in each ring this member ends with chunk position + 1 summed
+            targets = [chunks[(p - step - 1) % k] for chunks, p, _, _, _ in plans]
+            exchange([(chunks[(p - step) % k], scratch[: t.numel()])
+                      for (chunks, p, _, _, scratch), t in zip(plans, targets)])
+            for (_, _, _, _, scratch), t in zip(plans, targets):
+                t.add_(scratch[: t.numel()])
         for step in range(k - 1):  # all-gather
-            exchange(chunks[(me + 1 - step) % k], chunks[(me - step) % k])
+            exchange([(chunks[(p + 1 - step) % k], chunks[(p - step) % k]) for chunks, p, _, _, _ in plans])
     stats.add(CommLabel.GROUP_GRAM.value, k, 2 * flat.numel(), 2 * flat.numel() * flat.element_size())
     stats.add_launch(CommLabel.GROUP_GRAM.value)
 
@@ -83,17 +108,18 @@ class OwnerGroups:
     shard group, ``ring_all_reduce``) and the device mesh DCP sees their weights on (its row's ranks;
     only its coordinates are read, so it has no process group)."""
 
-    def __init__(self, mesh: MeshInfo, stats: CommStats) -> None:
-        self.mesh, self.stats = mesh, stats
+    def __init__(self, mesh: MeshInfo, stats: CommStats, options: GroupOptions) -> None:
+        self.mesh, self.stats, self.options = mesh, stats, options
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
     def all_reduce(self, member: Member) -> AllReduce:
         """The sum over ``member``'s group, as ``group_math`` calls it."""
         members = slot_of(member, self.mesh.shard_size)
         me, group, stats = members.index(self.mesh.shard_rank), self.mesh.shard_group, self.stats
+        rings = self.options.rings(len(members))
 
         def all_reduce(tensor: torch.Tensor) -> None:
-            ring_all_reduce(tensor, members, me, group, stats)
+            ring_all_reduce(tensor, members, me, group, stats, rings)
 
         return all_reduce
 
@@ -127,12 +153,23 @@ class GroupedWeight:
     member: Member
 
 
+def check_exact_mode(param_groups: list[dict], handles: list) -> None:
+    """ValueError (on every rank: the plan and the param groups are the same everywhere) when a param
+    group with ``ns_mode`` "exact" holds a weight of an owner group."""
+    for group in param_groups:
+        if group.get("use_muon") and group["ns_mode"] == "exact":
+            for p in group["params"]:
+                member = next((m for h in handles if (m := h.member_of(p)) is not None), None)
+                if member is not None and member.group is not None:
+                    raise ValueError(
+                        f"ns_mode 'exact' is torch.optim.Muon's own update on one owner, and the plan split "
+                        f"{member.fqn!r} over an owner group of {member.group.size} ranks: dedicate with "
+                        "owner_groups=None (TorchTitan: optimizer.owner_groups = false), or use ns_mode 'batched'")
+
+
 def update_grouped(rule, group: dict, weights: list[GroupedWeight], owner_groups: OwnerGroups) -> None:
     """Muon on this member's blocks of ``weights`` with ``group``'s options (``rule``: the
     ``OwnerUpdate`` whose state, method and figures they use), batched by group and shape."""
-    if group["ns_mode"] == "exact":
-        raise ValueError("ns_mode 'exact' is torch.optim.Muon's own update on one owner, and a weight here is "
-                         "split over an owner group: dedicate with owner_groups=None, or use ns_mode 'batched'")
     batches: dict[tuple, list[GroupedWeight]] = {}
     for weight in sorted(weights, key=lambda w: w.member.fqn):
         batches.setdefault((weight.member.group.ranks, weight.member.shape), []).append(weight)
