@@ -152,3 +152,13 @@ def test_owner_groups_resume_from_an_adamw_checkpoint(pool4, tmp_path):
     for loaded, losses in pool4.run(_load_into_groups, str(tmp_path)):
         assert _equal(loaded, saved) == []
         assert len(losses) == STEPS // 2
+
+
+def test_a_checkpoint_with_owner_groups_loads_on_another_world_size(pool2, pool4, tmp_path):
+    """Saved on 4 ranks (the dominant weight over a group of 4), loaded on 2 (the plan of 2 ranks): every
+    weight and momentum whole where the new plan keeps it, and training continues."""
+    saved = pool4.run(_first_half, "z3", str(tmp_path), TINY_GROUPS)[0][1]
+    pool2.restart()
+    for losses, loaded, _, _ in pool2.run(_second_half, "z3", str(tmp_path), TINY_GROUPS):
+        assert _equal(loaded, saved) == []
+        assert len(losses) == STEPS // 2 and torch.isfinite(torch.tensor(losses)).all()
