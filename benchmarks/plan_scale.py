@@ -15,8 +15,21 @@ busiest rank's NS FLOPs (``max(plan.ns_flops_per_rank)``: ``step()`` waits for i
 ``--ns-tflops``. One weight's NS runs on one rank, so the largest weight's NS time is the floor of that
 critical path however many ranks there are; past total/largest ranks the extra ranks stop shortening it.
 
+The second table: the same meshes (and 1 x 8192 for llama3 405B) with and without owner groups
+(``GroupOptions``: a dominant weight's NS and storage split over k ranks of its shard group): the weights
+in groups and their sizes, the busiest rank's NS time per step (its FLOPs at ``--ns-tflops`` plus its
+groups' Gram all-reduces at the stated bus bandwidths: ``plan.ns_seconds_per_rank``), that over the mean,
+and the dedicated elements each shard rank keeps (``plan.numel_per_shard_rank``) max/mean.
+
+The third (``--short-cube``): what a member of a group does with the short³ part of a standard step
+(the polynomial b A + c A² of the s x s Gram matrix), per k, for llama3 405B's w1 and wq: every member
+repeating it, none forming it (A applied twice to the block, the choice where the block is narrower
+than s), or the members splitting A² by rows and all-gathering it (an extra all-gather of s² bf16 per
+step): FLOPs per member, bytes per member, and the time at the stated rates.
+
     .venv/bin/python benchmarks/plan_scale.py               # docs/performance.md's table
     .venv/bin/python benchmarks/plan_scale.py --no-before   # without the scan (its 8192-rank rows take ~30 s)
+    .venv/bin/python benchmarks/plan_scale.py --no-before --groups --short-cube   # docs/owner-groups.md
 """
 
 from __future__ import annotations
@@ -29,8 +42,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.plan_reference import reference_build_plan  # noqa: E402
+from titan_dmuon.group_math import GRAM_REDUCE_BYTES, packed_numel  # noqa: E402
+from titan_dmuon.group_plan import H200_BF16_TFLOPS, GroupOptions  # noqa: E402
+from titan_dmuon.muon_math import NS_STEPS  # noqa: E402
 from titan_dmuon.plan import MatrixSpec, build_plan  # noqa: E402
-from titan_dmuon.sizing import H200_BF16_TFLOPS  # noqa: E402  (the rate python -m titan_dmuon.sizing uses too)
 
 
 def llama3_405b_specs() -> list[MatrixSpec]:
@@ -53,6 +68,8 @@ def deepseek_v3_expert_specs() -> list[MatrixSpec]:
 MODELS = {"llama3 405B": llama3_405b_specs, "DeepSeek-V3 experts": deepseek_v3_expert_specs}
 MESHES = {"llama3 405B": [(1, 64), (1, 1024), (8, 1024)],
           "DeepSeek-V3 experts": [(1, 64), (1, 1024), (8, 1024), (1, 8192)]}
+GROUP_MESHES = {"llama3 405B": [(1, 64), (1, 1024), (8, 1024), (1, 8192)],
+                "DeepSeek-V3 experts": [(1, 64), (1, 1024), (8, 1024), (1, 8192)]}
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:
@@ -72,7 +89,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="build_plan timings per row (the best is shown)")
     parser.add_argument("--no-before", action="store_true", help="skip timing the scan of every rank")
     parser.add_argument("--quick", action="store_true", help="the 64-rank rows only (a smoke run)")
+    parser.add_argument("--groups", action="store_true", help="also the table with and without owner groups")
+    parser.add_argument("--short-cube", action="store_true", help="also the short-cube table (owner groups)")
+    parser.add_argument("--node-size", type=int, default=GroupOptions().node_size, help="ranks per node")
+    parser.add_argument("--intra-node-gbps", type=float, default=GroupOptions().intra_node_gbps,
+                        help="all-reduce bus bandwidth per rank inside a node, GB/s")
+    parser.add_argument("--nic-gbps", type=float, default=GroupOptions().nic_gbps,
+                        help="network bandwidth per rank between nodes, GB/s")
     args = parser.parse_args()
+    options = GroupOptions(node_size=args.node_size, ns_tflops=args.ns_tflops, intra_node_gbps=args.intra_node_gbps,
+                           nic_gbps=args.nic_gbps)
 
     rate = args.ns_tflops * 1e12
     print(f"| model | weights M | mesh R x N | build_plan (after) | scan of every rank (before) | before/after | "
@@ -105,6 +131,63 @@ def main() -> None:
         print(note)
     if not args.no_before:
         print("Every plan equals the scan's (owners, NS homes, digest).")
+    if args.groups:
+        print()
+        groups_table(options, args.repeats, args.quick)
+    if args.short_cube:
+        print()
+        short_cube_table(options)
+
+
+def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
+    """Each model and mesh without and with owner groups (see the module's docstring)."""
+    print(f"Owner groups at {options.ns_tflops:g} TFLOP/s per rank, all-reduces at {options.intra_node_gbps:g} GB/s "
+          f"inside a node of {options.node_size} ranks and {options.nic_gbps:g} GB/s per rank between nodes:")
+    print()
+    print("| model | mesh R x N | groups | weights in groups (sizes) | busiest rank's NS (compute + all-reduces) | "
+          "mean | max/mean | dedicated elements max/mean | build_plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model, make_specs in MODELS.items():
+        specs = make_specs()
+        for replicate_size, shard_size in GROUP_MESHES[model][:1] if quick else GROUP_MESHES[model]:
+            for chosen in (None, options):
+                seconds, plan = best_time(lambda: build_plan(specs, replicate_size=replicate_size,
+                                                             shard_size=shard_size, groups=chosen), repeats)
+                times = plan.ns_seconds_per_rank(options)
+                mean = sum(times) / len(times)
+                held = plan.numel_per_shard_rank
+                grouped = [e.group.size for e in plan.entries if e.group is not None]
+                sizes = ", ".join(f"{grouped.count(k)} x {k}" for k in sorted(set(grouped))) or "–"
+                print(f"| {model} | {replicate_size} x {shard_size} | {'on' if chosen else 'off'} | {sizes} | "
+                      f"{1e3 * max(times):.1f} ms | {1e3 * mean:.1f} ms | {max(times) / mean:.3f} | "
+                      f"{max(held) / (sum(held) / len(held)):.3f} | {seconds:.2f} s |")
+
+
+def short_cube_table(options: GroupOptions) -> None:
+    """Per-member FLOPs and bytes of a standard step's three ways with the short³ part, per k."""
+    rate, steps = options.flops_per_second(), NS_STEPS
+    print(f"The short³ part, per member of a k-rank group, {steps} standard steps, at {options.ns_tflops:g} TFLOP/s "
+          f"and the bus bandwidth of the group's link (inside a node up to {options.node_size} ranks):")
+    print()
+    print("| weight (s x l) | k | repeat b A + c A²: TFLOP, GB, ms | A applied twice: TFLOP, GB, ms | "
+          "A² split + all-gather: TFLOP, GB, ms | chosen |")
+    print("|---|---|---|---|---|---|")
+    for name, (short, long) in {"w1 (16384 x 53248)": (16384, 53248), "wq (16384 x 16384)": (16384, 16384)}.items():
+        for k in (2, 4, 8, 16, 32):
+            block = -(-long // k)
+            gram = packed_numel(short) * GRAM_REDUCE_BYTES * steps  # summed over the group (an all-reduce)
+            gather = short * short * 2 * steps  # A² in bf16, gathered (half an all-reduce's traffic and time)
+            sums = (2 * (k - 1) / k * gram, options.all_reduce_seconds(gram, k))
+            gathered = (sums[0] + (k - 1) / k * gather, sums[1] + options.all_reduce_seconds(gather, k) / 2)
+            ways = {
+                "repeat": (steps * (4 * short * short * block + 2 * short**3), *sums),
+                "twice": (steps * 6 * short * short * block, *sums),
+                "split": (steps * (4 * short * short * block + 2 * short**3 // k), *gathered),
+            }
+            cells = [f"{flops / 1e12:.1f}, {data / 1e9:.2f}, {1e3 * (flops / rate + seconds):.1f}"
+                     for flops, data, seconds in ways.values()]
+            chosen = "A twice" if block < short else "repeat"
+            print(f"| {name} | {k} | " + " | ".join(cells) + f" | {chosen} |")
 
 
 if __name__ == "__main__":

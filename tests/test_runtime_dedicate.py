@@ -105,13 +105,15 @@ def test_a_units_buffer_is_laid_out_by_shard_owner_then_global_owner():
     assert [s.shard_owner for s in unit.segments] == sorted({plan.shard_owner(e) for e in plan.entries})
     offset = 0
     for segment in unit.segments:
-        assert segment.start == offset
-        assert [b.replicate_owner for b in segment.buckets] == sorted({b.replicate_owner for b in segment.buckets})
-        for bucket in segment.buckets:
-            for m in bucket.members:
+        assert segment.start == offset and not segment.staging
+        buckets = [b for b in unit.buckets if b.shard_owner == segment.shard_owner]
+        assert [b.replicate_owner for b in buckets] == sorted({b.replicate_owner for b in buckets})
+        for bucket in buckets:
+            for piece in bucket.pieces:
+                m = piece.member
                 assert (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)) == (segment.shard_owner,
                                                                                       bucket.replicate_owner)
-                assert m.offset == offset
+                assert m.offset == piece.offset == offset and piece.index is None
                 offset += m.numel
         assert segment.stop == offset
     assert unit.numel == offset == sum(e.numel for e in plan.entries)

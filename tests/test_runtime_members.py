@@ -6,7 +6,7 @@ from torch import nn
 
 from titan_dmuon.muon_math import block_rows, ns_flops
 from titan_dmuon.plan import MatrixSpec, build_plan
-from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Segment
+from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece
 
 pytestmark = pytest.mark.unit
 
@@ -24,9 +24,10 @@ def test_a_member_reads_its_name_and_size_from_its_plan_entry():
     assert (member.fqn, member.shape, member.numel) == ("a.weight", (6, 4), 24)
     other = Member(entry=b, module=owner, name="weight", param=nn.Parameter(torch.empty(0)), holds_full=False,
                    runs_ns=False)
-    bucket = Bucket(shard_owner=0, replicate_owner=0, members=[member, other])
+    pieces = [Piece(member=m, index=None, shard_owner=0, replicate_owner=0) for m in (member, other)]
+    bucket = Bucket(shard_owner=0, replicate_owner=0, pieces=pieces)
     assert bucket.numel == 24 + 15  # the full sizes, also of a weight this rank holds a placeholder of
-    assert Segment(shard_owner=0, start=0, stop=39, buckets=[bucket]).buckets == [bucket]
+    assert [p.shape for p in pieces] == [(6, 4), (3, 5)] and pieces[0].of(owner.weight) is owner.weight
 
 
 def test_local_experts_follow_the_registered_parameter_and_count_each_experts_flops():

@@ -47,7 +47,7 @@ def _recorded_backward(world, *, hsdp=False, hook=False, deferred=False):
             def name_new_flights():
                 for flight in reducer._in_flight + reducer._unwaited:
                     if not hasattr(flight.in_flight, "recorded_name"):
-                        unit = flight.items[0][0].members[0].unit if flight.items else "-"
+                        unit = flight.items[0][0].pieces[0].member.unit if flight.items else "-"
                         flight.in_flight.recorded_name = f"{flight.stage.value}:{unit}"
 
             for unit in reversed(parts.units):

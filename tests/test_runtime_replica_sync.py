@@ -33,9 +33,8 @@ def _replica_broadcasts(world, hsdp):
         finally:
             Launch.broadcast = real
         mesh = parts.mode.mesh
-        held = [(b.replicate_owner, m.param.untyped_storage().data_ptr(), m.numel)
-                for u in ctx.units for s in u.segments if s.shard_owner == mesh.shard_rank for b in s.buckets
-                for m in b.members]
+        held = [(b.replicate_owner, p.member.param.untyped_storage().data_ptr(), p.numel)
+                for u in ctx.units for b in u.buckets if b.shard_owner == mesh.shard_rank for p in b.pieces]
         units_holding = sum(any(s.shard_owner == mesh.shard_rank for s in u.segments) for u in ctx.units)
         return sent, held, units_holding, mesh.replicate_size, ctx.stats.pop()
 

@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.integration import cpu
 
 cpu.enable()  # TorchTitan's device choice, before anything builds a trainer
@@ -186,7 +187,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     assert config.metrics.count_all_comm is True
     fn = prepare_for_build(config).model_spec.parallelize_fn
     assert fn.bound and fn.dedication == DedicationSettings(
-        muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"), reshard_after_forward=False
+        muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"), reshard_after_forward=False,
+        owner_groups=GroupOptions(),
     )
     adamw = prepare_for_build(_parse("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008")).model_spec.parallelize_fn
     assert adamw.bound and adamw.dedication is None  # TorchTitan's own parallelize_fn (plus the gloo fix)

@@ -20,6 +20,7 @@ imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 from titan_dmuon.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
 from titan_dmuon.ddp import wrap_ddp
 from titan_dmuon.grad_clip import clip_grad_norm_
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.gradient_sync import set_requires_gradient_sync
 from titan_dmuon.ledger import CommLedger
 from titan_dmuon.optimizer import DMuon
@@ -33,6 +34,7 @@ __all__ = [
     "DMuonOptions",
     "DedicatedParams",
     "DedicationMode",
+    "GroupOptions",
     "OwnershipPlan",
     "UnitOrderError",
     "baseline_elements_per_rank",

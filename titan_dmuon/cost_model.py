@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from titan_dmuon.group_plan import gram_elements
+from titan_dmuon.muon_math import NS_STEPS
+
 BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
 
 
@@ -67,12 +70,29 @@ def tensor_parallel_elements_per_rank(tp_size: int, *, numel: int, data_parallel
     return 2 * Fraction(t - 1, t) * Fraction(numel + local_expert_numel, data_parallel_ranks)
 
 
-def design_elements_per_rank(handle, *, deferred: bool = False) -> Fraction:
+def owner_group_elements_per_rank(plan, *, ns_steps: int = NS_STEPS, ns_method: str = "torch") -> Fraction:
+    """The owner groups' all-reduces per step (``OwnershipPlan``; none without groups), averaged over all
+    R*N ranks: each member of a k-rank group all-reduces the packed fp32 Gram matrix (s (s+1)/2
+    elements) at every step of the standard iteration, or at Gram Newton–Schulz's restarts + 1, and its
+    squared norm (1 element), each 2(k-1)/k x its elements per member. The forward broadcasts and the
+    backward reduces move the same elements as one owner's (each block from or to its member)."""
+    total = Fraction(0)
+    for e in plan.entries:
+        if e.group is not None:
+            k = e.group.size
+            total += k * 2 * Fraction(k - 1, k) * gram_elements(min(e.shape), max(e.shape), k, ns_steps, ns_method)
+    return total / plan.world_size
+
+
+def design_elements_per_rank(handle, *, deferred: bool = False, ns_steps: int = NS_STEPS,
+                             ns_method: str = "torch") -> Fraction:
     """``dmuon_elements_per_rank`` for a ``DedicatedParams`` handle (Z3 counts the kept last layer
-    once the first step has shown which layer runs last)."""
+    once the first step has shown which layer runs last), plus its owner groups' all-reduces
+    (``owner_group_elements_per_rank``, at the optimizer's ``ns_steps`` and ``ns_method``)."""
     kept = 0 if deferred else handle.kept_unit_numel
     return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=kept, deferred=deferred,
-                                   local_tp_numel=handle.plan.local_tp_numel)
+                                   local_tp_numel=handle.plan.local_tp_numel) + owner_group_elements_per_rank(
+        handle.plan, ns_steps=ns_steps, ns_method=ns_method)
 
 
 def baseline_elements_per_rank(configuration: str, *, shard_size: int, numel: int) -> Fraction:

@@ -38,7 +38,7 @@ _phase: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_phase",
 
 @dataclass(frozen=True)
 class CommRecord:
-    kind: str  # broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all
+    kind: str  # broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all, send (point to point)
     source: str  # a CommLabel: DMuon's own collectives by name, CommLabel.OTHER for FSDP2/DDP/DTensor
     phase: str  # set by CommLedger.phase(), e.g. "step"
     group_ranks: tuple[int, ...]
@@ -54,6 +54,8 @@ class CommRecord:
     @property
     def elements(self) -> Fraction:
         n = self.group_size
+        if self.kind == "send":  # (point to point: what this rank sends; receives are not counted)
+            return Fraction(self.numel)
         factor = 2 if self.kind == "all_reduce" else 1
         return Fraction(factor * (n - 1) * self.numel, n)
 
@@ -82,6 +84,7 @@ _C10D_OPS = {
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _numel(a[1])),
     "alltoall_base_": ("all_to_all", lambda a: _numel(a[1])),
     "alltoall_": ("all_to_all", lambda a: _numel(a[1])),
+    "send": ("send", lambda a: _numel(a[0])),
 }
 # _c10d_functional op name -> (kind, S from args, index of the group-name argument)
 _FUNCTIONAL_OPS = {

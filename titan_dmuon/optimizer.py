@@ -32,6 +32,7 @@ from titan_dmuon.optimizer_state import adamw_initial_state, initialise_missing_
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.fsdp_ignore import check_left_alone
+from titan_dmuon.runtime.group_update import check_exact_mode
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
 from titan_dmuon.runtime.step_schedule import StepSchedule
@@ -99,6 +100,7 @@ class DMuon(torch.optim.Optimizer):
                 group.update(merged.muon() if use_muon else merged.adamw())
                 groups.append(group)
         super().__init__(groups, {})
+        check_exact_mode(self.param_groups, self._handles)
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
         self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)
@@ -170,14 +172,15 @@ class DMuon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
     def _tensor_parallel_params(self):
-        """(state-dict index, param, member, handle) of each TP-sharded dedicated weight, in the
+        """(state-dict index, param, member, handle) of each TP-sharded dedicated weight (and each block
+        of an owner group's weight: its momentum too is a DTensor of the whole matrix), in the
         numbering ``Optimizer.state_dict`` gives parameters."""
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 for handle in self._handles:
                     member = handle.member_of(p)
-                    if member is not None and member.entry.tp_dim is not None:
+                    if member is not None and (member.entry.tp_dim is not None or member.block is not None):
                         yield index, p, member, handle
                 index += 1
 

@@ -7,7 +7,9 @@ then proves it with one small all-gather of a digest.
 Ranks are positions in a (replicate R) x (shard N) mesh, numbered
 ``r * N + s`` (a 1-D mesh is R = 1). The global owner (r, s) of a matrix runs
 Newton–Schulz for it; in every replicate group the rank at shard index s keeps
-the full weight ("shard owner") and broadcasts it in forward.
+the full weight ("shard owner") and broadcasts it in forward. With owner groups
+(``GroupOptions``, ``group_plan.py``) a weight may instead be owned by k ranks of one
+replicate row, each keeping one block along the long side (``OwnerGroup``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_dmuon.group_math import GRAM_REDUCE_BYTES, block_bounds, group_ns_flops
+from titan_dmuon.group_plan import Candidate, GroupOptions, gram_elements, place_groups, sizings
 from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
 
 
@@ -76,6 +80,15 @@ class MatrixSpec:
     ``tp_size`` > 1: replicated, every tp rank holds the whole weight and a partial sum of its
     gradient."""
     tp_size: int = 1
+    groupable: bool = True
+    """May be split over an owner group (False: a rule needs the whole matrix on one rank, e.g.
+    QK-clip's per-head rescale); only 2-D weights of one NS block without tensor parallelism are."""
+
+    @property
+    def may_group(self) -> bool:
+        """Whether the plan may give it an owner group: a 2-D matrix, one NS block, no tensor
+        parallelism (a TP home stays one rank), not excluded by a rule (``groupable``)."""
+        return self.groupable and len(self.shape) == 2 and len(self.blocks) == 1 and not self.tensor_parallel
 
     @property
     def tensor_parallel(self) -> bool:
@@ -106,8 +119,29 @@ class MatrixSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OwnerGroup:
+    """The k ranks that own one matrix: member i (global rank ``ranks[i]``; one replicate row,
+    consecutive shard indices) keeps the block ``bounds[i]:bounds[i + 1]`` along ``long_dim`` (0: rows
+    of a tall matrix, 1: columns of a wide or square one) with its momentum, and runs its part of the
+    matrix's Newton–Schulz (``group_math``); ``member_flops`` are those parts' FLOPs."""
+
+    ranks: tuple[int, ...]
+    bounds: tuple[int, ...]
+    long_dim: int
+    member_flops: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def member(self, rank: int) -> int | None:
+        """The block index of global rank ``rank``, or None."""
+        return self.ranks.index(rank) if rank in self.ranks else None
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanEntry(MatrixSpec):
-    """A matrix with its owner (global rank r * N + s) and its NS cost.
+    """A matrix with its owner (global rank r * N + s), or its owner group, and its one-owner NS cost.
 
     Under tensor parallelism the owner is a data-parallel coordinate: the T ranks (owner, tp =
     0..T-1) hold the T shards (or, replicated, T copies), and ``tp_homes`` has per matrix (per
@@ -116,6 +150,15 @@ class PlanEntry(MatrixSpec):
     owner: int
     ns_flops: int
     tp_homes: tuple[int, ...] = ()
+    group: OwnerGroup | None = None
+    """An owner group (``owner`` is its first member), or None: ``owner`` alone."""
+
+    def block_numel(self, index: int) -> int:
+        """Elements of member ``index``'s block (the whole weight without a group)."""
+        if self.group is None:
+            return self.numel
+        lo, hi = self.group.bounds[index], self.group.bounds[index + 1]
+        return (hi - lo) * self.shape[1 - self.group.long_dim]
 
     def tp_matrices(self) -> list[TPMatrix]:
         return tp_matrices(self.shape, self.tp_dim, self.tp_homes, self.blocks)
@@ -151,6 +194,8 @@ class OwnershipPlan:
     """Per rank: Newton–Schulz FLOPs of the experts it updates in place (not dedicated)."""
     local_tp_experts: tuple[LocalTPExperts, ...] = ()
     """TP-split experts kept in place, per rank, with their Newton–Schulz homes."""
+    groups: GroupOptions | None = None
+    """How owner groups were chosen (None: off)."""
 
     @property
     def world_size(self) -> int:
@@ -170,16 +215,49 @@ class OwnershipPlan:
         """Each rank's Newton–Schulz work per step: dedicated weights it owns, plus its local experts."""
         load = list(self.local_load) or [0] * self.world_size
         for e in self.entries:
-            load[e.owner] += e.ns_flops
+            if e.group is None:
+                load[e.owner] += e.ns_flops
+            else:  # each member its share
+                for rank, flops in zip(e.group.ranks, e.group.member_flops):
+                    load[rank] += flops
         return load
 
     @property
     def numel_per_shard_rank(self) -> list[int]:
-        """Elements of full weights each shard index keeps between steps."""
+        """Elements of dedicated weights (of a group member: its block) each shard index keeps between steps."""
         held = [0] * self.shard_size
         for e in self.entries:
-            held[self.shard_owner(e)] += e.numel
+            if e.group is None:
+                held[self.shard_owner(e)] += e.numel
+            else:
+                for i, rank in enumerate(e.group.ranks):
+                    held[rank % self.shard_size] += e.block_numel(i)
         return held
+
+    def gram_elements_per_rank(self, ns_steps: int = NS_STEPS, ns_method: str = "torch") -> list[int]:
+        """Per global rank, the elements its owner groups' all-reduces carry per step (the packed fp32
+        Gram matrix at each all-reduce, and the norm), as each member gives them to the all-reduce."""
+        out = [0] * self.world_size
+        for e in self.entries:
+            if e.group is not None:
+                short, long = min(e.shape), max(e.shape)
+                for rank in e.group.ranks:
+                    out[rank] += gram_elements(short, long, e.group.size, ns_steps, ns_method)
+        return out
+
+    def ns_seconds_per_rank(self, options: GroupOptions | None = None, ns_steps: int = NS_STEPS) -> list[float]:
+        """Each rank's Newton–Schulz time per step: its FLOPs at ``options.ns_tflops`` and its groups'
+        sums (``GroupOptions.all_reduce_seconds``), by ``options`` (default: the plan's, else
+        ``GroupOptions()``'s rates)."""
+        options = options or self.groups or GroupOptions()
+        seconds = [f / options.flops_per_second() for f in self.ns_flops_per_rank]
+        for e in self.entries:
+            if e.group is not None:
+                k = e.group.size
+                data = gram_elements(min(e.shape), max(e.shape), k, ns_steps) * GRAM_REDUCE_BYTES
+                for rank in e.group.ranks:
+                    seconds[rank] += options.all_reduce_seconds(data, k)
+        return seconds
 
     @property
     def total_numel(self) -> int:
@@ -197,7 +275,9 @@ class OwnershipPlan:
         """A hash of the whole plan: ``validate_across_ranks`` compares it between ranks."""
         payload = json.dumps(
             [self.replicate_size, self.shard_size, list(self.local_load)]
-            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes] for e in self.entries]
+            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes]
+               + ([list(e.group.ranks), list(e.group.bounds), e.group.long_dim] if e.group else [])
+               for e in self.entries]
             + [[x.fqn, x.rank, x.first, x.spec.shape, x.spec.tp_dim, x.tp_homes] for x in self.local_tp_experts]
         )
         return hashlib.sha256(payload.encode()).hexdigest()
@@ -222,9 +302,16 @@ class OwnershipPlan:
         ]
         owned = [0] * self.world_size
         for e in self.entries:
-            owned[e.owner] += 1
+            for rank in (e.group.ranks if e.group else (e.owner,)):
+                owned[rank] += 1
+        grouped = [e for e in self.entries if e.group is not None]
+        if grouped:
+            lines[0] += f", {len(grouped)} in owner groups"
         for rank in range(self.world_size):
             lines.append(f"  rank {rank}: {owned[rank]} matrices, {load[rank]:.3e} NS FLOPs")
+        for e in grouped:
+            side = "rows" if e.group.long_dim == 0 else "columns"
+            lines.append(f"  group {e.fqn} {e.shape}: ranks {list(e.group.ranks)}, {side} {list(e.group.bounds)}")
         return "\n".join(lines)
 
 
@@ -236,6 +323,7 @@ def build_plan(
     ns_steps: int = NS_STEPS,
     initial_load: Sequence[int] | None = None,
     local_tp_specs: Sequence[MatrixSpec] = (),
+    groups: GroupOptions | None = None,
 ) -> OwnershipPlan:
     """Assign each weight to one rank, longest-processing-time first by NS FLOPs.
 
@@ -251,18 +339,22 @@ def build_plan(
     ``local_tp_specs``: TP-split 3-D expert weights that stay where FSDP2 shards them on dim 0
     (ceil(E/N) whole experts per shard index, in every replica): each data-parallel rank's experts
     get NS homes in its TP group, balanced with the dedicated matrices that rank owns.
+
+    ``groups`` (enabled): owner groups where they pay (``group_plan.choose_sizes``), placed first on
+    aligned slots (``place_groups``); the other weights then go as above, every load counted in
+    FLOP-equivalents (a member's FLOPs plus its all-reduces' time). None, or disabled: one owner each.
     """
     costs = [s.ns_flops(ns_steps) for s in specs]
     load = list(initial_load) if initial_load is not None else [0] * (replicate_size * shard_size)
     if len(load) != replicate_size * shard_size:
         raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
+    groups = groups if groups is not None and groups.enabled else None
+    owner_groups = _owner_groups(specs, costs, load, replicate_size, shard_size, ns_steps, groups) if groups else {}
     owners = [0] * len(specs)
-    least_loaded = [(rank_load, rank) for rank, rank_load in enumerate(load)]
-    heapq.heapify(least_loaded)
-    for i in sorted(range(len(specs)), key=lambda i: (-costs[i], i)):
-        rank_load, rank = least_loaded[0]
+    for i, group in owner_groups.items():
+        owners[i] = group.ranks[0]
+    for i, rank in _least_loaded_owners(costs, [i for i in range(len(specs)) if i not in owner_groups], load).items():
         owners[i] = rank
-        heapq.heapreplace(least_loaded, (rank_load + costs[i], rank))
     # every matrix of the TP exchange: (data-parallel rank, unit, cost, key: where its home goes, tp size)
     matrices = []
     for i, s in enumerate(specs):
@@ -283,7 +375,8 @@ def build_plan(
     homes = _tp_homes(matrices)
     entries = tuple(
         PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
-                  owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes))
+                  groupable=s.groupable, owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes),
+                  group=owner_groups.get(i))
         for i, (s, o, c) in enumerate(zip(specs, owners, costs))
     )
     local = tuple(
@@ -293,8 +386,60 @@ def build_plan(
     )
     return OwnershipPlan(
         replicate_size=replicate_size, shard_size=shard_size, entries=entries,
-        local_load=tuple(initial_load) if initial_load is not None else (), local_tp_experts=local,
+        local_load=tuple(initial_load) if initial_load is not None else (), local_tp_experts=local, groups=groups,
     )
+
+
+def _least_loaded_owners(costs: Sequence[int], indices: Sequence[int], load: list[int]) -> dict[int, int]:
+    """{index: rank}: ``indices`` by cost (largest first, then position), each to the least-loaded rank
+    (the lowest on a tie) off a heap of (load, rank); ``load`` grows by each cost."""
+    owners = {}
+    least_loaded = [(rank_load, rank) for rank, rank_load in enumerate(load)]
+    heapq.heapify(least_loaded)
+    for i in sorted(indices, key=lambda i: (-costs[i], i)):
+        rank_load, rank = least_loaded[0]
+        owners[i] = rank
+        load[rank] += costs[i]
+        heapq.heapreplace(least_loaded, (rank_load + costs[i], rank))
+    return owners
+
+
+def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int], replicate_size: int,
+                  shard_size: int, ns_steps: int, options: GroupOptions) -> dict[int, OwnerGroup]:
+    """The owner groups of the sizing (``group_plan.sizings``) whose busiest rank is least loaded once
+    placed, groups first and then the other weights (tried with no groups first, then the sizings with the
+    fewest all-reduces; the first on a tie; one whose mean or largest member cannot beat the best so far
+    is not placed); ``load`` (per
+    rank, FLOP-equivalents) grows by the groups' members."""
+    candidates = [Candidate(index=i, short=min(s.shape), long=max(s.shape)) for i, s in enumerate(specs) if s.may_group]
+    shapes = {c.index: c for c in candidates}
+    best = None
+    world = replicate_size * shard_size
+    options_tried = sizings(candidates, costs, world_size=world, shard_size=shard_size, base_load=sum(load),
+                            options=options, steps=ns_steps)
+    if not options_tried:
+        return {}
+    for sizes, loads in [({}, {})] + options_tried[::-1]:  # fewest all-reduces first
+        total = sum(load) + sum(c for i, c in enumerate(costs) if i not in sizes) + sum(
+            k * loads[i] for i, k in sizes.items())
+        if best is not None and max(-(-total // world), max(loads.values(), default=0)) >= best[0]:
+            continue  # (its busiest rank cannot beat the best so far: the mean, or its largest member)
+        trial = list(load)
+        placed = place_groups(sizes, loads, load=trial, replicate_size=replicate_size, shard_size=shard_size)
+        after_groups = list(trial)
+        _least_loaded_owners(costs, [i for i in range(len(specs)) if i not in sizes], trial)
+        if best is None or max(trial) < best[0]:
+            best = (max(trial), sizes, placed, after_groups)
+    _, sizes, placed, after_groups = best  # (one owner each, unless a sizing is strictly better)
+    load[:] = after_groups
+    out = {}
+    for i, ranks in placed.items():
+        short, long, k = shapes[i].short, shapes[i].long, sizes[i]
+        bounds = block_bounds(long, k)
+        out[i] = OwnerGroup(ranks=ranks, bounds=bounds, long_dim=0 if specs[i].shape[0] > specs[i].shape[1] else 1,
+                            member_flops=tuple(group_ns_flops(short, long, hi - lo, k, ns_steps)
+                                               for lo, hi in zip(bounds[:-1], bounds[1:])))
+    return out
 
 
 def _entry_homes(spec: MatrixSpec, index: int, homes: dict[tuple, int]) -> tuple[int, ...]:

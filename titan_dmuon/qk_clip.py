@@ -231,6 +231,11 @@ class QKClip:
                 functools.partial(_capture, self._capturing, clip, slot, attention), with_kwargs=True))
             for param, parts in _parts_by_param(attention, self.alpha).items():
                 member = clip.handle.member_of(param)
+                if member.group is not None:  # (every rank: the plan is the same everywhere)
+                    raise ValueError(
+                        f"QK-clip rescales {member.fqn!r} by rows of heads on its owner, but the plan split it over "
+                        f"an owner group of {member.group.size} ranks: pass the attention's q/k weights in "
+                        "dedicate_params(..., keep_whole=...) (or owner_groups=None)")
                 if not member.runs_ns:
                     continue  # another rank rescales it; this one receives it by the broadcast
                 head, exponent = row_map(member.shape[0], parts)

@@ -41,13 +41,11 @@ from fractions import Fraction
 import torch
 
 from titan_dmuon import cost_model
+from titan_dmuon.group_plan import H200_BF16_TFLOPS  # (Newton–Schulz runs below it: times are lower bounds)
 from titan_dmuon.muon_math import Block, block_rows, ns_flops
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo, TensorParallelInfo
 
-# The H200's bf16 dense matmul, measured ~770-800 TFLOP/s at 8192^3 (shared/notes/gpu-readiness.md):
-# Newton–Schulz runs below a matmul's peak, so critical paths at this rate are lower bounds.
-H200_BF16_TFLOPS = 790.0
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 CONFIGURATIONS = ("FSDP2 + AdamW, Z2", "FSDP2 + AdamW, Z3", "DMuon-Z2", "DMuon-Z3")
 STEP_COUNT_BYTES = 4  # AdamW's per-parameter step count: a float32 scalar tensor (torch.optim.AdamW's and DMuon's)

@@ -45,6 +45,7 @@ class CommLabel(str, enum.Enum):
     TP_TO_HOME = "dmuon.tp_to_home"  # the step's TP shards to each matrix's NS home
     TP_FROM_HOME = "dmuon.tp_from_home"  # and the orthogonalised shards back
     TP_GRAD_REDUCE = "dmuon.tp_grad_reduce"  # a TP-replicated weight's partial gradients to its home
+    GROUP_GRAM = "dmuon.group_gram"  # owner groups: each matrix's norm and Gram matrices summed over its group
     EXPORT = "dmuon.export"  # full_tensors(): every weight in full on every rank
     DMUON = "dmuon"  # not issued: selects every label above (``CommLedger.select(source=CommLabel.DMUON)``)
     OTHER = "other"  # not DMuon's: FSDP2, DDP, DTensor, the user's own collectives
@@ -201,6 +202,12 @@ class Launch:
 
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
         self._issue(dist.reduce, tensor, group_dst=dst)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """A sum over the group, counted as the design counts an all-reduce: 2(n-1)/n of it per rank."""
+        if self.group_size > 1:
+            self.stats.add(self.source, self.group_size, tensor.numel(), tensor.numel() * tensor.element_size())
+        self._issue(dist.all_reduce, tensor)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]

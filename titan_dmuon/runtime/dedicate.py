@@ -16,7 +16,6 @@ pieces; the handle is built from both. Tests build units and contexts the same w
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,12 +24,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.muon_math import Block, row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.group_update import OwnerGroups
 from titan_dmuon.runtime.handle import DedicatedParams
-from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Segment
+from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
 from titan_dmuon.runtime.reducer import GradientReducer
 from titan_dmuon.runtime.replica_sync import ReplicaSync
@@ -75,6 +76,8 @@ def dedicate_params(
     initial_load: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
+    owner_groups: GroupOptions | None = GroupOptions(),
+    keep_whole: Iterable[nn.Parameter] = (),
 ) -> DedicatedParams:
     """Give each chosen weight one owner rank on ``mesh``; call before ``fully_shard``/DDP.
 
@@ -136,6 +139,13 @@ def dedicate_params(
             assembled on one of them (its NS home) with an all-to-all on the TP group, orthogonalised
             there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
             group of each data-parallel rank that holds them.
+        owner_groups: let the plan split a dominant weight's Newton–Schulz and storage over k ranks of
+            its shard group where its cost model says that shortens the busiest rank's step
+            (``titan_dmuon.group_plan.GroupOptions``: the rates it uses, the node size;
+            ``docs/owner-groups.md``; default: an H200 node's); None: one owner per weight (required
+            by ``ns_mode="exact"``).
+        keep_whole: weights that keep one owner whatever ``owner_groups`` says (a rule reads the
+            whole matrix on its owner: QK-clip's q/k rows, per-row statistics).
     """
     if isinstance(params, DeviceMesh) and mesh is None:  # dedicate_params(model, mesh, predicate=...)
         params, mesh = None, params
@@ -145,7 +155,8 @@ def dedicate_params(
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
     dedication = plan_dedication(module, params, mode, predicate=predicate, units=units, split_rows=split_rows,
-                                 initial_load=initial_load, tp_shard_dims=tp_shard_dims)
+                                 initial_load=initial_load, tp_shard_dims=tp_shard_dims, owner_groups=owner_groups,
+                                 keep_whole=keep_whole)
     ctx = build_context(module, dedication, mode, mp_policy=mp_policy, gradient_divide_factor=gradient_divide_factor)
     handle = DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
                              mp_policy=mp_policy, local_experts=dedication.local_experts)
@@ -163,6 +174,8 @@ def plan_dedication(
     split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
     initial_load: Sequence[int] | None = None,
     tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
+    owner_groups: GroupOptions | None = None,
+    keep_whole: Iterable[nn.Parameter] = (),
 ) -> Dedication:
     """Everything ``dedicate_params`` decides before the runtime (its arguments of the same names):
     the request checked, the plan built and checked identical on every rank, this rank's members."""
@@ -176,9 +189,10 @@ def plan_dedication(
     check_tp_dims_complete(mode, dedicated, tp_dims)
     check_not_sharded(dedicated)
     unit_modules = assign_units(module, dedicated, units)
-    specs, unit_index = build_specs(mode, dedicated, unit_modules, tp_dims, split_rows)
+    whole = {id(p) for p in keep_whole}
+    specs, unit_index = build_specs(mode, dedicated, unit_modules, tp_dims, split_rows, whole)
     local = local_experts(mode, module, kept, units, unit_index, tp_dims, split_rows)
-    plan = plan_ownership(mode, specs, local, initial_load)
+    plan = plan_ownership(mode, specs, local, initial_load, owner_groups)
     modules_by_index = {unit_index[id(m)]: m for m in unit_modules}
     return Dedication(plan=plan, members=make_members(dedicated, plan, mode.mesh),
                       unit_modules=[modules_by_index[i] for i in range(len(unit_index))], local_experts=local)
@@ -197,6 +211,8 @@ def build_context(
         divide_factor=float(gradient_divide_factor or dedication.plan.world_size),
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
+    if any(e.group is not None for e in dedication.plan.entries):
+        ctx.owner_groups = OwnerGroups(mode.mesh, stats, dedication.plan.groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
         layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,
@@ -223,14 +239,17 @@ def _row_blocks(mode: DedicationMode, r: Requested, tp_dims: dict, split_rows: M
 
 def build_specs(
     mode: DedicationMode, dedicated: list[Requested], unit_modules: list[nn.Module], tp_dims: dict, split_rows: Mapping,
+    keep_whole: set[int] = frozenset(),
 ) -> tuple[list[MatrixSpec], dict[int, int]]:
-    """The plan's spec of each dedicated weight, and {id(unit module): unit index} (first-seen order)."""
+    """The plan's spec of each dedicated weight, and {id(unit module): unit index} (first-seen order);
+    ``keep_whole``: ids of the weights that may not get an owner group."""
     specs, unit_index = [], {}
     for r, unit_module in zip(dedicated, unit_modules):
         index = unit_index.setdefault(id(unit_module), len(unit_index))
         specs.append(MatrixSpec(fqn=r.fqn, shape=tuple(r.param.shape), unit=index,
                                 blocks=_row_blocks(mode, r, tp_dims, split_rows), tp_dim=tp_dims.get(id(r.param)),
-                                tp_size=mode.tp.size if id(r.param) in tp_dims else 1))
+                                tp_size=mode.tp.size if id(r.param) in tp_dims else 1,
+                                groupable=id(r.param) not in keep_whole))
     return specs, unit_index
 
 
@@ -254,6 +273,7 @@ def local_experts(
 
 def plan_ownership(
     mode: DedicationMode, specs: list[MatrixSpec], local: list[LocalExperts], initial_load: Sequence[int] | None,
+    owner_groups: GroupOptions | None = None,
 ) -> OwnershipPlan:
     """The plan, balanced against the NS load the ranks already have (experts kept in place, other
     handles' ``initial_load``), and checked identical on every rank (a collective)."""
@@ -266,7 +286,8 @@ def plan_ownership(
             raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh.world_size} ranks")
         load = [a + int(b) for a, b in zip(load, initial_load)]
     plan = build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
-                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs)
+                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs,
+                      groups=owner_groups)
     validate_across_ranks(plan, mesh.groups + ([mode.tp.group] if mode.tp else []), mesh.device)
     return plan
 
@@ -286,33 +307,67 @@ def local_expert_load(local: list[LocalExperts], replicate_size: int, shard_size
 
 def make_members(dedicated: list[Requested], plan: OwnershipPlan, mesh: MeshInfo) -> list[Member]:
     """This rank's record of each dedicated weight; a rank that does not hold one keeps a 0-element
-    placeholder (its storage freed now)."""
+    placeholder (its storage freed now), and a member of an owner group its block (a copy)."""
     members = []
     for r, entry in zip(dedicated, plan.entries):
-        holds_full = plan.shard_owner(entry) == mesh.shard_rank
-        runs_ns = holds_full and plan.replicate_owner(entry) == mesh.replicate_rank
-        members.append(Member(entry=entry, module=r.module, name=r.name, param=r.param, holds_full=holds_full,
-                              runs_ns=runs_ns, unit=entry.unit))
-        if not holds_full:
+        block = None
+        if entry.group is not None:
+            shard_indices = [rank % mesh.shard_size for rank in entry.group.ranks]
+            block = shard_indices.index(mesh.shard_rank) if mesh.shard_rank in shard_indices else None
+            holds_full = False
+            runs_ns = block is not None and plan.replicate_owner(entry) == mesh.replicate_rank
+        else:
+            holds_full = plan.shard_owner(entry) == mesh.shard_rank
+            runs_ns = holds_full and plan.replicate_owner(entry) == mesh.replicate_rank
+        member = Member(entry=entry, module=r.module, name=r.name, param=r.param, holds_full=holds_full,
+                        runs_ns=runs_ns, unit=entry.unit, block=block)
+        members.append(member)
+        if block is not None:
+            r.param.data = pieces_of(member, plan)[block].of(r.param.data).contiguous().clone()
+        elif not holds_full:
             r.param.data = torch.empty(0, dtype=r.param.dtype, device=r.param.device)
     return members
 
 
 # ---- the units ----------------------------------------------------------------------------------------
 def layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
-    """Buffer order: by shard owner (one broadcast segment each), then by global owner (one reduce bucket each)."""
-    ordered = sorted(members, key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
-    segments, offset = [], 0
-    for shard_owner, in_segment in itertools.groupby(ordered, key=lambda m: plan.shard_owner(m.entry)):
-        start, buckets = offset, []
-        for replicate_owner, in_bucket in itertools.groupby(in_segment, key=lambda m: plan.replicate_owner(m.entry)):
-            in_bucket = list(in_bucket)
-            for m in in_bucket:
-                m.offset = offset
-                offset += m.entry.numel
-            buckets.append(Bucket(shard_owner=shard_owner, replicate_owner=replicate_owner, members=in_bucket))
-        segments.append(Segment(shard_owner=shard_owner, start=start, stop=offset, buckets=buckets))
-    return Unit(index=index, name=name, module=module, members=ordered, segments=segments, numel=offset, ctx=ctx)
+    """Buffer order: the weights with one owner by shard owner (one broadcast segment each), then by global
+    owner (one reduce bucket each); then the owner groups' weights (plan order), a tall one's row blocks
+    in place (one segment each), a wide one's column blocks in the staging area (by shard owner). Buckets:
+    every piece by (shard owner, global owner)."""
+    single = sorted((m for m in members if m.group is None),
+                    key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
+    grouped = [m for m in members if m.group is not None]
+    pieces, columns, offset = [], [], 0
+    for m in single + grouped:
+        m.offset = offset
+        for piece in pieces_of(m, plan):
+            if piece.columns:
+                columns.append(piece)
+                continue
+            piece.offset = offset + (piece.bounds[0] * m.shape[1] if piece.index is not None else 0)
+            pieces.append(piece)
+        offset += m.entry.numel
+    staging = 0
+    for piece in sorted(columns, key=lambda p: (p.shard_owner, p.replicate_owner)):
+        piece.offset = staging
+        staging += piece.numel
+        pieces.append(piece)
+    segments: list[Segment] = []
+    for piece in pieces:
+        last = segments[-1] if segments else None
+        if (last and last.shard_owner == piece.shard_owner and last.staging == piece.columns
+                and last.stop == piece.offset):
+            last.stop += piece.numel
+        else:
+            segments.append(Segment(shard_owner=piece.shard_owner, start=piece.offset, stop=piece.offset + piece.numel,
+                                    staging=piece.columns))
+    by_owner: dict[tuple[int, int], list[Piece]] = {}
+    for piece in pieces:
+        by_owner.setdefault((piece.shard_owner, piece.replicate_owner), []).append(piece)
+    buckets = [Bucket(shard_owner=s, replicate_owner=r, pieces=p) for (s, r), p in by_owner.items()]
+    return Unit(index=index, name=name, module=module, members=single + grouped, pieces=pieces, segments=segments,
+                buckets=buckets, numel=offset, staging_numel=staging, ctx=ctx)
 
 
 def assign_units(module: nn.Module, requested: list[Requested], units: Sequence[nn.Module] | None) -> list[nn.Module]:

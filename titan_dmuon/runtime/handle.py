@@ -115,6 +115,11 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         return self.mode.mesh.mesh
 
     @property
+    def owner_groups(self):
+        """The owner groups this rank is in (``group_update.OwnerGroups``), or None (none in the plan)."""
+        return self._ctx.owner_groups
+
+    @property
     def reshard_after_forward(self) -> bool:
         """True for Z3 (each layer's buffer freed after forward), False for Z2."""
         return self.mode.reshard_after_forward

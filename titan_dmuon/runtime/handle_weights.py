@@ -15,7 +15,7 @@ from torch import nn
 
 from titan_dmuon.runtime import initialise, tensor_parallel
 from titan_dmuon.runtime.comm import CommLabel, comm_source
-from titan_dmuon.runtime.members import Member
+from titan_dmuon.runtime.members import Member, pieces_of
 
 
 class HandleWeights:
@@ -30,9 +30,16 @@ class HandleWeights:
         for m in self._members:
             like = m.param
             full = like.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=like.dtype, device=like.device)
-            if mesh.shard_size > 1:
-                with comm_source(CommLabel.EXPORT):
-                    dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
+            for piece in pieces_of(m, self.plan):  # (an owner group's weight: each block from its holder)
+                part = piece.of(full)
+                if piece.index is not None and piece.index == m.block:
+                    part.copy_(m.param.detach())
+                if mesh.shard_size > 1:
+                    landing = part if part.is_contiguous() else part.contiguous()
+                    with comm_source(CommLabel.EXPORT):
+                        dist.broadcast(landing, group_src=piece.shard_owner, group=mesh.shard_group)
+                    if landing is not part:
+                        part.copy_(landing)
             out[m.fqn] = self.tp_full(m, full)
         return out
 
@@ -45,7 +52,10 @@ class HandleWeights:
         return tensor_parallel.tp_local(self.mode.tp, member, full)
 
     def as_sharded(self, member: Member, local: torch.Tensor) -> torch.Tensor:
-        """``tensor_parallel.as_sharded``: a TP shard as a DTensor of the full matrix, for DCP."""
+        """A TP shard (``tensor_parallel.as_sharded``), or an owner group's block
+        (``OwnerGroups.as_sharded``), as a DTensor of the full matrix, for DCP."""
+        if member.block is not None:
+            return self.owner_groups.as_sharded(member, local)
         return tensor_parallel.as_sharded(self.mode.tp, member, local)
 
     def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None, layout=None):

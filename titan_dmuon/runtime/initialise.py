@@ -77,3 +77,6 @@ def _keep_on_owner(member: Member, stand_in: nn.Parameter, mode: DedicationMode)
     full = value.full_tensor() if isinstance(value, DTensor) else value
     if member.holds_full:
         member.param.copy_(tp_local(mode.tp, member, full))
+    elif member.block is not None:  # an owner group's member: its block
+        lo, hi = member.group.bounds[member.block : member.block + 2]
+        member.param.copy_(full[lo:hi] if member.group.long_dim == 0 else full[:, lo:hi])

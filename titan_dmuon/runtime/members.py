@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from titan_dmuon.muon_math import Block, block_rows, ns_flops
-from titan_dmuon.plan import PlanEntry
+from titan_dmuon.plan import OwnerGroup, OwnershipPlan, PlanEntry
 
 
 @dataclass(eq=False)
@@ -18,17 +19,30 @@ class Member:
     entry: PlanEntry
     module: nn.Module  # registers the weight under ``name``
     name: str
-    param: nn.Parameter  # the master weight: full on its shard owners, a 0-element placeholder elsewhere
+    param: nn.Parameter  # the master weight: full on its shard owners (an owner group's member: its block),
+    # a 0-element placeholder elsewhere
     holds_full: bool  # this rank keeps the full weight between steps (one rank per replicate group)
-    runs_ns: bool  # this rank is the global owner: it gets .grad and momentum and runs Newton–Schulz
+    runs_ns: bool  # this rank is the global owner (a member of the owner group): it gets .grad and momentum
+    # (of its block) and runs Newton–Schulz (its part)
     unit: int = 0  # index of the unit (layer) whose buffer holds it
     offset: int = 0  # into the unit's packed buffer
     compute: nn.Parameter | None = None  # view of the packed buffer that forward and backward use
     accumulated_grad: torch.Tensor | None = None  # earlier micro-batches' gradients, sync off (reduce dtype)
+    block: int | None = None  # owner groups: the block of the weight this rank keeps between steps, else None
+    group_ranks: tuple[int, ...] = ()  # owner groups, on the members: the group's ranks in the default group
 
     @property
     def fqn(self) -> str:
         return self.entry.fqn
+
+    @property
+    def group(self) -> OwnerGroup | None:
+        return self.entry.group
+
+    @property
+    def holds(self) -> bool:
+        """Keeps the weight between steps: whole, or its block of an owner group."""
+        return self.holds_full or self.block is not None
 
     @property
     def numel(self) -> int:
@@ -63,23 +77,81 @@ class LocalExperts:
 
 
 @dataclass(eq=False)
-class Bucket:
-    """Members of a unit with the same shard owner and the same global owner: one reduce buffer."""
+class Piece:
+    """What one shard index keeps of a dedicated weight: the whole weight, or one block of its owner
+    group (rows of a tall matrix, columns of a wide one). A unit broadcasts each piece from its shard
+    owner before the layer runs and reduces its gradient to it (and on to its global owner) after.
 
+    ``offset``: where the piece's broadcast lands, in the unit's packed buffer (a whole weight, or rows:
+    inside the weight's own region) or, for a column block (not contiguous in the weight), in the unit's
+    staging area, from which it is copied into the weight's columns once it arrived."""
+
+    member: Member
+    index: int | None  # its block of the owner group; None: the whole weight
     shard_owner: int
     replicate_owner: int
-    members: list[Member]
+    offset: int = 0
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """A block's range along the long side."""
+        return self.member.group.bounds[self.index], self.member.group.bounds[self.index + 1]
+
+    @property
+    def columns(self) -> bool:
+        """A column block of a wide weight: not contiguous in the weight's row-major layout."""
+        return self.index is not None and self.member.group.long_dim == 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.index is None:
+            return self.member.shape
+        lo, hi = self.bounds
+        rows, cols = self.member.shape
+        return (hi - lo, cols) if self.member.group.long_dim == 0 else (rows, hi - lo)
 
     @property
     def numel(self) -> int:
-        return sum(m.numel for m in self.members)
+        return math.prod(self.shape)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """The piece's view of a tensor shaped as the whole weight (its rows, or its columns)."""
+        if self.index is None:
+            return full
+        lo, hi = self.bounds
+        return full[lo:hi] if self.member.group.long_dim == 0 else full[:, lo:hi]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Pieces of a unit with the same shard owner and the same global owner: one reduce buffer."""
+
+    shard_owner: int
+    replicate_owner: int
+    pieces: list[Piece]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.pieces)
 
 
 @dataclass(eq=False)
 class Segment:
-    """Members of a unit held by one shard index: a contiguous slice of the packed buffer."""
+    """A contiguous range of the unit's packed buffer (or of its staging area) that one shard index
+    holds: one broadcast."""
 
     shard_owner: int
     start: int
     stop: int
-    buckets: list[Bucket]
+    staging: bool = False
+
+
+def pieces_of(member: Member, plan: OwnershipPlan) -> list[Piece]:
+    """What each shard index keeps of ``member``'s weight: the whole weight (one owner), or each block
+    of its owner group in block order (offsets unset)."""
+    entry = member.entry
+    if entry.group is None:
+        return [Piece(member=member, index=None, shard_owner=plan.shard_owner(entry),
+                      replicate_owner=plan.replicate_owner(entry))]
+    return [Piece(member=member, index=i, shard_owner=rank % plan.shard_size,
+                  replicate_owner=rank // plan.shard_size) for i, rank in enumerate(entry.group.ranks)]

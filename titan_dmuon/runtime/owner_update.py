@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.muon_math import Block, adjusted_lr, block_rows, local_block_rows, muon_step, orthogonalise, scalar
+from titan_dmuon.runtime.group_update import update_grouped
 from titan_dmuon.runtime.streams import DeviceTimer
 
 
@@ -104,6 +105,11 @@ class OwnerUpdate:
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
                 ns_method=self.ns_method,
             )
+
+    def update_grouped(self, group: dict, weights: list, owner_groups) -> None:
+        """The rule on this member's blocks of owner groups' weights (``group_update.update_grouped``:
+        Newton–Schulz of each whole matrix over its group)."""
+        update_grouped(self, group, weights, owner_groups)
 
     # ---- the same rule, split where tensor parallelism splits the matrix --------------------------------
     def momentum_inputs(self, group: dict, param: torch.Tensor, grad: torch.Tensor, matrices: slice) -> list:

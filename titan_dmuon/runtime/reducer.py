@@ -127,31 +127,35 @@ class GradientReducer:
     def _copy_in(self, unit) -> list[tuple[Bucket, torch.Tensor]]:
         """One flat buffer per bucket, filled by one foreach copy (and cast) from the compute
         grads (plus what sync off accumulated), which are freed; zeros for a member without a
-        gradient on this rank."""
-        items, targets, grads, missing = [], [], [], []
+        gradient on this rank. A piece of an owner group's weight takes its block of the gradient."""
+        grads: dict[int, torch.Tensor | None] = {}
+        for m in unit.members:
+            grad, m.compute.grad = m.compute.grad, None
+            if m.accumulated_grad is not None:
+                if grad is not None:
+                    m.accumulated_grad.add_(grad)
+                grad, m.accumulated_grad = m.accumulated_grad, None
+            grads[id(m)] = grad
+            if grad is None and m.runs_ns:
+                self._missing_on_owner.append(m)
+        items, targets, sources, missing = [], [], [], []
         device = self.mode.mesh.device
         for bucket in unit.buckets:
-            dtype = self.reduce_dtype or bucket.members[0].compute.dtype
+            dtype = self.reduce_dtype or bucket.pieces[0].member.compute.dtype
             flat = torch.empty(bucket.numel, dtype=dtype, device=device)
             offset = 0
-            for m in bucket.members:
-                view = flat[offset : offset + m.numel].view(m.shape)
-                grad, m.compute.grad = m.compute.grad, None
-                if m.accumulated_grad is not None:
-                    if grad is not None:
-                        m.accumulated_grad.add_(grad)
-                    grad, m.accumulated_grad = m.accumulated_grad, None
+            for piece in bucket.pieces:
+                view = flat[offset : offset + piece.numel].view(piece.shape)
+                grad = grads[id(piece.member)]
                 if grad is None:
                     missing.append(view)
-                    if m.runs_ns:
-                        self._missing_on_owner.append(m)
                 else:
                     targets.append(view)
-                    grads.append(grad)
-                offset += m.numel
+                    sources.append(piece.of(grad))
+                offset += piece.numel
             items.append((bucket, flat))
         if targets:
-            torch._foreach_copy_(targets, grads)
+            torch._foreach_copy_(targets, sources)
         if missing:
             torch._foreach_zero_(missing)
         return items
@@ -246,12 +250,12 @@ class GradientReducer:
         handed = []
         for bucket, flat in self._done:
             offset = 0
-            for m in bucket.members:
-                grad = flat[offset : offset + m.numel].view(m.shape).to(m.param.dtype)
+            for piece in bucket.pieces:  # (on the global owner: the whole weight, or its block of the group)
+                grad = flat[offset : offset + piece.numel].view(piece.shape).to(piece.member.param.dtype)
                 if self.divide_factor != 1.0:
                     grad.div_(self.divide_factor)
-                handed.append((m, grad))
-                offset += m.numel
+                handed.append((piece.member, grad))
+                offset += piece.numel
         self._done.clear()
         self._sum_over_tensor_parallel([(m, g) for m, g in handed if m.entry.tp_replicated])
         for m, grad in handed:

@@ -1,7 +1,8 @@
 """HSDP: after a layer's weights are updated, its global owners send them to their replicate peers.
 
 In every replicate group the rank at a weight's shard index holds the full
-weight; only one of them (the global owner) ran Newton–Schulz. As soon as a
+weight (an owner group's member: its block); only one of them (the global owner,
+the group's member) ran Newton–Schulz. As soon as a
 layer's update is applied (``DMuon.step`` goes layer by layer in forward order)
 its new values are broadcast across the replicate group, straight into the
 peers' persistent weights (no staging copy), one launch per unit, from the
@@ -34,7 +35,7 @@ class ReplicaSync:
         if not mesh.hsdp:
             return
         self.wait(unit)
-        holding = [b for s in unit.segments if s.shard_owner == mesh.shard_rank for b in s.buckets]
+        holding = [b for b in unit.buckets if b.shard_owner == mesh.shard_rank]
         if not holding:
             return
         with self.streams.use(self.streams.replicate):
@@ -42,8 +43,8 @@ class ReplicaSync:
             with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, source, self.stats,
                         coalesce=mesh.coalesces) as launch:
                 for bucket in holding:
-                    for m in bucket.members:
-                        launch.broadcast(m.param.detach(), src=bucket.replicate_owner)
+                    for piece in bucket.pieces:  # (this rank's weight, or its block of an owner group)
+                        launch.broadcast(piece.member.param.detach(), src=bucket.replicate_owner)
         self._in_flight[unit.index] = launch.in_flight
 
     def wait(self, unit, stream=None) -> None:

@@ -1,7 +1,8 @@
 """State dicts (DCP checkpoints) of dedicated weights.
 
 A dedicated weight appears in ``state_dict()`` only on the ranks that hold it,
-under its normal name, with its current full value; other ranks leave the
+under its normal name, with its current full value (a TP shard, or a block of an
+owner group's weight: as a DTensor of the full matrix); other ranks leave the
 key out. DCP then writes each weight once (from a holder: all holders agree
 once the HSDP post-step broadcasts have landed) and, on load, each rank
 requests exactly the weights it holds now, which reshards across world sizes,
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
+from titan_dmuon.runtime.members import pieces_of
 from titan_dmuon.runtime.streams import synchronize_device
 
 
@@ -39,6 +41,8 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
                     state_dict[key] = handle.as_sharded(m, m.param.detach())
                 else:
                     state_dict[key] = m.param if isinstance(state_dict.get(key), nn.Parameter) else m.param.detach()
+            elif m.block is not None:  # an owner group's block: the full matrix as a DTensor on its group
+                state_dict[key] = handle.as_sharded(m, m.param.detach())
             else:
                 state_dict.pop(key, None)
 
@@ -46,7 +50,16 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
         handle.wait_for_replicate_broadcasts(host=True)  # so that no older value lands after the load
         handle.discard_gathered_weights()  # a buffer gathered before the load holds old values
         for m in handle.members_of(module):
-            if not m.holds_full:
+            if m.block is not None:  # this rank's block of the full matrix
+                value = state_dict.get(prefix + m.name)
+                if isinstance(value, DTensor):  # ours (DCP filled the DTensor state_dict() gave), or another layout
+                    ours = value.device_mesh is handle.owner_groups.device_mesh(m)
+                    value = value.to_local() if ours else value.full_tensor()
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == m.shape:
+                    value = pieces_of(m, handle.plan)[m.block].of(value)
+                if value is not None:
+                    state_dict[prefix + m.name] = value
+            elif not m.holds_full:
                 state_dict.pop(prefix + m.name, None)  # its holders load it
                 not_held_keys.add(prefix + m.name)
             elif m.entry.tp_dim is not None:  # tensor parallelism: this rank's shard of the full matrix

@@ -6,7 +6,8 @@ owner for a list of weights). Per handle, the dedicated weights are updated unit
 order, in chunks of 1, 1, 2, 4, ... units (``pipeline_chunks``); after each chunk the handle sends its
 units on (HSDP's broadcast to replicas; the first unit's broadcast for the next forward), so those
 transfers overlap the Newton–Schulz of the later chunks. Each chunk is a ``Job``: its units and, per
-param group, its weights: ``OwnedWeight`` (held whole here: ``OwnerUpdate.update``) or ``TPItem``
+param group, its weights: ``OwnedWeight`` (held whole here: ``OwnerUpdate.update``), ``GroupedWeight``
+(a block of an owner group's weight: ``OwnerUpdate.update_grouped``, with the group's all-reduces) or ``TPItem``
 (tensor-parallel shards: ``TensorParallelStep``'s three stages, a pipeline across jobs that sends a
 job's units on once its weights are applied).
 Experts that FSDP2 keeps in place follow: those TP splits as jobs of the same pipeline (nothing is
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_dmuon.runtime.group_update import GroupedWeight
 from titan_dmuon.runtime.owner_update import OwnedWeight, OwnerUpdate
 from titan_dmuon.runtime.tensor_parallel_step import TensorParallelStep, TPItem
 
@@ -70,6 +72,9 @@ class StepSchedule:
                 owned = [w for w in items if isinstance(w, OwnedWeight)]
                 if owned:
                     self.rule.update(group, owned)
+                grouped = [w for w in items if isinstance(w, GroupedWeight)]
+                if grouped:  # (its members run it together: the same list on each)
+                    self.rule.update_grouped(group, grouped, handle.owner_groups)
                 sharded = [w for w in items if isinstance(w, TPItem)]
                 if sharded:  # (the same list on every rank of the TP group)
                     tp_work.append((group, sharded))
@@ -166,7 +171,10 @@ def _merged(chunks: list[list], by_key: dict[int, Job], *, key, sent_on: bool) -
 
 
 def _dedicated_item(p: torch.Tensor, member):
-    """A dedicated weight as a job holds it: whole on its owner, or a tensor-parallel ``TPItem``."""
+    """A dedicated weight as a job holds it: whole on its owner, a block on a member of its owner group,
+    or a tensor-parallel ``TPItem``."""
+    if member.group is not None:
+        return GroupedWeight(param=p, grad=p.grad, member=member)
     if not member.entry.tensor_parallel:
         return OwnedWeight(param=p, tensor=p, grad=p.grad, blocks=member.entry.blocks)
     return TPItem(param=p, weight=p, grad=p.grad, matrices=member.entry.tp_matrices(),

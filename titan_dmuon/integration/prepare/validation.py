@@ -47,6 +47,7 @@ from titan_dmuon.integration.training.parallelize import (
     fused_qkv_blocks,
     routed_expert_counts,
 )
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
 from titan_dmuon.runtime import canonical_fqn
 
@@ -98,6 +99,16 @@ def toml_value(value) -> str:
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
+def _validate_owner_groups(opt, names: Naming) -> None:
+    """The owner groups' settings, checked as ``GroupOptions`` checks them (one line naming the key)."""
+    for key, field_name in (("owner_group_node_size", "node_size"), ("owner_group_ns_tflops", "ns_tflops")):
+        try:
+            GroupOptions(**{field_name: getattr(opt, key)})
+        except ValueError as e:
+            expected = str(e).split("expected ", 1)[-1]
+            raise ConfigError(f"{names.key('optimizer', key)} = {getattr(opt, key)!r}: expected {expected}") from None
+
+
 def validate_dmuon(
     config, *, world_size: int | None = None, names: Naming = PYTHON_NAMES, this_machine: bool = False
 ) -> list[str]:
@@ -123,6 +134,7 @@ def validate_dmuon(
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"{names.key('optimizer', 'muon_params')}: bad regex {pattern!r} ({e})") from None
+        _validate_owner_groups(opt, names)
         if opt.name == DMUON:
             try:
                 check_supported(parallelism=config.parallelism, compile_config=config.compile, training=config.training)

@@ -37,12 +37,14 @@ from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime import DedicatedParams
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.runtime.streams import DeviceTimer
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
 # (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
 DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients", "eps"))
-DEDICATION_KEYS = ("muon_params", "reshard_after_forward")
+DEDICATION_KEYS = ("muon_params", "reshard_after_forward", "owner_groups", "owner_group_node_size",
+                   "owner_group_ns_tflops")
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
@@ -118,6 +120,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
         reshard_after_forward: bool | None = None
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
+        owner_groups: bool = True
+        """Let the plan split a dominant weight's Newton–Schulz and storage over a few ranks of its shard group
+        where its cost model says it pays (docs/owner-groups.md); false: one owner per weight."""
+        owner_group_node_size: int = GroupOptions().node_size
+        """Ranks per node: owner groups stay inside a node's links, or span whole nodes."""
+        owner_group_ns_tflops: float = GroupOptions().ns_tflops
+        """Newton–Schulz throughput per rank (TFLOP/s) in the owner groups' cost model (default: an H200's)."""
 
         @classmethod
         def builds_baseline(cls, name: str) -> bool:

@@ -36,15 +36,36 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.cost_model import dedication_shard_size
 from titan_dmuon.integration import cpu
+from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.integration.training.attention_clip import record_sequence_shards
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
+
+
+# QK-clip rescales q/k rows per head on their owner: with it on, attention projections keep one owner
+ATTENTION_PARAMS = r"\.attention\."
 
 
 @dataclass(frozen=True, kw_only=True)
 class DedicationSettings:
     muon_params: tuple[str, ...] = DEFAULT_MUON_PARAMS
     reshard_after_forward: bool | None = None  # None: mirror FSDP's setting
+    owner_groups: GroupOptions | None = None  # None: one owner per weight
+    keep_whole: tuple[str, ...] = ()  # regexes of Muon targets that keep one owner (a rule reads them whole)
+
+    @staticmethod
+    def of(optimizer_config) -> DedicationSettings:
+        """What the dedication reads of DMuon's optimizer config: owner groups unless turned off or
+        ``ns_mode`` is "exact" (torch.optim.Muon's own update, on one owner), attention weights kept
+        whole under QK-clip."""
+        groups = None
+        if optimizer_config.owner_groups and optimizer_config.ns_mode != "exact":
+            groups = GroupOptions(node_size=optimizer_config.owner_group_node_size,
+                                  ns_tflops=optimizer_config.owner_group_ns_tflops)
+        return DedicationSettings(
+            muon_params=tuple(optimizer_config.muon_params), reshard_after_forward=optimizer_config.reshard_after_forward,
+            owner_groups=groups, keep_whole=(ATTENTION_PARAMS,) if optimizer_config.qk_clip_threshold is not None else (),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,10 +91,7 @@ class DMuonParallelize:
     def bind(self, optimizer_config) -> DMuonParallelize:
         dedication = None
         if optimizer_config.name == DMUON:
-            dedication = DedicationSettings(
-                muon_params=tuple(optimizer_config.muon_params),
-                reshard_after_forward=optimizer_config.reshard_after_forward,
-            )
+            dedication = DedicationSettings.of(optimizer_config)
         return dataclasses.replace(self, dedication=dedication, bound=True, parts=[])
 
     def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
@@ -215,11 +233,11 @@ class _Dedication:
         targets = muon_parameters(model, self.settings.muon_params)
         if not targets:
             return None
+        names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         tp_mesh, tp_dims = None, None
         if degrees.tp > 1:
             tp_mesh = dims.get_mesh("tp")
-            names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
-            tp_dims = {p: tensor_parallel_dim(names[id(p)], p) for p in targets}
+            tp_dims = {p: tensor_parallel_dim(names_of[id(p)], p) for p in targets}
         return dedicate_params(
             model,
             targets,
@@ -238,6 +256,8 @@ class _Dedication:
             initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
             tp_mesh=tp_mesh,
             tp_shard_dims=tp_dims,
+            owner_groups=self.settings.owner_groups,
+            keep_whole=[p for p in targets if any(re.search(k, names_of[id(p)]) for k in self.settings.keep_whole)],
         )
 
 

@@ -1,0 +1,289 @@
+"""Owner groups on real process groups (gloo): Newton–Schulz of one matrix split over the ranks.
+
+The bound is ``tests/test_group_math.py``'s (the group's distance from the exact-arithmetic iteration
+within GROUP_RATIO of the one-owner's, plus each evaluation's kernel rounding); here the all-reduce is
+gloo's, whose order of summation is its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.ns_deviation import scale_ulps
+from tests.test_group_math import BATCHED_ULPS, GROUP_RATIO, exact_iteration
+from titan_dmuon.group_math import block_bounds, group_newton_schulz
+from titan_dmuon.muon_math import NS_METHODS, newton_schulz
+
+SHAPES = [(64, 64), (96, 32), (24, 500)]
+
+
+def _member_blocks(rank: int, world: int, ns_method: str) -> list[torch.Tensor]:
+    """This rank's block of each test matrix's group Newton–Schulz, the sums by ``dist.all_reduce``."""
+    out = []
+    for shape in SHAPES:
+        torch.manual_seed(7)
+        matrices = torch.randn(2, *shape)
+        tall = shape[0] > shape[1]
+        lo, hi = block_bounds(max(shape), world)[rank : rank + 2]
+        block = matrices[:, lo:hi] if tall else matrices[:, :, lo:hi]
+        out.append(group_newton_schulz(block, shape=shape, group_size=world, ns_method=ns_method,
+                                       all_reduce=lambda t: dist.all_reduce(t)))
+    return out
+
+
+@pytest.mark.parametrize("ns_method", NS_METHODS)
+def test_group_newton_schulz_on_gloo(pool2, ns_method):
+    per_rank = pool2.run(_member_blocks, ns_method)
+    for i, shape in enumerate(SHAPES):
+        torch.manual_seed(7)
+        matrices = torch.randn(2, *shape)
+        group = torch.cat([blocks[i] for blocks in per_rank], dim=1 if shape[0] > shape[1] else 2).double()
+        one_owner = newton_schulz(matrices, ns_method=ns_method).double()
+        exact = exact_iteration(matrices, ns_method)
+        for j in range(2):
+            allowed = GROUP_RATIO * scale_ulps(one_owner[j] - exact[j], exact[j]) + 2 * BATCHED_ULPS
+            assert scale_ulps(group[j] - exact[j], exact[j]) <= allowed, (shape, j)
+
+
+# ---- the runtime: a model with one dominant matrix, its NS and storage over an owner group -----------------
+from fractions import Fraction  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+from tests.helpers import (  # noqa: E402
+    ADAMW,
+    TOLERANCE,
+    batches,
+    distribute,
+    full_state,
+    max_diff,
+    reference_train,
+    train,
+)
+from titan_dmuon.group_plan import GroupOptions  # noqa: E402
+
+# Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
+# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
+# nodes of 2 ranks, so that a group of 4 spans two "nodes" and sums on two rings.
+TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2)
+STEPS = 4
+# The group's Newton–Schulz may be GROUP_RATIO times as far from exact arithmetic as the one owner's, on
+# top of the one owner's own distance (tests/test_group_math.py): the update's deviation from the
+# reference grows by at most GROUP_RATIO + 1 times what TOLERANCE allows one owner.
+GROUP_TOLERANCE = (GROUP_RATIO + 1) * TOLERANCE
+# AdamW's first steps are nearly sign(g) / sqrt(1 - beta2^t): a weight whose gradient is near 0 moves by up to
+# 2 lr on a last-bit change of it (the group's update changes the next gradients by more than the last bit).
+# A larger eps keeps AdamW's update Lipschitz in its gradient, for DMuon and the reference alike.
+ADAMW_EPS = {"adamw_eps": 1e-4}
+
+
+class DominantBlock(nn.Module):
+    """One layer: three small matrices, or one matrix whose Newton–Schulz dominates the job's: tall
+    (its group keeps row blocks) or wide (column blocks, which gathers put in place from a staging area)."""
+
+    def __init__(self, dim: int, long: int | None, tall: bool) -> None:
+        super().__init__()
+        self.dim, self.tall = dim, tall
+        if long is None:
+            self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        else:
+            self.big = nn.Linear(dim, long, bias=False) if tall else nn.Linear(long, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if not hasattr(self, "big"):
+            return x + self.wq(h) * torch.sigmoid(self.wk(h)) + self.wv(h)
+        if self.tall:
+            up = self.big(h)
+            return x + torch.tanh(up).view(*up.shape[:-1], -1, self.dim).mean(-2)
+        repeats = self.big.in_features // (2 * self.dim)
+        return x + self.big(torch.cat([h, torch.tanh(h)], -1).repeat_interleave(repeats, -1))
+
+
+class DominantModel(nn.Module):
+    def __init__(self, *, dim: int = 32, long: int = 2048, tall: bool = True, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([DominantBlock(dim, None, tall), DominantBlock(dim, long, tall)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def dominant_targets(model: DominantModel) -> list[nn.Parameter]:
+    return [p for layer in model.layers for name, p in layer.named_parameters() if name.endswith("weight")
+            and p.ndim == 2]
+
+
+def dominant_model(seed: int = 0, tall: bool = True) -> DominantModel:
+    torch.manual_seed(seed)
+    return DominantModel(tall=tall)
+
+
+def _train_groups(rank, world, mode, groups, tall=True):
+    data = batches(STEPS)
+    model = dominant_model(tall=tall)
+    setup = distribute(model, mode, world, targets_fn=dominant_targets, owner_groups=groups, opt_kwargs=ADAMW_EPS)
+    train(setup, data, rank, world)
+    plan = setup.handle.plan
+    big = next(e for e in plan.entries if e.fqn.endswith("big.weight"))
+    return {"state": full_state(setup), "imbalance": plan.imbalance, "held": plan.numel_per_shard_rank,
+            "group": None if big.group is None else big.group.size, "comm": setup.handle.pop_comm_stats()}
+
+
+def _max_over_mean(values):
+    return max(values) / (sum(values) / len(values))
+
+
+@pytest.mark.parametrize("mode, tall", [("z2", True), ("z3", False), ("hsdp", True)])
+def test_a_dominant_matrix_over_an_owner_group_trains_as_torch_muon(pool4, mode, tall):
+    """4 ranks (HSDP: 2 x 2): the dominant matrix's NS and storage split over its group (1-D: NS FLOPs and
+    dedicated elements max/mean <= 1.3; > 3 with one owner on 4 ranks), and the weights after a few steps
+    within GROUP_TOLERANCE of single-process torch.optim.Muon + AdamW and of the one-owner DMuon."""
+    grouped = pool4.run(_train_groups, mode, TINY_GROUPS, tall)[0]
+    alone = pool4.run(_train_groups, mode, None, tall)[0]
+    assert alone["group"] is None and grouped["group"] is not None
+    if mode != "hsdp":  # (HSDP 2 x 2: a group spans the 2 shard ranks of one row; the other row idles in NS)
+        assert alone["imbalance"] > 3 and _max_over_mean(alone["held"]) > 3
+        assert grouped["imbalance"] <= 1.3 and _max_over_mean(grouped["held"]) <= 1.3
+    model = dominant_model(tall=tall)
+    reference, _, _ = reference_train(model, batches(STEPS), targets_fn=dominant_targets,
+                                      adamw={**ADAMW, **ADAMW_EPS}, slices=4 if mode == "hsdp" else 1)
+    assert max_diff(alone["state"], reference) <= TOLERANCE
+    assert max_diff(grouped["state"], reference) <= GROUP_TOLERANCE
+    assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
+
+
+def _ledger_of_groups(rank, world, mode):
+    """DMuon's elements per step on this rank (2 steps recorded after 2 warm-up steps), by label."""
+    from titan_dmuon import CommLedger
+    from titan_dmuon.cost_model import design_elements_per_rank, owner_group_elements_per_rank
+    from titan_dmuon.runtime import CommLabel
+
+    data = batches(4)
+    setup = distribute(dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                       opt_kwargs=ADAMW_EPS)
+    train(setup, data[:2], rank, world)
+    ledger = CommLedger()
+    with ledger:
+        train(setup, data[2:], rank, world)
+    half = Fraction(1, 2)
+    sends = {r.kind for r in ledger.select(source=CommLabel.GROUP_GRAM)}
+    return {"dmuon": ledger.elements(source=CommLabel.DMUON) * half,
+            "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half, "kinds": sends,
+            "design": design_elements_per_rank(setup.handle),
+            "design_gram": owner_group_elements_per_rank(setup.handle.plan)}
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp"])
+def test_owner_groups_move_what_the_design_says(pool4, mode):
+    """Counted by the CommLedger and averaged over the ranks: DMuon's traffic per step is
+    ``design_elements_per_rank`` (forward broadcasts and backward reduces as one owner's, plus the
+    groups' Gram and norm sums: ``owner_group_elements_per_rank``); the groups' sums go as point-to-point
+    sends on the shard group (no process group of their own)."""
+    results = pool4.run(_ledger_of_groups, mode)
+    mean = {key: sum((r[key] for r in results), Fraction(0)) / len(results) for key in ("dmuon", "gram")}
+    assert all(r["design"] == results[0]["design"] for r in results)
+    assert results[0]["design_gram"] > 0 and mean["gram"] == results[0]["design_gram"]
+    assert mean["dmuon"] == results[0]["design"]
+    assert all(r["kinds"] <= {"send"} for r in results)
+
+
+def _clip_and_initialise(rank, world):
+    """The global norm clipped at each step (a group's blocks are each counted once, on their members), and
+    an initialiser run in FSDP2's form of each weight, whose values each member keeps its block of."""
+    data = batches(2)
+    setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                       opt_kwargs=ADAMW_EPS)
+    norms = [norm for _, norm, _ in train(setup, data, rank, world, max_norm=0.1)]
+    layer = setup.model.layers[1]
+    with setup.handle.initialising(layer.big, sharded=True), torch.no_grad():
+        torch.manual_seed(5 + rank)  # (each rank draws its own shard, as with FSDP2)
+        layer.big.weight.normal_()
+        drawn = layer.big.weight.data.full_tensor()
+    return norms, drawn, setup.handle.full_tensors()["layers.1.big.weight"]
+
+
+def test_the_clip_counts_each_block_once_and_initialisers_keep_their_values(pool4):
+    """clip_grad_norm_ over a model with an owner group: the same global norm as single-process
+    torch.nn.utils.clip_grad_norm_ at step 1 (the same weights; gradients summed in another order: 1e-5,
+    as test_correctness), within 1e-3 after (weights within GROUP_TOLERANCE); a block counted twice or not
+    at all is off by far more. An initialiser's values (FSDP2's shards, assembled) are what the members keep."""
+    results = pool4.run(_clip_and_initialise)
+    _, ref_norms = reference_train(dominant_model(), batches(2), targets_fn=dominant_targets, max_norm=0.1,
+                                   adamw={**ADAMW, **ADAMW_EPS})[1:]
+    for norms, drawn, kept in results:
+        assert norms[0] == pytest.approx(ref_norms[0], rel=1e-5) and norms == pytest.approx(ref_norms, rel=1e-3)
+        assert all(n > 0.1 for n in ref_norms)  # clipping was active
+        assert torch.equal(drawn, kept)
+
+
+def test_torchtitan_settings_turn_groups_on_off_and_keep_attention_whole_under_qk_clip():
+    """optimizer.owner_groups (default on), owner_group_node_size / owner_group_ns_tflops, and the rules:
+    ns_mode 'exact' keeps one owner per weight (torch.optim.Muon's own update), QK-clip keeps the
+    attention projections whole (its per-head rescale reads their rows on one owner)."""
+    from titan_dmuon.integration import cpu
+
+    cpu.enable()
+    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.training.parallelize import ATTENTION_PARAMS, DedicationSettings
+
+    def settings(**options):
+        return DedicationSettings.of(DMuonOptimizersContainer.Config(name="dmuon", **options))
+
+    assert settings().owner_groups == GroupOptions() and settings().keep_whole == ()
+    assert settings(owner_groups=False).owner_groups is None
+    assert settings(ns_mode="exact").owner_groups is None
+    assert settings(owner_group_node_size=4, owner_group_ns_tflops=300.0).owner_groups == GroupOptions(
+        node_size=4, ns_tflops=300.0)
+    assert settings(qk_clip_threshold=100.0).keep_whole == (ATTENTION_PARAMS,)
+
+
+def _exact_mode_with_groups(rank, world):
+    try:
+        distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                   opt_kwargs={"ns_mode": "exact"})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_exact_mode_refuses_owner_groups_on_every_rank(pool4):
+    """ns_mode 'exact' is torch.optim.Muon's own update, a property of one owner: DMuon refuses a grouped
+    weight when it is built, on every rank (also those outside the group), naming how to fix it."""
+    for message in pool4.run(_exact_mode_with_groups):
+        assert message is not None and "owner_groups=None" in message and "layers.1.big.weight" in message
+
+
+def _ring_sums(rank, world, members, rings):
+    from titan_dmuon.runtime.comm import CommStats
+    from titan_dmuon.runtime.group_update import ring_all_reduce
+
+    torch.manual_seed(rank)
+    tensor = torch.randn(37)
+    mine = tensor.clone()
+    if rank in members:
+        ring_all_reduce(tensor, members, members.index(rank), dist.group.WORLD, CommStats(), rings)
+    return mine, tensor
+
+
+@pytest.mark.parametrize("members, rings", [([0, 1, 2, 3], 1), ([0, 1, 2, 3], 2), ([2, 3], 1)])
+def test_ring_sums_are_the_sum_with_the_same_bits_everywhere(pool4, members, rings):
+    """The group's sum over point-to-point rings (one, or one per rank of a 2-rank node, each crossing
+    between the nodes at another rank): the sum of the members' tensors to fp32 rounding, bit-identical on
+    every member; the other ranks untouched (and not waited for)."""
+    results = pool4.run(_ring_sums, members, rings)
+    expected = sum(results[m][0].double() for m in members)
+    for rank, (before, after) in enumerate(results):
+        if rank in members:
+            assert torch.equal(after, results[members[0]][1])
+            assert (after.double() - expected).abs().max() <= len(members) * 2.0**-24 * expected.abs().max() * 4
+        else:
+            assert torch.equal(after, before)
