@@ -406,20 +406,21 @@ def paper_schedule(steps: int) -> list[tuple[float, float, float]]:
     return scaled[:steps] + [scaled[-1]] * max(0, steps - len(scaled))
 
 
-def reference_newton_schulz(method: str):
+def reference_newton_schulz(method: str, dtype: torch.dtype = torch.bfloat16):
     """``torch.optim._muon._zeropower_via_newtonschulz``'s signature, one 2-D matrix, for ``method``: the
-    iteration written as torch.optim.Muon writes its own (bf16, fused ``addmm``s), with the Polar Express
+    iteration written as torch.optim.Muon writes its own (bf16, fused ``addmm``s; or in float16, the input
+    normalised in float32 before it is rounded to float16), with the Polar Express
     schedule ("polar_express"), or as Gram Newton–Schulz ("gram": Q and R = X Xᵀ carried between restarts
     before every odd step, as Dao-AILab/gram-newton-schulz writes it) where the wide matrix's long side is
     more than 1.5 times its short side (the FLOP rule for 5 steps and matrices under 1024 rows)."""
 
     def orthogonalise(grad, ns_coefficients, ns_steps, eps):
-        x = grad.bfloat16()
+        x = grad.bfloat16() if dtype == torch.bfloat16 else grad.float()
         transposed = grad.size(0) > grad.size(1)
         if transposed:
             x = x.T
         scale = 1.0 if method == "torch" else PAPER_SAFETY
-        x = x / (x.norm() * scale).clamp(min=eps)
+        x = (x / (x.norm() * scale).clamp(min=eps)).to(dtype)
         schedule = [tuple(ns_coefficients)] * ns_steps if method == "torch" else paper_schedule(ns_steps)
         short, long = x.shape
         if method == "gram" and 2 * long > 3 * short:

@@ -50,6 +50,7 @@ DEFAULT_MUON_PARAMS = (
 class DedicationSettings:
     muon_params: tuple[str, ...] = DEFAULT_MUON_PARAMS
     reshard_after_forward: bool | None = None  # None: mirror FSDP's setting
+    ns_blocks: str = "matrix"  # "heads": attention projections orthogonalised per head (attention_heads.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,7 @@ class DMuonParallelize:
             dedication = DedicationSettings(
                 muon_params=tuple(optimizer_config.muon_params),
                 reshard_after_forward=optimizer_config.reshard_after_forward,
+                ns_blocks=optimizer_config.ns_blocks,
             )
         return dataclasses.replace(self, dedication=dedication, bound=True, parts=[])
 
