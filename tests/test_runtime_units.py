@@ -355,12 +355,12 @@ def test_the_cost_model_is_the_designs_formula(n, r, z3, kept):
 
 
 def test_the_step_goes_in_chunks_of_one_one_two_four_and_so_on():
-    """The pipelined step's chunks (``DMuon._muon_step``): the first layer alone (the next forward
+    """The pipelined step's chunks (``runtime/step_schedule.py``): the first layer alone (the next forward
     starts with it), then 1, 2, 4, ... layers; every layer once, in forward order. The issue-order
     test sees only the first three chunks of its 4-layer model."""
-    from titan_dmuon.optimizer import _pipeline_chunks
+    from titan_dmuon.runtime.step_schedule import pipeline_chunks
 
     layers = list(range(10))
-    assert [len(chunk) for chunk in _pipeline_chunks(layers)] == [1, 1, 2, 4, 2]
-    assert [unit for chunk in _pipeline_chunks(layers) for unit in chunk] == layers
-    assert _pipeline_chunks([]) == [] and _pipeline_chunks([7]) == [[7]]
+    assert [len(chunk) for chunk in pipeline_chunks(layers)] == [1, 1, 2, 4, 2]
+    assert [unit for chunk in pipeline_chunks(layers) for unit in chunk] == layers
+    assert pipeline_chunks([]) == [] and pipeline_chunks([7]) == [[7]]

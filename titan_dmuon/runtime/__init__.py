@@ -8,8 +8,14 @@ Laid out as FSDP2 lays out its own runtime, one concern per file:
 * ``context.py``: what a handle's units share (``RuntimeContext``: order, streams, counters; ``Phase``);
 * ``hooks.py``: ``StepHooks``, the hooks that drive a step (lazy init, root and unit hooks, the
   end-of-backward callback), as FSDP2's ``FSDPState``;
-* ``handle.py``: ``DedicatedParams``, what users call (queries, figures, ``full_tensors``, gradient
-  sync, the optimizer-step protocol, ``remove()``), as FSDP2's ``FSDPModule``;
+* ``handle.py``: ``DedicatedParams``, what users call (queries, the optimizer-step protocol,
+  ``remove()``), as FSDP2's ``FSDPModule``; with its methods of ``handle_figures.py`` (figures),
+  ``handle_weights.py`` (``full_tensors``, TP conversions, initialisation) and
+  ``handle_gradient_sync.py`` (gradient sync, the all-reduce hook) mixed in;
+* ``step_schedule.py``: ``StepSchedule``, the order of the optimizer's Muon step (chunks of units,
+  each sent on once updated; the TP exchange pipelined); ``owner_update.py``: ``OwnerUpdate``, what
+  runs on an owner for a list of weights (momentum, Newton–Schulz, update), and the same rule split
+  over TP shards; ``tensor_parallel_step.py``: ``TensorParallelStep``, that split rule's three stages;
 * ``reducer.py``: backward gradient reduces to owners, off the compute stream (HSDP: two stages);
 * ``replica_sync.py``: HSDP's post-update broadcasts from global owners to replicas;
 * ``tensor_parallel.py``: the step's TP exchange, and a TP shard to and from its full matrix;

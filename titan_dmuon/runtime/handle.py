@@ -1,30 +1,31 @@
 """``DedicatedParams``: what users call on a dedication, as FSDP2's ``FSDPModule``.
 
 The handle ``dedicate_params`` returns: what this rank holds (queries), the
-figures the training log reads, every weight in full (``full_tensors``),
-gradient sync for pipelining, the all-reduce hook for fault tolerance, the
 optimizer-step protocol ``DMuon.step`` follows (``step_units``,
-``before_update``, ``updated``), and ``remove()``. The hooks that drive a step
-are ``hooks.py``'s ``StepHooks`` (FSDP2's ``FSDPState``), a layer's buffer and
-lifecycle ``unit.py``'s ``Unit`` (its ``FSDPParamGroup``); tensor-parallel
-conversions live in ``tensor_parallel.py``, the same-seed initialisation in
-``initialise.py``; the handle's methods of those names pass its mode on.
+``before_update``, ``updated``), the collectives in flight, and ``remove()``
+here; three groups of its methods in their own modules, mixed in:
+``handle_figures.py`` (the figures the training log reads),
+``handle_weights.py`` (every weight in full, TP shards as full matrices, the
+same-seed initialisation) and ``handle_gradient_sync.py`` (gradient sync for
+pipelining, the all-reduce hook for fault tolerance). The hooks that drive a
+step are ``hooks.py``'s ``StepHooks`` (FSDP2's ``FSDPState``), a layer's buffer
+and lifecycle ``unit.py``'s ``Unit`` (its ``FSDPParamGroup``).
 """
 
 from __future__ import annotations
 
 import weakref
-from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.plan import OwnershipPlan
-from titan_dmuon.runtime import initialise, tensor_parallel
-from titan_dmuon.runtime.comm import CommLabel, comm_source
+from titan_dmuon.runtime.comm import CommLabel
 from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.handle_figures import HandleFigures
+from titan_dmuon.runtime.handle_gradient_sync import GradientSync
+from titan_dmuon.runtime.handle_weights import HandleWeights
 from titan_dmuon.runtime.hooks import StepHooks
 from titan_dmuon.runtime.members import LocalExperts, Member
 from titan_dmuon.runtime.mode import DedicationMode
@@ -57,7 +58,7 @@ def _attach(module: nn.Module, handle: DedicatedParams) -> None:
     module.__dict__.setdefault("_dmuon_handles", []).append(handle)
 
 
-class DedicatedParams:
+class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
     """Handle returned by :func:`titan_dmuon.dedicate_params`.
 
     ``ignored_params`` goes to every ``fully_shard(..., ignored_params=...)``
@@ -183,95 +184,7 @@ class DedicatedParams:
         for m in self._members:
             m.param._dmuon_handle = weakref.ref(self)  # DMuon and the clip refuse it without this handle
 
-    # ---- figures ----------------------------------------------------------------------------
-    def pop_comm_stats(self) -> dict[str, tuple[Fraction, Fraction, int]]:
-        """{label: (elements, bytes, launches)} issued by DMuon on this rank since the last call."""
-        return self._ctx.stats.pop()
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Packed-buffer memory allocated now on this rank."""
-        return self._ctx.buffer_bytes
-
-    @property
-    def peak_buffer_bytes(self) -> int:
-        """Its high-water mark since ``reset_peak_buffer_bytes()``."""
-        return self._ctx.peak_buffer_bytes
-
-    def reset_peak_buffer_bytes(self) -> None:
-        self._ctx.peak_buffer_bytes = self._ctx.buffer_bytes
-
-    def pop_host_seconds(self) -> float:
-        """Host time spent in DMuon's hooks (forward and backward) since the last call."""
-        seconds, self._ctx.host_seconds = self._ctx.host_seconds, 0.0
-        return seconds
-
-    @property
-    def first_layer_wait_seconds(self) -> float:
-        """How long the last forward's first layer waited for its weights, broadcast since the step
-        updated them (a device-event span on an accelerator: the compute stream's stall; the host's
-        wait on the CPU). Reading it syncs with the device once."""
-        return self._ctx.first_wait.seconds()
-
-    @property
-    def kept_unit_numel(self) -> int:
-        """Z3: elements of the unit kept from forward to backward (the last one forward runs).
-
-        Known after the first step; 0 before, and in Z2 (where every unit is kept)."""
-        ctx = self._ctx
-        if not self.mode.reshard_after_forward or ctx.recording or not ctx.forward_order:
-            return 0
-        return ctx.forward_order[-1].numel
-
-    # ---- weights everywhere, checkpoints, initialisation ------------------------------------------------
-    @torch.no_grad()
-    def full_tensors(self) -> dict[str, torch.Tensor]:
-        """Every dedicated weight in full on every rank (a collective; for export and tests)."""
-        self.wait_for_replicate_broadcasts()
-        mesh = self.mode.mesh
-        out = {}
-        for m in self._members:
-            like = m.param
-            full = like.detach().clone() if m.holds_full else torch.empty(m.shape, dtype=like.dtype, device=like.device)
-            if mesh.shard_size > 1:
-                with comm_source(CommLabel.EXPORT):
-                    dist.broadcast(full, group_src=self.plan.shard_owner(m.entry), group=mesh.shard_group)
-            out[m.fqn] = self.tp_full(m, full)
-        return out
-
-    def tp_full(self, member: Member, shard: torch.Tensor) -> torch.Tensor:
-        """``tensor_parallel.tp_full`` on this handle's TP group (a collective)."""
-        return tensor_parallel.tp_full(self.mode.tp, member, shard)
-
-    def tp_local(self, member: Member, full: torch.Tensor) -> torch.Tensor:
-        """``tensor_parallel.tp_local``: this rank's TP-local shard of a full value of ``member``."""
-        return tensor_parallel.tp_local(self.mode.tp, member, full)
-
-    def as_sharded(self, member: Member, local: torch.Tensor) -> torch.Tensor:
-        """``tensor_parallel.as_sharded``: a TP shard as a DTensor of the full matrix, for DCP."""
-        return tensor_parallel.as_sharded(self.mode.tp, member, local)
-
-    def initialising(self, module: nn.Module, *, sharded: bool, shard_dim=None, layout=None):
-        """While ``module`` initialises its dedicated weights, give each the form it would have in
-        the same model without DMuon, so that the initialiser draws the same random numbers
-        (``initialise.initialising``):
-
-        * ``sharded`` (FSDP2 or HSDP): a DTensor laid out as FSDP2 shards it, ``Shard(d)`` on
-          the dedication mesh (``Replicate()`` across HSDP replicas), ``d = shard_dim(member)``
-          (default 0, FSDP2's default); each rank draws its own shard exactly as FSDP2's would;
-        * not sharded (DDP): the full weight on every rank.
-
-        On exit the owners keep the assembled full weight (one all-gather per sharded weight:
-        a collective, at the same point on every rank) and the other ranks their 0-element
-        placeholders. Transient memory: one full weight per rank at a time.
-
-        ``layout(member) -> (mesh, placements)`` overrides the DTensor layout of the full matrix
-        (tensor parallelism: FSDP2's layout over the data-parallel and tp dims); each holder then
-        keeps its TP-local shard.
-        """
-        return initialise.initialising(self.members_of(module), self.mode, sharded=sharded, shard_dim=shard_dim,
-                                       layout=layout, on_written=self.weights_changed)
-
+    # ---- in-flight collectives, weights written outside the step -----------------------------------------
     def wait_for_replicate_broadcasts(self, *, host: bool = False) -> None:
         """Finish the post-step broadcasts to replicate peers (HSDP): the current stream waits,
         or with ``host=True`` the host (before a checkpoint reads the weights)."""
@@ -303,45 +216,6 @@ class DedicatedParams:
         self.discard_gathered_weights()
         for unit in self._units:
             unit.weights_event = self._ctx.streams.record()
-
-    # ---- gradient accumulation without sync (pipelining) ------------------------------------------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """False: backward passes keep each layer's gradients on every rank, accumulating, and keep
-        its gathered weights (each weight is broadcast once, not once per micro-batch); they are
-        reduced by the next backward with sync on, or by ``reduce_gradients()``. As FSDP2's
-        method of the same name. Memory: every dedicated weight and its accumulated gradient
-        in full on every rank until the reduce (Z2's weights plus a gradient of the same size)."""
-        self._ctx.gradient_sync = bool(requires_gradient_sync)
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Reduce the gradients that accumulated with sync off (a collective at the same point on
-        every rank; what pipelining schedules call after the last micro-batch's backward)."""
-        held = [u for u in reversed(self._ctx.units_in_order()) if u.holds_unreduced_grads]
-        for unit in held:
-            unit.reduce_held_gradients()
-        if held:
-            self._ctx.reducer.finish()
-
-    def set_all_reduce_hook(self, hook) -> None:
-        """As FSDP2's method of the same name (``FSDPModule.set_all_reduce_hook``), for fault-tolerant
-        replica groups (TorchFT): ``hook(reduced)`` runs on each owner's reduced gradient buffer (one
-        per layer and owner, in the reduce dtype, changed in place) before it becomes ``.grad``, on
-        every owner at the same program point. Every replica group dedicates on its own mesh with
-        the same plan, so the owners at one coordinate of every group pass the same buffers in the
-        same order: a hook that all-reduces them across the groups (TorchFT's ``Manager.allreduce``)
-        averages each owner's gradient with its peers'. None removes it."""
-        if hook is not None and self.mode.mesh.hsdp:
-            raise NotImplementedError(
-                "set_all_reduce_hook on an HSDP handle: HSDP reduces each gradient to one global owner across "
-                "the replicate dim, so no other rank holds it to average with; dedicate on each replica group's "
-                "own 1-D mesh (every group then has an owner of every weight)"
-            )
-        self._ctx.reducer.all_reduce_hook = hook
-
-    @property
-    def holds_unreduced_gradients(self) -> bool:
-        return any(u.holds_unreduced_grads for u in self._units)
 
     # ---- the optimizer step (DMuon) -----------------------------------------------------------------
     def step_units(self) -> list[Unit]:

@@ -52,4 +52,4 @@ class NaiveFSDPMuon(DMuon):
             lr = scalar(group["lr"])
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(mine, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
-            self._ns_matrices += stack.shape[0]
+            self._ns.matrices += stack.shape[0]

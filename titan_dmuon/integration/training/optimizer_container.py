@@ -35,9 +35,10 @@ from torchtitan.tools.logging import logger
 from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
 from titan_dmuon.integration.training.attention_heads import NS_BLOCKS
 from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
-from titan_dmuon.optimizer import DeviceTimer, DMuon
+from titan_dmuon.optimizer import DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
 from titan_dmuon.runtime import DedicatedParams
+from titan_dmuon.runtime.streams import DeviceTimer
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
 # (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
