@@ -19,7 +19,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from benchmarks.ns_deviation import scale_ulps
-from tests.helpers import reference_newton_schulz
+from tests.helpers import reference_newton_schulz, reference_normuon
 from titan_dmuon import muon_math
 from titan_dmuon.muon_math import (
     NS_COEFFICIENTS,
@@ -46,16 +46,6 @@ HYPER = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
 
 
 # ---- references, written from the stated rules ----------------------------------------------------------
-def reference_normuon(orthogonal: torch.Tensor, moment: torch.Tensor, beta2: float):
-    """arXiv 2510.05491's per-row second moment as the issue states it, in float64: v <- beta2 v + (1 - beta2)
-    mean over columns of O^2; O / (sqrt(v) + 1e-8) row by row; rescaled to O's Frobenius norm."""
-    o = orthogonal.double()
-    v = beta2 * moment.double() + (1 - beta2) * (o * o).sum(dim=1) / o.shape[1]
-    scaled = o / (torch.sqrt(v) + 1e-8).reshape(-1, 1)
-    norm = torch.sqrt((scaled * scaled).sum())
-    return (scaled * (torch.sqrt((o * o).sum()) / norm) if norm > 0 else scaled), v
-
-
 def reference_step(leaves, grads, buffers, moments, *, orthogonalise_fn, beta2, lr, weight_decay, momentum,
                    nesterov, ns_steps):
     """One step on separate 2-D leaves: torch.optim.Muon's momentum and Nesterov input, ``orthogonalise_fn``,

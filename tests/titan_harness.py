@@ -155,7 +155,8 @@ def build(
         compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
     )
     if optimizer == "dmuon":
-        settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs})
+        settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward", "ns_blocks")
+                                         if k in optimizer_kwargs})
         model = parallelize_with_dmuon(model, base_fn=spec.parallelize_fn, settings=settings, **kwargs)
     else:
         model = parallelize_without_dmuon(model, base_fn=spec.parallelize_fn, **kwargs)

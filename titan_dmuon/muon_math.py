@@ -377,7 +377,7 @@ def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
     caller keeps v'. Over whole rows of the matrix Newton–Schulz orthogonalised, never a shard's part of
     one (which is what makes it exact: dion computes it per local shard)."""
     o = orthogonal.float()
-    moment = second_moment.float() * beta2 + o.square().mean(-1) * (1 - beta2)
+    moment = beta2 * second_moment.float() + (1 - beta2) * (o * o).mean(-1)
     scaled = o / (moment.sqrt() + eps).unsqueeze(-1)
     ratio = (torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
              / torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny))
@@ -504,7 +504,7 @@ def _check_second_moments(params, cols_of, second_moments) -> None:
                              f"{tuple(p.shape)} with {len(cols)} column block(s): expected {expected}")
 
 
-def _apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
+def apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
                    beta2: float) -> torch.Tensor:
     """NorMuon on one Newton–Schulz matrix's output: its rows' second moments (matrix ``e``, column
     block ``c`` of ``second_moment``) read, advanced and written back; returns Ô."""
@@ -587,7 +587,7 @@ def _exact_normuon(weight, gradient, momentum_buffer, second_moment, e, block, c
     momentum_buffer.lerp_(gradient, 1 - momentum)
     update = gradient.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
     orthogonal = _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
-    orthogonal = _apply_normuon(orthogonal, second_moment, e, block, c, beta2)
+    orthogonal = apply_normuon(orthogonal, second_moment, e, block, c, beta2)
     weight.mul_(1 - lr * weight_decay)
     weight.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr_fn, weight.shape))
 
@@ -636,7 +636,7 @@ def _orthogonalise_batch(
         rows, cols = block_rows(block), block_rows(col_block)
         update = orthogonal[k].mT if rows > cols else orthogonal[k]
         if normuon_beta2 is not None:
-            update = _apply_normuon(update, second_moments[i], e, block, c, normuon_beta2)
+            update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2)
         step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
         for matrix_rows, matrix_cols, tile_rows, tile_cols in _tile_ranges(block, col_block):
             param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)
@@ -735,6 +735,16 @@ def orthogonalise(
             for k, i in enumerate(chosen):
                 out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
     return out
+
+
+def local_tiles(rows: Block, cols: Block, *, tp_dim: int | None, tp_rank: int,
+                local_shape: Sequence[int]) -> list[tuple[slice, slice]]:
+    """The rectangles of a (row block, column block) pair of the full matrix that one tensor-parallel
+    shard of ``local_shape`` holds, in the shard's coordinates: a column-wise shard (``tp_dim`` 0) holds
+    a range of rows, a row-wise one (1) a range of columns, a replicated matrix (None) everything."""
+    local_rows = local_block_rows(rows, tp_dim=0 if tp_dim == 0 else None, tp_rank=tp_rank, local_rows=local_shape[0])
+    local_cols = local_block_rows(cols, tp_dim=0 if tp_dim == 1 else None, tp_rank=tp_rank, local_rows=local_shape[1])
+    return [(slice(r0, r1), slice(c0, c1)) for r0, r1, _ in local_rows for c0, c1, _ in local_cols]
 
 
 def local_block_rows(block: Block, *, tp_dim: int | None, tp_rank: int, local_rows: int) -> list[tuple[int, int, int]]:

@@ -31,8 +31,9 @@ from titan_dmuon.muon_math import scalar
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.handle import handles_for
-from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
+from titan_dmuon.runtime.owner_update import SECOND_MOMENT, NSFigures, OwnerUpdate
 from titan_dmuon.runtime.step_schedule import StepSchedule
+from titan_dmuon.runtime.tensor_parallel_step import merged_second_moments
 
 
 class StepStat:
@@ -95,7 +96,8 @@ class DMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
-        self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)
+        # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
+        self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
         self._trim_host_heap = None  # glibc's malloc_trim when the Muon step runs on the CPU (first step)
         self.qk_clip = None
         if defaults.qk_clip_threshold is not None:
@@ -143,6 +145,12 @@ class DMuon(torch.optim.Optimizer):
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
                 packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+        if self.normuon_beta2 is not None or any(SECOND_MOMENT in s for s in self.state.values()):
+            params = [p for group in self.param_groups for p in group["params"]]
+            merged = merged_second_moments(self.state, params, self._handles)
+            for index, p in enumerate(params):
+                if id(p) in merged:
+                    packed["state"][index] = {**packed["state"][index], SECOND_MOMENT: merged[id(p)]}
         return packed
 
     def load_state_dict(self, state_dict) -> None:

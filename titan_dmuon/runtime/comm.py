@@ -46,6 +46,7 @@ class CommLabel(str, enum.Enum):
     TP_FROM_HOME = "dmuon.tp_from_home"  # and the orthogonalised shards back
     TP_GRAD_REDUCE = "dmuon.tp_grad_reduce"  # a TP-replicated weight's partial gradients to its home
     EXPORT = "dmuon.export"  # full_tensors(): every weight in full on every rank
+    CHECKPOINT = "dmuon.checkpoint"  # state_dict(): NorMuon's second moments of TP weights, merged on the TP group
     DMUON = "dmuon"  # not issued: selects every label above (``CommLedger.select(source=CommLabel.DMUON)``)
     OTHER = "other"  # not DMuon's: FSDP2, DDP, DTensor, the user's own collectives
 

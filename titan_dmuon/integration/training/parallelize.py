@@ -228,15 +228,26 @@ class _Dedication:
                 reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
                 cast_forward_inputs=False,
             ),
-            split_rows={
-                p: blocks for p, blocks in fused_qkv_blocks(model, degrees.tp).items() if any(p is t for t in targets)
-            },
+            **self._splits(targets),
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
             expert_sharding=expert_sharding(model, degrees),
             initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
             tp_mesh=tp_mesh,
             tp_shard_dims=tp_dims,
         )
+
+    def _splits(self, targets: list) -> dict:
+        """``dedicate_params``' ``split_rows`` and ``split_cols`` for the Muon targets: a fused wqkv's q, k
+        and v, or (``ns_blocks = "heads"``) each head's blocks of the attention projections."""
+        target_ids = {id(t) for t in targets}
+        rows, cols = fused_qkv_blocks(self.model, self.degrees.tp), {}
+        if self.settings.ns_blocks == "heads":
+            from titan_dmuon.integration.training.attention_heads import head_blocks
+
+            heads = head_blocks(self.model, self.degrees.tp)
+            rows, cols = {**rows, **heads.split_rows}, heads.split_cols
+        return {"split_rows": {p: b for p, b in rows.items() if id(p) in target_ids},
+                "split_cols": {p: b for p, b in cols.items() if id(p) in target_ids}}
 
 
 def tensor_parallel_dim(fqn: str, param) -> int | None:
