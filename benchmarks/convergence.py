@@ -57,7 +57,7 @@ def runs(chosen: str = "all") -> dict[str, tuple[str, int]]:
 
 
 def train(name: str, optimizer: str, seed: int, args, workdir: str) -> tuple[list[float], float | None]:
-    """The run's loss per step, and its median optimizer-step time in ms (None for AdamW, which logs none)."""
+    """The run's loss per step, and its median optimizer-step time in ms from the job's log (None if it logs none)."""
     tag = re.sub(r"\W+", "_", name)
     path = os.path.join(workdir, tag + ".toml")
     with open(path, "w") as f:
