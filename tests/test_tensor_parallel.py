@@ -195,6 +195,17 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
 
 
 # ---- the owner's update under TP, compared directly -------------------------------------------------------
+def _with_exchange_cap(rank, world, cap, fn, *args):
+    """``fn(rank, world, *args)`` with the TP step's MAX_EXCHANGE_BYTES at ``cap`` in this worker."""
+    from titan_dmuon.runtime import tensor_parallel_step
+
+    default, tensor_parallel_step.MAX_EXCHANGE_BYTES = tensor_parallel_step.MAX_EXCHANGE_BYTES, cap
+    try:
+        return fn(rank, world, *args)
+    finally:
+        tensor_parallel_step.MAX_EXCHANGE_BYTES = default
+
+
 def _tp_update_vs_torch_muon(rank, world, fuse_qkv, ns_method="torch"):
     """One step of TP 2: each matrix's full weight and full gradient before the step (gathered from
     the TP shards) go through torch.optim.Muon on one process (with ``ns_method``'s Newton–Schulz as
@@ -241,6 +252,15 @@ def test_tp_update_is_torch_muons_update_of_the_full_matrix(pool2, fuse_qkv):
     here it changes the bits at once.)"""
     for diff, sharded in pool2.run(_tp_update_vs_torch_muon, fuse_qkv):
         assert sharded == len(diff) == (MATRICES_PER_LAYER - (2 if fuse_qkv else 0)) * LAYERS
+        assert all(d == 0.0 for d in diff.values()), diff
+
+
+def test_tp_update_in_one_batch_per_matrix_is_still_torch_muons(pool2):
+    """With the TP step's cap at one byte every matrix goes through its own exchange (the step's
+    pipeline then holds 7 batches per layer, and a job's units are sent on after its last): the
+    update is still torch.optim.Muon's of the full matrix, bit for bit."""
+    for diff, sharded in pool2.run(_with_exchange_cap, 1, _tp_update_vs_torch_muon, True):
+        assert sharded == len(diff) == (MATRICES_PER_LAYER - 2) * LAYERS
         assert all(d == 0.0 for d in diff.values()), diff
 
 
@@ -426,28 +446,92 @@ def _step_issue_order(rank, world):
     sources = [r.source for r in ledger.records]
     last_reduce = max(i for i, s in enumerate(sources) if s == CommLabel.SHARD_REDUCE)
     step = [r for r in ledger.records[last_reduce + 1 :] if r.source != CommLabel.OTHER]
-    runs = []  # consecutive records of one source, with their elements summed
+    runs, launches = [], []  # one per launch (a layer's broadcast: one per owner), its elements summed
     for r in step:
-        if runs and runs[-1][0] == r.source:
+        if launches and launches[-1] is r.launch:
             runs[-1][1] += r.elements
         else:
             runs.append([r.source, r.elements])
+            launches.append(r.launch)
     return [tuple(run) for run in runs]
 
 
 def test_tp_step_pipelines_the_exchange(pool4):
     """The step's issue order (4 layers, chunks [layer 0], [layer 1], [layers 2, 3]: 1, 1, 2, 4, ...
-    layers), identical on every rank: each chunk's shards go to their homes (one all-to-all per
-    chunk) before the previous chunk's results are applied, so that transfer overlaps its update;
-    layer 0 is broadcast for the next forward before layer 1's results come back. (Without the
-    pipeline layer 0's broadcast would come before layer 1's shards go out; other chunk sizes give
-    another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order of sizes, seen
-    in the elements of each.)"""
+    layers; each chunk one exchange at these sizes), identical on every rank: each chunk's shards go
+    to their homes (one all-to-all per chunk) before the previous chunk's Newton–Schulz, whose results
+    go back next, so each transfer overlaps a Newton–Schulz (tests/test_runtime_tensor_parallel_step.py
+    checks the stages' order and stream waits); layer 0 is broadcast for the next forward once its
+    results are applied, after layer 1's Newton–Schulz, before layer 1's results are applied. (Other
+    chunk sizes give another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order
+    of sizes, seen in the elements of each.)"""
     orders = pool4.run(_step_issue_order)
     exchange, back, broadcast = CommLabel.TP_TO_HOME, CommLabel.TP_FROM_HOME, CommLabel.FORWARD_BROADCAST
     sources = [[s for s, _ in order] for order in orders]
-    assert sources[0] == [exchange, back, exchange, broadcast, back, exchange, back], orders[0]
+    assert sources[0] == [exchange, exchange, back, exchange, back, broadcast, back], orders[0]
     assert all(order == sources[0] for order in sources)
     # summed over the ranks each exchange moves its layers' shards: 1, 1, 2 layers (all layers alike)
-    sizes = [sum(n for order in orders for s, n in order[i : i + 1] if s == exchange) for i in (0, 2, 5)]
+    sizes = [sum(n for order in orders for s, n in order[i : i + 1] if s == exchange) for i in (0, 1, 3)]
     assert sizes[0] == sizes[1] > 0 and sizes[2] == 2 * sizes[0], sizes
+
+
+# ---- the step's capped batches: the same bits as one exchange ------------------------------------------
+def _capped_vs_one_exchange(rank, world):
+    """Two TP steps (TP = the 2 gloo ranks) of a stack of 6 experts split on their rows, homes
+    alternating, and of a matrix split on its columns, by ``TensorParallelStep``: with the cap at one
+    expert's exchange bytes (every matrix its own batch: the stack split over six), at four (the
+    stack split 4 + 2, the second part batched with the matrix) and at the default (one exchange);
+    whether each capped run's shards and momentum equal the default's, and the matrices each
+    orthogonalised here."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_dmuon.plan import TPMatrix
+    from titan_dmuon.runtime import tensor_parallel_step
+    from titan_dmuon.runtime.comm import CommStats
+    from titan_dmuon.runtime.mode import TensorParallelInfo
+    from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
+    from titan_dmuon.runtime.streams import Streams
+    from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
+    from titan_dmuon.runtime.tensor_parallel_step import TensorParallelStep, TPItem, exchange_bytes
+
+    tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,
+                 ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="match_rms_adamw", ns_mode="batched")
+    generator = torch.Generator().manual_seed(rank)
+    stack, matrix = torch.randn(6, 8, 24, generator=generator), torch.randn(16, 12, generator=generator)
+    grads = [(torch.randn(stack.shape, generator=generator), torch.randn(matrix.shape, generator=generator))
+             for _ in range(2)]
+    experts = [TPMatrix(shape=(8, 24), dim=0, home=e % world, blocks=(((0, 8 * world),),), col_blocks=(((0, 24),),))
+               for e in range(6)]
+    columns = [TPMatrix(shape=(16, 12), dim=1, home=1, blocks=(((0, 16),),), col_blocks=(((0, 12 * world),),))]
+    default, runs = tensor_parallel_step.MAX_EXCHANGE_BYTES, []
+    for cap in (exchange_bytes(experts[0], world), 4 * exchange_bytes(experts[0], world), default):
+        weights, state = (stack.clone(), matrix.clone()), defaultdict(dict)
+        rule = OwnerUpdate(SimpleNamespace(state=state, ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None),
+                           NSFigures())
+        tp_step = TensorParallelStep(TensorParallelNewtonSchulz(tp, CommStats(), Streams(torch.device("cpu"))), rule)
+        tensor_parallel_step.MAX_EXCHANGE_BYTES = cap
+        try:
+            for grad in grads:
+                items = [TPItem(param=weights[0], weight=weights[0], grad=grad[0], matrices=experts),
+                         TPItem(param=weights[1], weight=weights[1], grad=grad[1], matrices=columns)]
+                tp_step.submit([(group, items)], then=lambda: None)
+                tp_step.finish()
+        finally:
+            tensor_parallel_step.MAX_EXCHANGE_BYTES = default
+        runs.append(([*weights, *(state[w]["momentum_buffer"] for w in weights)], rule.figures.matrices))
+    equal = [all(torch.equal(a, b) for a, b in zip(tensors, runs[-1][0])) for tensors, _ in runs[:-1]]
+    return equal, [count for _, count in runs]
+
+
+def test_capped_exchange_batches_change_no_bit(pool2):
+    """The cap splits a step's TP matrices into batches, a stack of experts between batches too: each
+    expert's momentum, Newton–Schulz and update are the same elementwise operations on the same
+    values, so two steps in capped batches give bitwise the shards and momentum of one exchange per
+    step; every matrix orthogonalised once per step, on its home (rank 0 homes 3 of the 7, rank 1 4)."""
+    results = pool2.run(_capped_vs_one_exchange)
+    assert [equal for equal, _ in results] == [[True, True], [True, True]]
+    assert [counts for _, counts in results] == [[6, 6, 6], [8, 8, 8]]

@@ -46,6 +46,9 @@ EXACT_NORMUON = 1e-6  # float32 rule vs the reference's float32 rule: a few floa
 # by at most 2^-9 of itself, per step: 2 steps x lr 0.02 x scale <= 2 x |Ô| <= 4 x 2^-9. A rule computed on a
 # shard's part of the rows (dion's) or missing the Frobenius rescale is off by a sizeable part of lr x |Ô|.
 TP_NORMUON = 2 * 0.02 * 2 * 4 * 2**-9
+# float16 under TP against the float16 reference on the same bf16 inputs: batched vs per-matrix GEMMs (4 float16
+# ulps of |O| <= 1.2) and Ô rounded to float16 (2^-11 of |Ô| <= 4), per step: 2 x 0.02 x 2 x (4 x 2^-10 + 4 x 2^-11)
+FLOAT16_TP = 2 * 0.02 * 2 * (4 * 2**-10 + 4 * 2**-11)
 
 
 # ---- NorMuon and float16 on the toy transformer ---------------------------------------------------------------
@@ -124,11 +127,18 @@ def _head_blocks_here(model, fqn: str, shape) -> tuple[list, list]:
     return [(r, r + step) for r in range(0, rows, step)], [(0, cols)]
 
 
-def _heads_vs_reference(rank, world, family, tp, beta2):
+def _heads_vs_reference(rank, world, family, tp, beta2, ns_dtype="bfloat16"):
     """Two steps; per dedicated matrix this rank holds (whole, or assembled from TP shards), the largest
-    difference from the reference after each step, and how many matrices had several blocks."""
+    difference from the reference after each step, and how many matrices had several blocks. float16:
+    the batched mode (the exact one is bf16), the reference's Newton–Schulz the float16 one."""
     dims = th.parallel_dims(world, tp=tp)
     options = dict(MUON, param_dtype="float32", ns_mode="exact", ns_blocks="heads")
+    if ns_dtype != "bfloat16":
+        options.update(ns_mode="batched", ns_dtype=ns_dtype)
+    orthogonalise = None
+    if ns_dtype != "bfloat16":  # (under TP its input reaches the home in bf16, the exchange's dtype)
+        float16_iteration = reference_newton_schulz("torch", getattr(torch, ns_dtype))
+        orthogonalise = lambda g, *args: float16_iteration(g.bfloat16() if tp > 1 else g, *args)  # noqa: E731
     if beta2 is not None:
         options["normuon_beta2"] = beta2
     model, container = th.build(FAMILIES[family](), dims, **options)
@@ -165,7 +175,7 @@ def _heads_vs_reference(rank, world, family, tp, beta2):
                         key = (m.fqn, e, r0, c0)
                         if key not in references:
                             leaf = torch.nn.Parameter(weight[target].clone())
-                            fn = normuon_newton_schulz(None, beta2) if beta2 is not None else None
+                            fn = normuon_newton_schulz(orthogonalise, beta2) if beta2 is not None else orthogonalise
                             references[key] = (leaf, torch.optim.Muon([leaf], **MUON), fn)
                         leaf, opt, fn = references[key]
                         with torch.no_grad():
@@ -200,6 +210,14 @@ def test_per_head_and_normuon_under_tensor_parallelism(pool2, family):
             assert split > 0 and diffs
             bound = 0.0 if beta2 is None else TP_NORMUON
             assert max(diffs.values()) <= bound, diffs
+
+
+def test_float16_per_head_and_normuon_under_tensor_parallelism(pool2):
+    """TP 2 with float16 iteration: the homes normalise the bf16 inputs in float32, iterate in float16 and
+    send float16 results back (head blocks written into a float16 buffer); within FLOAT16_TP of the
+    float16 reference on the same bf16 inputs."""
+    for diffs, split in pool2.run(_heads_vs_reference, "llama3", 2, BETA2, "float16"):
+        assert split > 0 and max(diffs.values()) < FLOAT16_TP, diffs
 
 
 def test_normuon_with_per_heads_on_a_moe_family(pool2):

@@ -176,14 +176,13 @@ class OwnerUpdate:
         """The dtype of a Newton–Schulz result (what a TP home sends back)."""
         return ns_torch_dtype(self.ns_dtype)
 
-    def home_rule(self, items: Sequence):
+    def home_rule(self, owners: Sequence):
         """What a TP home does to each orthogonalised tile before it travels back (None: nothing): NorMuon
-        on the whole rows of the full matrix, with ``items``' second moments. ``items``: the exchange's
-        weights (``param`` and ``matrices``, one per expert), whose matrices are the exchange's, in order."""
+        on the whole rows of the full matrix, with the weights' second moments. ``owners``: per matrix of
+        the exchange, in order, (the weight: ``param`` and ``matrices``, one per expert; which of them)."""
         beta2 = self.normuon_beta2
         if beta2 is None:
             return None
-        owners = [(item, k) for item in items for k in range(len(item.matrices))]
 
         def normuon_at_home(i: int, t: int, result: torch.Tensor) -> torch.Tensor:
             item, k = owners[i]

@@ -7,7 +7,8 @@ order, in chunks of 1, 1, 2, 4, ... units (``pipeline_chunks``); after each chun
 units on (HSDP's broadcast to replicas; the first unit's broadcast for the next forward), so those
 transfers overlap the Newton–Schulz of the later chunks. Each chunk is a ``Job``: its units and, per
 param group, its weights: ``OwnedWeight`` (held whole here: ``OwnerUpdate.update``) or ``TPItem``
-(tensor-parallel shards: ``TensorParallelStep``'s three stages, pipelined with the next chunk's).
+(tensor-parallel shards: ``TensorParallelStep``'s three stages, a pipeline across jobs that sends a
+job's units on once its weights are applied).
 Experts that FSDP2 keeps in place follow: those TP splits as jobs of the same pipeline (nothing is
 sent on after them), the others updated where they are.
 
@@ -17,6 +18,7 @@ issue collectives on groups that FSDP2 and the other ranks share.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -56,37 +58,29 @@ class StepSchedule:
             self.qk_clip.finish()
 
     def _run_pipelined(self, handle, jobs: list[Job]) -> None:
-        """Weights held whole are updated at once; tensor-parallel ones go to their homes, and the
-        previous job's results are applied while they travel (chunk k+1's shards go out before
-        chunk k's results are applied, and chunk k's units are sent on before chunk k+1's NS)."""
+        """Weights held whole are updated at once and their units sent on; tensor-parallel ones go
+        through ``TensorParallelStep``'s pipeline, which sends their units on once they are applied.
+        Units are sent on in job order: a job with no TP weights first lets the pipeline finish."""
         tp_step = TensorParallelStep(handle.tensor_parallel_ns, self.rule) if handle.mode.tp else None
-        pending: tuple[list, list] | None = None  # a job whose TP results are on their way back
         for job in jobs:
             for unit in job.units:
                 handle.before_update(unit)
-            sent = []
+            tp_work = []
             for group, items in job.work.values():
                 owned = [w for w in items if isinstance(w, OwnedWeight)]
                 if owned:
                     self.rule.update(group, owned)
                 sharded = [w for w in items if isinstance(w, TPItem)]
                 if sharded:  # (the same list on every rank of the TP group)
-                    sent.append((group, sharded, tp_step.send(group, sharded)))
-            if pending is not None:  # the previous job's results arrived while this one's went out
-                self._finish_tensor_parallel(handle, tp_step, *pending)
-                pending = None
-            if not sent:
-                self._send_on(handle, job.units)  # at once: the next forward starts with the first ones
+                    tp_work.append((group, sharded))
+            if tp_work:
+                tp_step.submit(tp_work, then=functools.partial(self._send_on, handle, job.units))
                 continue
-            back = [(group, items, tp_step.orthogonalise(group, items, exchange)) for group, items, exchange in sent]
-            pending = (job.units, back)
-        if pending is not None:
-            self._finish_tensor_parallel(handle, tp_step, *pending)
-
-    def _finish_tensor_parallel(self, handle, tp_step: TensorParallelStep, units: list, back: list) -> None:
-        for group, items, exchange in back:
-            tp_step.apply(group, items, exchange)
-        self._send_on(handle, units)
+            if tp_step is not None:
+                tp_step.finish()
+            self._send_on(handle, job.units)  # at once: the next forward starts with the first ones
+        if tp_step is not None:
+            tp_step.finish()
 
     def _send_on(self, handle, units: list) -> None:
         """The units' weights are updated: QK-clip's rescale (on the owners), then the handle sends

@@ -5,7 +5,7 @@ ranks of its TP group hold its T shards (``PlanEntry.tp_dim``), or T copies of a
 replicates (a router, MLA's ``wkv_a``); experts FSDP2 keeps in place are held the same way by the
 TP group of each data-parallel rank. Newton–Schulz needs the whole matrix, and each matrix (each
 expert of a stack: ``TPMatrix``) has one home in the TP group (``PlanEntry.tp_homes``), so per batch
-of matrices (a step chunk):
+of matrices (of at most ``tensor_parallel_step.MAX_EXCHANGE_BYTES``):
 
 1. ``send_to_homes``: every TP rank sends the bf16 Newton–Schulz input of its shards to each
    matrix's home (one all-to-all on the TP group; a replicated matrix's home has its input already);
@@ -16,12 +16,13 @@ of matrices (a step chunk):
    matrix), in the Newton–Schulz dtype: one all-to-all back;
 3. ``received``: this rank's shards of the results.
 
-The optimizer runs these for consecutive chunks as a pipeline: chunk k+1's shards go out while
-chunk k's results come back and are applied (and sent on to the next forward), so the TP transfers
-overlap the step's other work. On an accelerator the all-to-alls run on the handle's reduce stream
-(idle during the step), ordered by events after the compute stream's writes of what they send,
-and the compute stream waits for an event before reading what they received; the buffers are held
-by the pending objects until then (no ``record_stream``), as FSDP2 holds its own.
+The step runs these for consecutive batches of matrices as a pipeline (``tensor_parallel_step.py``:
+batch k+1's shards are sent before batch k's Newton–Schulz, batch k's results applied after batch
+k+1's), so the TP transfers overlap Newton–Schulz. On an accelerator the all-to-alls run on the
+handle's reduce stream (idle during the step), each after an event recorded once the compute stream
+has written what it sends, and the compute stream waits for an event before reading what they
+received; the buffers are held by the ``Exchange`` objects until then (no ``record_stream``), as
+FSDP2 holds its own.
 
 A sharded matrix moves (T-1)/T of its shards each way: 2(T-1)/T^2 of its full elements; a
 replicated one (T-1) copies of it, back only. Everything else (momentum, weight decay, the update)
@@ -81,11 +82,12 @@ def as_sharded(tp: TensorParallelInfo | None, member: Member, local: torch.Tenso
 
 @dataclass(eq=False)
 class Exchange:
-    """One all-to-all in flight, and the buffers it reads and writes (alive until it was waited for)."""
+    """One all-to-all in flight, and the buffers it reads and writes (alive until it was waited for;
+    a send to the homes drops them once ``orthogonalise_at_homes`` has read them)."""
 
     matrices: Sequence[TPMatrix]
-    sent: torch.Tensor
-    received: torch.Tensor
+    sent: torch.Tensor | None
+    received: torch.Tensor | None
     in_flight: InFlight
     ns_matrices: int = 0
     own: dict[int, torch.Tensor] = field(default_factory=dict)  # replicated matrices homed here: their inputs
@@ -132,9 +134,11 @@ class TensorParallelNewtonSchulz:
     ) -> Exchange:
         """Wait for ``sent``, orthogonalise the matrices homed here, send each rank its shards.
 
-        ``orthogonalise_fn`` returns its results in ``dtype`` (the Newton–Schulz dtype, what travels back;
-        the same on every rank). ``rule(i, t, result)``: what the optimizer does to the result of tile
-        ``t`` (``TPMatrix.tiles`` order) of ``matrices[i]`` before it travels back (NorMuon), or None."""
+        ``sent``'s buffers are dropped once read (the current stream, which reuses their memory,
+        waited for their transfer). ``orthogonalise_fn`` returns its results in ``dtype`` (the
+        Newton–Schulz dtype, what travels back; the same on every rank). ``rule(i, t, result)``: what
+        the optimizer does to the result of tile ``t`` (``TPMatrix.tiles`` order) of ``matrices[i]``
+        before it travels back (NorMuon), or None."""
         size, me, matrices = self.tp.size, self.tp.rank, sent.matrices
         sent.in_flight.wait()
         homed = [i for i, m in enumerate(matrices) if m.home == me]
@@ -149,6 +153,8 @@ class TensorParallelNewtonSchulz:
                      for s in range(size)]
             full.append(torch.cat(parts, dim=matrix.dim))
             start += matrix.numel
+        sent.sent = sent.received = None
+        sent.own = {}
         tiles = [(k, t, rows, cols) for k, i in enumerate(homed) for t, (rows, cols) in enumerate(matrices[i].tiles())]
         inputs = [_take_tile(full[k], rows, cols).contiguous() for k, _, rows, cols in tiles]
         results = orthogonalise_fn(inputs) if tiles else []
@@ -159,12 +165,12 @@ class TensorParallelNewtonSchulz:
             if len(matrices[homed[k]].tiles()) == 1 and result.dtype == dtype:
                 out[k] = result  # (the whole matrix)
                 continue
-            if out[k] is None:
-                out[k] = torch.empty(full[k].shape, dtype=dtype, device=full[k].device)
+            if out[k] is None:  # (the assembled matrix itself where it has the dtype: every input was taken)
+                out[k] = full[k] if full[k].dtype == dtype else torch.empty(full[k].shape, dtype=dtype, device=full[k].device)
             _put_tile(out[k], rows, cols, result)
         parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(out, homed)]
         send = torch.cat(parts) if parts else self._empty(dtype)
-        received = sent.sent.new_empty(sum(m.numel for m in matrices), dtype=dtype)
+        received = send.new_empty(sum(m.numel for m in matrices), dtype=dtype)
         per_destination = sum(matrices[i].numel for i in homed)
         in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
                                 [per_destination] * size)
@@ -197,11 +203,15 @@ class TensorParallelNewtonSchulz:
         return torch.empty(0, dtype=dtype, device=self.streams.device)
 
     def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
-        """The all-to-all from the reduce stream (after the current stream's writes of ``input``);
-        the returned InFlight is what a reader of ``output`` waits for."""
+        """The all-to-all from the reduce stream, which waits for an event recorded now on the current
+        stream (after its writes of ``input`` and the allocation of ``output``), not for what that
+        stream queues later; the returned InFlight is what a reader of ``output`` waits for. The
+        reduce stream runs its all-to-alls in issue order: the step issues a batch's send to the homes
+        before the previous batch's Newton–Schulz (``tensor_parallel_step.py``), so it does not queue
+        behind that batch's results."""
         stream = self.streams.reduce
         if stream is not None:
-            self.streams.wait_stream(stream)
+            self.streams.wait_event(stream, self.streams.record())
         with self.streams.use(stream):
             with Launch(self.tp.group, self.tp.size, self.streams.device, source, self.stats, coalesce=False) as launch:
                 launch.all_to_all(output, input, output_splits, input_splits)
