@@ -1,14 +1,20 @@
-"""Training with each Newton–Schulz method: llama3 debug loss curves, AdamW vs DMuon per ``ns_method``.
+"""Training with each Newton–Schulz method and each variant: llama3 debug loss curves, AdamW vs DMuon.
 
     python benchmarks/convergence.py [--steps 200] [--ngpu 2] [--last 20] [--out bench_out]
+    python benchmarks/convergence.py --runs variants --local-batch-size 8   # AdamW, DMuon and its variants
     python benchmarks/convergence.py --from-raw bench_out/convergence_raw.json   # tables and PNG again
 
 TorchTitan's llama3 debug model trains through run_train.sh on the bundled dataset (local batch 2 x 256
 tokens per rank, ``[debug] seed = 0``, the same data order for every run) with FSDP2 + AdamW and with
 DMuon-Z3 for each ``muon_math.NS_METHODS`` method, plus DMuon with the default method from another seed
 (``seed = 1``: other initial weights), so the table shows how far two runs of one method land apart
-beside how far the methods do. Prints the mean loss over the last ``--last`` steps per run (and its
-markdown), and writes one PNG of the loss curves (raw, faint; and a moving average of ``--last`` steps).
+beside how far the methods do. The variants (``--runs variants``, or ``all``, the default): DMuon with
+NorMuon (``normuon_beta2 = 0.95``), with per-head Newton–Schulz (``ns_blocks = "heads"``) and with float16
+iteration (``ns_dtype = "float16"``). ``--local-batch-size`` sets the batch per rank (the template's 2 x 256
+tokens by default). Prints the mean loss over the last ``--last`` steps per run (and its markdown), each
+run's median optimizer-step time (steps after the first ``--last``, from the job's own log) beside DMuon's,
+and writes one PNG of the loss curves (raw, faint; and a moving average of ``--last`` steps). The float16
+rows are slow on a CPU without float16 GEMMs (AVX512-FP16, AMX-FP16): the step times are a GPU's question.
 """
 
 from __future__ import annotations
@@ -27,44 +33,69 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_debug_model import ADAMW, DMUON, NS_METHODS, ROOT, job_toml, train_args  # noqa: E402
 
 LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)")
+OPTIMIZER_MS = re.compile(r"titan_dmuon: step [\d.]+s, optimizer ([\d.]+) ms")
+BASE = f"DMuon, ns_method {NS_METHODS[0]}"  # the run the others' optimizer time is compared with
+VARIANTS = {  # name -> the [optimizer] keys added to DMuon's
+    "DMuon + NorMuon (normuon_beta2 0.95)": "normuon_beta2 = 0.95",
+    "DMuon, per-head NS (ns_blocks heads)": 'ns_blocks = "heads"',
+    "DMuon, float16 NS (ns_dtype float16)": 'ns_dtype = "float16"',
+}
 
 
-def runs() -> dict[str, tuple[str, int]]:
-    """name -> ([optimizer] table, seed)."""
+def runs(chosen: str = "all") -> dict[str, tuple[str, int]]:
+    """name -> ([optimizer] table, seed): AdamW and DMuon always; ``chosen`` "methods" adds the other
+    Newton–Schulz methods and DMuon from another seed, "variants" the variants, "all" both."""
     out = {"FSDP2+AdamW": (ADAMW, 0)}
-    for method in NS_METHODS:
+    for method in NS_METHODS if chosen in ("methods", "all") else NS_METHODS[:1]:
         out[f"DMuon, ns_method {method}"] = (DMUON + f'\nns_method = "{method}"', 0)
-    out[f"DMuon, ns_method {NS_METHODS[0]}, seed 1"] = (DMUON + f'\nns_method = "{NS_METHODS[0]}"', 1)
+    if chosen in ("methods", "all"):
+        out[f"{BASE}, seed 1"] = (DMUON + f'\nns_method = "{NS_METHODS[0]}"', 1)
+    if chosen in ("variants", "all"):
+        for name, keys in VARIANTS.items():
+            out[name] = (DMUON + "\n" + keys, 0)
     return out
 
 
-def train(name: str, optimizer: str, seed: int, args, workdir: str) -> list[float]:
+def train(name: str, optimizer: str, seed: int, args, workdir: str) -> tuple[list[float], float | None]:
+    """The run's loss per step, and its median optimizer-step time in ms from the job's log (None if it logs none)."""
     tag = re.sub(r"\W+", "_", name)
     path = os.path.join(workdir, tag + ".toml")
     with open(path, "w") as f:
         f.write(job_toml(optimizer, steps=args.steps, warmup_steps=10, seed=seed))
     env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
-    out = subprocess.run(["./run_train.sh", *train_args(workdir, None, tag)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=6 * 3600)
+    extra = ["--training.local_batch_size", str(args.local_batch_size)] if args.local_batch_size else []
+    out = subprocess.run(["./run_train.sh", *train_args(workdir, None, tag), *extra], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=12 * 3600)
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     losses = {int(m[1]): float(m[2]) for m in LOSS.finditer(out.stdout + out.stderr)}
     if sorted(losses) != list(range(1, args.steps + 1)):
         sys.exit(f"{name}: expected a loss for each of steps 1..{args.steps}, got {sorted(losses)[:5]}...")
-    return [losses[s] for s in range(1, args.steps + 1)]
+    times = [float(m[1]) for m in OPTIMIZER_MS.finditer(out.stdout + out.stderr)][min(args.last, args.steps - 1):]
+    return [losses[s] for s in range(1, args.steps + 1)], (statistics.median(times) if times else None)
 
 
-def table(curves: dict[str, list[float]], last: int) -> tuple[str, str]:
+def table(curves: dict[str, list[float]], last: int, times: dict[str, float | None] | None = None) -> tuple[str, str]:
+    """The text and markdown tables: mean loss over the last ``last`` steps (and vs AdamW), the final loss,
+    and (``times``) the median optimizer-step time and its ratio to DMuon's."""
+    times = times or {}
     base = statistics.fmean(curves["FSDP2+AdamW"][-last:])
-    text = [f"{'run':<38}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"]
+    base_time = times.get(BASE)
+    text = [f"{'run':<42}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"
+            f"{'optimizer ms':>14}{'vs DMuon':>10}"]
     steps = len(next(iter(curves.values())))
-    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {steps} |",
-          "|---|---|---|---|"]
+    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {steps} | optimizer step, ms "
+          "(median) | vs DMuon's |", "|---|---|---|---|---|---|"]
     for name, losses in curves.items():
         mean = statistics.fmean(losses[-last:])
-        text.append(f"{name:<38}{mean:>22.4f}{mean - base:>+10.4f}{losses[-1]:>12.4f}")
-        md.append(f"| {name} | {mean:.4f} | {mean - base:+.4f} | {losses[-1]:.4f} |")
-    seeds = [statistics.fmean(curves[n][-last:]) for n in curves if n.startswith(f"DMuon, ns_method {NS_METHODS[0]}")]
+        ms = times.get(name)
+        ms_text = f"{ms:.1f}" if ms is not None else "-"
+        ratio = f"{ms / base_time:.2f}x" if ms is not None and base_time else "-"
+        text.append(f"{name:<42}{mean:>22.4f}{mean - base:>+10.4f}{losses[-1]:>12.4f}{ms_text:>14}{ratio:>10}")
+        md.append(f"| {name} | {mean:.4f} | {mean - base:+.4f} | {losses[-1]:.4f} | {ms_text} | {ratio} |")
+    seeds = [statistics.fmean(curves[n][-last:]) for n in curves if n.startswith(BASE)]
+    if len(seeds) < 2:
+        return "\n".join(text), "\n".join(md)
     note = f"two seeds of ns_method {NS_METHODS[0]!r}: {abs(seeds[0] - seeds[1]):.4f} apart (the noise between runs)"
     return "\n".join(text + [note]), "\n".join(md + ["", note])
 
@@ -99,24 +130,29 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--last", type=int, default=20, help="the table's mean is over this many last steps")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
+    parser.add_argument("--runs", choices=("all", "methods", "variants"), default="all",
+                        help="AdamW and DMuon, plus the other Newton–Schulz methods, the variants, or both")
+    parser.add_argument("--local-batch-size", type=int, default=None, help="the batch per rank (default: the job's 2)")
     parser.add_argument("--from-raw", metavar="JSON",
                         help="only print the tables (and PNG) of an earlier run's raw file")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:
         with open(args.from_raw) as f:
-            curves = json.load(f)
+            raw = json.load(f)
+        curves, times = (raw["loss"], raw["optimizer_ms"]) if "loss" in raw else (raw, {})  # (the older files: curves)
         args.steps = len(next(iter(curves.values())))
     else:
-        curves = {}
+        curves, times = {}, {}
         with tempfile.TemporaryDirectory() as workdir:
-            for name, (optimizer, seed) in runs().items():
+            for name, (optimizer, seed) in runs(args.runs).items():
                 print(f"{name} ...", flush=True)
-                curves[name] = train(name, optimizer, seed, args, workdir)
+                curves[name], times[name] = train(name, optimizer, seed, args, workdir)
         with open(os.path.join(args.out, "convergence_raw.json"), "w") as f:
-            json.dump(curves, f, indent=1)
-    title = f"llama3 debug model, {args.ngpu} ranks, {args.steps} steps: AdamW vs DMuon-Z3 per ns_method"
-    text, md = table(curves, min(args.last, args.steps))
+            json.dump({"loss": curves, "optimizer_ms": times}, f, indent=1)
+    batch = f", local batch {args.local_batch_size}" if args.local_batch_size else ""
+    title = f"llama3 debug model, {args.ngpu} ranks{batch}, {args.steps} steps: AdamW vs DMuon-Z3 ({args.runs})"
+    text, md = table(curves, min(args.last, args.steps), times)
     print(title)
     print(text)
     print()

@@ -15,6 +15,12 @@ known factors of the constructed inputs, from the eigendecomposition of M Mᵀ f
 the real ones; U_r V_rᵀ for rank r). Whether every output is finite and a zero matrix gives zero is checked
 on every row. ``--restarts`` adds Gram Newton–Schulz with its authors' float16 default (one restart, before
 step 2) and with restarts before steps 2 and 4, the rows behind ``muon_math.gram_restarts``.
+
+Each method also runs in float16 (``ns_dtype="float16"``: normalised in float32, then every product in
+float16), a column each; a second table gives, per shape and input, the largest magnitude any float16
+intermediate of each method reached (every op's output, recorded as it runs: float16 overflows at 65504)
+and the share of the normalised input's nonzero entries below float16's smallest normal number (6.1e-5),
+where it keeps fewer significant bits.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -141,6 +148,8 @@ def runs(short: int, long: int, restarts: bool):
 
     out = [("torch.optim.Muon", lambda x: _zeropower_via_newtonschulz(x[0], muon_math.NS_COEFFICIENTS, 5, 1e-7)[None])]
     out += [(m, lambda x, m=m: muon_math.newton_schulz(x, ns_method=m)) for m in muon_math.NS_METHODS]
+    out += [(f"{m}, float16", lambda x, m=m: muon_math.newton_schulz(x, ns_method=m, ns_dtype="float16"))
+            for m in muon_math.NS_METHODS]
     if restarts and muon_math.uses_gram(short, long):
         schedule = muon_math.ns_schedule("gram", 5)
 
@@ -155,15 +164,46 @@ def runs(short: int, long: int, restarts: bool):
     return out
 
 
-def measure(short, long, kind, generator, device, real, restarts) -> list[tuple]:
+class Float16Peak(TorchDispatchMode):
+    """The largest magnitude of any float16 tensor an op returns while it is active (inf if one overflowed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.numel():
+                self.peak = max(self.peak, float(t.abs().max().float()))
+        return out
+
+
+def below_float16_normal(matrix: torch.Tensor) -> float:
+    """The share of the normalised matrix's nonzero entries below float16's smallest normal number."""
+    x = muon_math.normalised(matrix.float())
+    nonzero = x[x != 0]
+    return float((nonzero.abs() < torch.finfo(torch.float16).tiny).float().mean()) if nonzero.numel() else 0.0
+
+
+def measure(short, long, kind, generator, device, real, restarts, peaks: dict | None = None) -> list[tuple]:
+    """A row per method; ``peaks`` gets each float16 method's largest intermediate, and "subnormal" the
+    share of the input's entries below float16's normal range."""
     found = inputs(short, long, kind, generator, device, real)
     if found is None:
         return []
     matrix, polar, rank = found
     x = matrix.float()[None]
+    if peaks is not None:
+        peaks["subnormal"] = below_float16_normal(x[0])
     rows = []
     for label, fn in runs(short, long, restarts):
-        output = fn(x.clone())[0].double()
+        if label.endswith("float16") and peaks is not None:
+            with Float16Peak() as watch:
+                output = fn(x.clone())[0].double()
+            peaks[label] = watch.peak
+        else:
+            output = fn(x.clone())[0].double()
         finite = bool(torch.isfinite(output).all())
         if rank == 0:
             zero = 0.0 if finite and not output.any() else float("nan")
@@ -191,17 +231,20 @@ def main() -> None:
     started = time.monotonic()
     real = debug_model_momenta() if any(s in SHAPES["debug"] for s in shapes) else []
     labels = [label for label, _ in runs(*max(shapes, key=lambda s: muon_math.uses_gram(*s)), args.restarts)]
-    print(f"Newton–Schulz (5 steps, bf16) vs the exact polar factor U Vᵀ, {device.type}, torch {torch.__version__}: "
+    print(f"Newton–Schulz (5 steps, bf16; the float16 columns in float16) vs the exact polar factor U Vᵀ, {device.type}, "
+          f"torch {torch.__version__}: "
           "per method, the output's smallest–largest singular value (over the input's rank) / "
           "‖X − U Vᵀ‖_F / ‖U Vᵀ‖_F")
     print("| shape | input | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
-    bad = []
+    bad, float16 = [], []
     for short, long in shapes:
         generator = torch.Generator().manual_seed(args.seed)
         for kind in INPUTS:
-            cells = {}
-            rows = measure(short, long, kind, generator, device, real, args.restarts)
+            cells, peaks = {}, {}
+            rows = measure(short, long, kind, generator, device, real, args.restarts, peaks)
+            if rows:
+                float16.append((short, long, kind, peaks))
             for label, low, high, distance, finite in rows:
                 cells[label] = f"{low:.3f}–{high:.3f} / {distance:.3f}" if finite else "NOT FINITE"
                 if not finite or (kind == "zero" and distance != 0.0):
@@ -211,6 +254,17 @@ def main() -> None:
                       flush=True)
     print(f"{len(shapes)} shapes in {time.monotonic() - started:.0f} s; "
           + ("every output finite, a zero matrix gives zero" if not bad else f"FAILED: {bad}"))
+    methods = [label for label in labels if label.endswith("float16")]
+    print("\nfloat16: the largest magnitude of any intermediate (float16 overflows at 65504), and the share of the "
+          "normalised input's nonzero entries below float16's smallest normal number (6.1e-5: fewer significant bits)")
+    print("| shape | input | " + " | ".join(methods) + " | below 6.1e-5 |")
+    print("|---|---|" + "---|" * (len(methods) + 1))
+    for short, long, kind, peaks in float16:
+        print(f"| {short} x {long} | {kind} | " + " | ".join(f"{peaks[m]:.3g}" for m in methods)
+              + f" | {peaks['subnormal']:.1%} |")
+    overall = max(peaks[m] for *_, peaks in float16 for m in methods)
+    print(f"largest float16 intermediate over every row: {overall:.3g} ({65504 / overall:.0f}x below float16's maximum)"
+          if overall < float("inf") else "FAILED: a float16 intermediate overflowed")
 
 
 if __name__ == "__main__":

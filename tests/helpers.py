@@ -249,12 +249,15 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
 
 def reference_train(
     model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1,
-    before_slice=None, ns_method: str = "torch",
+    before_slice=None, ns_method: str = "torch", ns_dtype: torch.dtype = torch.bfloat16,
+    normuon_beta2: float | None = None,
 ):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
 
-    ``ns_method`` other than "torch": torch.optim.Muon with that method's Newton–Schulz as written in
-    ``reference_newton_schulz`` (independently of titan_dmuon).
+    ``ns_method`` other than "torch" (or ``ns_dtype`` float16): torch.optim.Muon with that method's
+    Newton–Schulz as written in ``reference_newton_schulz`` (independently of titan_dmuon).
+    ``normuon_beta2``: NorMuon, ``reference_normuon`` on each leaf's Newton–Schulz output with the
+    leaf's own second moment (one torch.optim.Muon per leaf, so each call is known to be its leaf's).
 
     ``slices``: the global batch is processed as that many equal slices (one per data-parallel
     rank) whose gradients are averaged as a pairwise tree, ((g0 + g1) + (g2 + g3)) / 4, which is
@@ -272,7 +275,12 @@ def reference_train(
     ids = {id(p) for p in targets}
     others = [p for p in model.parameters() if id(p) not in ids]
     experts = [(p, e, nn.Parameter(p.detach()[e].clone())) for p in targets if p.ndim == 3 for e in range(p.shape[0])]
-    opt_muon = torch.optim.Muon([p for p in targets if p.ndim == 2] + [leaf for _, _, leaf in experts], **muon)
+    leaves = [p for p in targets if p.ndim == 2] + [leaf for _, _, leaf in experts]
+    orthogonalise = None if ns_method == "torch" and ns_dtype == torch.bfloat16 else reference_newton_schulz(ns_method, ns_dtype)
+    muon_steps = [(torch.optim.Muon(leaves, **muon), orthogonalise)]
+    if normuon_beta2 is not None:  # one optimizer per leaf, each with its own second moment
+        muon_steps = [(torch.optim.Muon([leaf], **muon), normuon_newton_schulz(orthogonalise, normuon_beta2))
+                      for leaf in leaves]
     opt_adamw = torch.optim.AdamW(
         others, lr=adamw["adamw_lr"], betas=adamw["adamw_betas"], eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"]
     )
@@ -297,14 +305,16 @@ def reference_train(
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         for p, e, leaf in experts:
             leaf.grad = p.grad[e].clone()
-        with torch_muon_newton_schulz(None if ns_method == "torch" else reference_newton_schulz(ns_method)):
-            opt_muon.step()
+        for opt_muon, fn in muon_steps:
+            with torch_muon_newton_schulz(fn):
+                opt_muon.step()
         with torch.no_grad():
             for p, e, leaf in experts:
                 p[e].copy_(leaf)
                 leaf.grad = p.grad = None  # (the 3-D weight is in neither optimizer)
         opt_adamw.step()
-        opt_muon.zero_grad()
+        for opt_muon, _ in muon_steps:
+            opt_muon.zero_grad()
         opt_adamw.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
 
@@ -406,20 +416,21 @@ def paper_schedule(steps: int) -> list[tuple[float, float, float]]:
     return scaled[:steps] + [scaled[-1]] * max(0, steps - len(scaled))
 
 
-def reference_newton_schulz(method: str):
+def reference_newton_schulz(method: str, dtype: torch.dtype = torch.bfloat16):
     """``torch.optim._muon._zeropower_via_newtonschulz``'s signature, one 2-D matrix, for ``method``: the
-    iteration written as torch.optim.Muon writes its own (bf16, fused ``addmm``s), with the Polar Express
+    iteration written as torch.optim.Muon writes its own (bf16, fused ``addmm``s; or in float16, the input
+    normalised in float32 before it is rounded to float16), with the Polar Express
     schedule ("polar_express"), or as Gram Newton–Schulz ("gram": Q and R = X Xᵀ carried between restarts
     before every odd step, as Dao-AILab/gram-newton-schulz writes it) where the wide matrix's long side is
     more than 1.5 times its short side (the FLOP rule for 5 steps and matrices under 1024 rows)."""
 
     def orthogonalise(grad, ns_coefficients, ns_steps, eps):
-        x = grad.bfloat16()
+        x = grad.bfloat16() if dtype == torch.bfloat16 else grad.float()
         transposed = grad.size(0) > grad.size(1)
         if transposed:
             x = x.T
         scale = 1.0 if method == "torch" else PAPER_SAFETY
-        x = x / (x.norm() * scale).clamp(min=eps)
+        x = (x / (x.norm() * scale).clamp(min=eps)).to(dtype)
         schedule = [tuple(ns_coefficients)] * ns_steps if method == "torch" else paper_schedule(ns_steps)
         short, long = x.shape
         if method == "gram" and 2 * long > 3 * short:
@@ -445,6 +456,38 @@ def reference_newton_schulz(method: str):
         return x.T if transposed else x
 
     return orthogonalise
+
+
+def reference_normuon(orthogonal: torch.Tensor, moment: torch.Tensor, beta2: float, dtype=torch.float64):
+    """NorMuon (arXiv 2510.05491) as issue 31 states it, in ``dtype``: v <- beta2 v + (1 - beta2) mean over
+    columns of O^2 (one value per row, v from 0, no bias correction); O / (sqrt(v) + 1e-8) row by row;
+    then rescaled to O's Frobenius norm. Returns (Ô, v). (float32: the rounding a float32 implementation
+    of the same formula gets, for references that must not drift from it: top-k routing turns a last-bit
+    difference of the weights into another expert.)"""
+    o = orthogonal.to(dtype)
+    v = beta2 * moment.to(dtype) + (1 - beta2) * (o * o).mean(dim=1)
+    scaled = o / (torch.sqrt(v) + 1e-8).reshape(-1, 1)
+    norm = torch.linalg.vector_norm(scaled)
+    return (scaled * (torch.linalg.vector_norm(o) / norm) if norm > 0 else scaled), v
+
+
+def normuon_newton_schulz(orthogonalise, beta2: float, dtype=torch.float32):
+    """``_zeropower_via_newtonschulz``'s signature for ONE leaf: its Newton–Schulz (``orthogonalise``, None:
+    torch's own), then ``reference_normuon`` in ``dtype`` with the second moment this function keeps
+    (``.moment``)."""
+    from torch.optim import _muon
+
+    base = orthogonalise or _muon._zeropower_via_newtonschulz  # (torch's own, taken before any patch)
+
+    def with_normuon(grad, ns_coefficients, ns_steps, eps):
+        o = base(grad, ns_coefficients, ns_steps, eps)
+        if with_normuon.moment is None:
+            with_normuon.moment = torch.zeros(o.shape[0], dtype=dtype)
+        update, with_normuon.moment = reference_normuon(o, with_normuon.moment, beta2, dtype)
+        return update.float()
+
+    with_normuon.moment = None
+    return with_normuon
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ def reference_build_plan(
     owners = reference_owners(costs, replicate_size * shard_size, initial_load)
     homes = reference_tp_homes(specs, owners, costs)
     entries = tuple(
-        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
+        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, col_blocks=s.col_blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
                   owner=owner, ns_flops=cost, tp_homes=(home,) if s.tp_dim is not None else ())
         for s, owner, cost, home in zip(specs, owners, costs, homes)
     )

@@ -241,25 +241,42 @@ def test_torchtitan_settings_turn_groups_on_off_and_keep_attention_whole_under_q
     assert settings().owner_groups == GroupOptions() and settings().keep_whole == ()
     assert settings(owner_groups=False).owner_groups is None
     assert settings(ns_mode="exact").owner_groups is None
+    assert settings(normuon_beta2=0.95).owner_groups is None  # NorMuon's rows are whole rows
+    assert settings(ns_dtype="float16").owner_groups is None  # the group's iteration is bf16
     assert settings(owner_group_node_size=4, owner_group_ns_tflops=300.0).owner_groups == GroupOptions(
         node_size=4, ns_tflops=300.0)
     assert settings(qk_clip_threshold=100.0).keep_whole == (ATTENTION_PARAMS,)
 
 
-def _exact_mode_with_groups(rank, world):
-    try:
-        distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                   opt_kwargs={"ns_mode": "exact"})
-    except ValueError as e:
-        return str(e)
-    return None
+WHOLE_MATRIX_RULES = {  # DMuon keyword -> what its refusal names
+    "ns_mode": ("exact", "ns_mode 'exact'"),
+    "normuon_beta2": (0.95, "NorMuon"),
+    "ns_dtype": ("float16", "ns_dtype 'float16'"),
+}
 
 
-def test_exact_mode_refuses_owner_groups_on_every_rank(pool4):
-    """ns_mode 'exact' is torch.optim.Muon's own update, a property of one owner: DMuon refuses a grouped
-    weight when it is built, on every rank (also those outside the group), naming how to fix it."""
-    for message in pool4.run(_exact_mode_with_groups):
-        assert message is not None and "owner_groups=None" in message and "layers.1.big.weight" in message
+def _whole_matrix_rules_with_groups(rank, world):
+    out = {}
+    for key, (value, _) in WHOLE_MATRIX_RULES.items():
+        try:
+            distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                       opt_kwargs={key: value})
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+def test_whole_matrix_rules_refuse_owner_groups_on_every_rank(pool4):
+    """ns_mode 'exact' (torch.optim.Muon's own update), NorMuon (statistics of whole rows) and the float16
+    iteration (the group's Newton–Schulz is bf16) are properties of one owner: DMuon refuses a grouped
+    weight under each when it is built, on every rank (also those outside the group), naming how to fix it
+    (before, NorMuon and float16 ran the group's bf16 Muon on it without a word)."""
+    for messages in pool4.run(_whole_matrix_rules_with_groups):
+        for key, (_, named) in WHOLE_MATRIX_RULES.items():
+            message = messages[key]
+            assert message is not None and named in message, (key, message)
+            assert "owner_groups=None" in message and "layers.1.big.weight" in message
 
 
 def _ring_sums(rank, world, members, rings):

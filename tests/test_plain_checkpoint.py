@@ -30,10 +30,13 @@ EXPERTS = 4
 
 def _job(mode: str, world: int, *, seed: int = 0):
     """mode: "z2" | "z3" | "hsdp" | "ddp" (dense), "moe_local" (experts kept on FSDP2's dim-0 shards,
-    updated in place) | "moe_dedicated" (each expert weight has one owner), both Z3."""
+    updated in place) | "moe_dedicated" (each expert weight has one owner), both Z3; "z3_normuon"
+    (the MoE model with NorMuon)."""
     if mode.startswith("moe"):
         expert_sharding = mode.removeprefix("moe_")
         return distribute(toy_model(seed, num_experts=EXPERTS), "z3", world, expert_sharding=expert_sharding)
+    if mode == "z3_normuon":  # NorMuon's second moments are state too (experts: in place, as a DTensor)
+        return distribute(toy_model(seed, num_experts=EXPERTS), "z3", world, opt_kwargs={"normuon_beta2": 0.95})
     return distribute(toy_model(seed), mode, world)
 
 
@@ -107,7 +110,7 @@ def _straight_and_resumed(rank, world, mode, folder):
     return out, (after_a_step, fresh)
 
 
-@pytest.mark.parametrize("mode", ["z2", "z3", "ddp", "moe_local", "moe_dedicated"])
+@pytest.mark.parametrize("mode", ["z2", "z3", "ddp", "moe_local", "moe_dedicated", "z3_normuon"])
 def test_resume_is_bit_exact_with_the_defaults(pool2, tmp_path, mode):
     results = pool2.run(_straight_and_resumed, mode, str(tmp_path))
     straight = merge_rank_states(r["straight"][1] for r, _ in results)

@@ -59,8 +59,9 @@ def _experts(count, *, rows=16, cols=64, homes=None):
 
     homes = homes if homes is not None else [e % TP for e in range(count)]
     weight = torch.randn(count, rows, cols)
-    matrices = [TPMatrix(shape=(rows, cols), dim=0, home=home, blocks=(((0, rows * TP),),)) for home in homes]
-    return TPItem(param=weight, weight=weight, grad=torch.randn_like(weight), matrices=matrices, full_cols=cols)
+    matrices = [TPMatrix(shape=(rows, cols), dim=0, home=home, blocks=(((0, rows * TP),),), col_blocks=(((0, cols),),))
+                for home in homes]
+    return TPItem(param=weight, weight=weight, grad=torch.randn_like(weight), matrices=matrices)
 
 
 def _tp_step(log=None):
@@ -76,7 +77,7 @@ def _tp_step(log=None):
 
     tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
     streams = _RecordingStreams(log) if log is not None else Streams(torch.device("cpu"))
-    optimizer = SimpleNamespace(state=defaultdict(dict), ns_method="torch")
+    optimizer = SimpleNamespace(state=defaultdict(dict), ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None)
     return TensorParallelStep(TensorParallelNewtonSchulz(tp, CommStats(), streams), OwnerUpdate(optimizer, NSFigures()))
 
 

@@ -504,19 +504,20 @@ def _capped_vs_one_exchange(rank, world):
     stack, matrix = torch.randn(6, 8, 24, generator=generator), torch.randn(16, 12, generator=generator)
     grads = [(torch.randn(stack.shape, generator=generator), torch.randn(matrix.shape, generator=generator))
              for _ in range(2)]
-    experts = [TPMatrix(shape=(8, 24), dim=0, home=e % world, blocks=(((0, 8 * world),),)) for e in range(6)]
-    columns = [TPMatrix(shape=(16, 12), dim=1, home=1, blocks=(((0, 16),),))]
+    experts = [TPMatrix(shape=(8, 24), dim=0, home=e % world, blocks=(((0, 8 * world),),), col_blocks=(((0, 24),),))
+               for e in range(6)]
+    columns = [TPMatrix(shape=(16, 12), dim=1, home=1, blocks=(((0, 16),),), col_blocks=(((0, 12 * world),),))]
     default, runs = tensor_parallel_step.MAX_EXCHANGE_BYTES, []
     for cap in (exchange_bytes(experts[0], world), 4 * exchange_bytes(experts[0], world), default):
         weights, state = (stack.clone(), matrix.clone()), defaultdict(dict)
-        rule = OwnerUpdate(SimpleNamespace(state=state, ns_method="torch"), NSFigures())
+        rule = OwnerUpdate(SimpleNamespace(state=state, ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None),
+                           NSFigures())
         tp_step = TensorParallelStep(TensorParallelNewtonSchulz(tp, CommStats(), Streams(torch.device("cpu"))), rule)
         tensor_parallel_step.MAX_EXCHANGE_BYTES = cap
         try:
             for grad in grads:
-                items = [TPItem(param=weights[0], weight=weights[0], grad=grad[0], matrices=experts, full_cols=24),
-                         TPItem(param=weights[1], weight=weights[1], grad=grad[1], matrices=columns,
-                                full_cols=12 * world)]
+                items = [TPItem(param=weights[0], weight=weights[0], grad=grad[0], matrices=experts),
+                         TPItem(param=weights[1], weight=weights[1], grad=grad[1], matrices=columns)]
                 tp_step.submit([(group, items)], then=lambda: None)
                 tp_step.finish()
         finally:

@@ -157,7 +157,7 @@ def build(
     )
     if optimizer == "dmuon":
         settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in (
-            "muon_params", "reshard_after_forward", "owner_groups", "keep_whole") if k in optimizer_kwargs})
+            "muon_params", "reshard_after_forward", "ns_blocks", "owner_groups", "keep_whole") if k in optimizer_kwargs})
         model = parallelize_with_dmuon(model, base_fn=spec.parallelize_fn, settings=settings, **kwargs)
     else:
         model = parallelize_without_dmuon(model, base_fn=spec.parallelize_fn, **kwargs)

@@ -25,7 +25,12 @@ Three Newton–Schulz methods (``ns_method``; the exact mode runs only the first
 
 Every method keeps ``torch.optim.Muon``'s conventions: bf16, the input divided by its Frobenius
 norm (clamped at ``eps``: a zero matrix gives a zero update), a tall matrix orthogonalised as its
-transpose.
+transpose. ``ns_dtype="float16"`` iterates in float16 instead (10 mantissa bits to bf16's 7, for
+values bounded by 1), the input normalised in float32 first (its range is float32's, float16's is not).
+
+Two variants an owner of the whole matrix computes exactly (``normuon``: NorMuon's per-row second
+moment, over whole rows; blocks of rows and of columns, ``row_blocks``/``column_blocks``: per-head
+Newton–Schulz).
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ NS_STEPS = 5
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NS_MODES = ("batched", "exact")
 NS_METHODS = ("torch", "polar_express", "gram")
+# The Newton–Schulz iteration's dtype: torch.optim.Muon's bf16, or float16 (the original DMuon's default,
+# Step 3.5 Flash's): both 2 bytes; float16 has 3 more mantissa bits and a range of 6e-5 to 65504, which
+# the iteration's values (bounded by the polynomials' coefficients once the input is normalised) keep.
+NS_DTYPES = ("bfloat16", "float16")
+# NorMuon (Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491, Algorithm 1):
+# Ô = O / (sqrt(v) + eps) row by row.
+NORMUON_EPS = 1e-8
 # Polar Express (Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
 # Application to the Muon Algorithm", arXiv 2505.16932, Algorithm 1): the degree-5 odd polynomials
 # a x + b x^3 + c x^5 whose composition is the minimax approximation of sign(x) on [1e-3, 1] (the paper's
@@ -86,23 +98,49 @@ def newton_schulz(
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     ns_method: str = "torch",
+    ns_dtype: str = "bfloat16",
 ) -> torch.Tensor:
-    """Newton–Schulz orthogonalisation of a batch ``(B, rows, cols)`` by ``ns_method``.
+    """Newton–Schulz orthogonalisation of a batch ``(B, rows, cols)`` by ``ns_method``, in ``ns_dtype``.
 
-    Runs in bf16 like ``torch.optim.Muon``; one batched call per shape instead
-    of one call per matrix: the same operations, rounded as the batched GEMM
+    Runs in bf16 like ``torch.optim.Muon`` (or in float16, normalised in float32 first); one batched
+    call per shape instead of one call per matrix: the same operations, rounded as the batched GEMM
     kernel rounds them (not always bitwise the per-matrix call).
     """
     if matrices.ndim != 3:
         raise ValueError(f"newton_schulz expects (batch, rows, cols), got {tuple(matrices.shape)}")
     check_method(ns_method, coefficients)
+    dtype = ns_torch_dtype(ns_dtype)
+    transposed = matrices.size(-2) > matrices.size(-1)
+    if dtype is not torch.bfloat16:
+        x = normalised(matrices.mT if transposed else matrices, eps, ns_input_scale(ns_method)).to(dtype)
+        x = _orthogonalise_wide_(x, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
+                                 normalise=False)
+        return x.mT if transposed else x
     x = matrices.bfloat16()
-    transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
     x = x.clone() if x is matrices or x._base is matrices else x
     x = _orthogonalise_wide_(x, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps)
     return x.mT if transposed else x
+
+
+def ns_torch_dtype(ns_dtype: str) -> torch.dtype:
+    """The torch dtype of an ``ns_dtype`` name (``NS_DTYPES``); ValueError for another."""
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
+    return getattr(torch, ns_dtype)
+
+
+def normalised(matrices: torch.Tensor, eps: float = NS_EPS, scale: float = 1.0) -> torch.Tensor:
+    """Each matrix of ``(..., rows, cols)`` divided by ``scale`` times its Frobenius norm, clamped at
+    ``eps`` (zero stays zero), in float32: what a float16 iteration starts from, normalised before it
+    is rounded to float16 (a momentum's entries may lie far below float16's smallest normal number, 6e-5,
+    or above its largest, 65504; float32 holds both, and after the division every entry is at most 1)."""
+    x = matrices.float()
+    norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    if scale != 1.0:
+        norms = norms * scale
+    return x / norms.clamp(min=eps)
 
 
 def check_method(ns_method: str, coefficients=NS_COEFFICIENTS) -> None:
@@ -135,11 +173,14 @@ def ns_input_scale(ns_method: str) -> float:
     return 1.0 if ns_method == "torch" else POLAR_EXPRESS_SAFETY
 
 
-def _orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float) -> torch.Tensor:
-    """``ns_method`` on a bf16 batch with rows <= cols, which it normalises in place ("torch": as
-    torch.optim.Muon, ``coefficients`` every step and no input scale)."""
+def _orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float,
+                         normalise: bool = True) -> torch.Tensor:
+    """``ns_method`` on a batch with rows <= cols in its iteration dtype: bf16, which it normalises in
+    place ("torch": as torch.optim.Muon, ``coefficients`` every step and no input scale), or, with
+    ``normalise=False``, already normalised (``normalised``: float16 inputs)."""
     schedule = ns_schedule(ns_method, steps, coefficients)
-    _normalise_(x, eps, ns_input_scale(ns_method))
+    if normalise:
+        _normalise_(x, eps, ns_input_scale(ns_method))
     if ns_method == "gram" and uses_gram(x.size(-2), x.size(-1), steps):
         return _gram_newton_schulz(x, schedule)
     return _iterate(x, schedule)
@@ -266,7 +307,7 @@ def momentum_update(
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-Block = tuple[tuple[int, int], ...]  # row ranges (start, stop) whose rows form one matrix
+Block = tuple[tuple[int, int], ...]  # ranges (start, stop) whose rows (of a column block: columns) form one matrix
 
 
 def row_blocks(shape: Sequence[int], split_rows=None) -> list[Block]:
@@ -277,37 +318,96 @@ def row_blocks(shape: Sequence[int], split_rows=None) -> list[Block]:
     block. The blocks must cover every row exactly once. A fused q/k/v weight
     split this way gets the same update as separate q, k, v weights.
     """
-    rows = shape[0]
-    if split_rows is None:
-        return [((0, rows),)]
-    split_rows = list(split_rows)
-    if all(isinstance(r, int) for r in split_rows):
-        if any(r <= 0 for r in split_rows) or sum(split_rows) != rows:
-            raise ValueError(f"split_rows {split_rows}: row counts must be positive and sum to {rows}")
+    return _blocks(shape[0], split_rows, "split_rows", "rows")
+
+
+def column_blocks(shape: Sequence[int], split_cols=None) -> list[Block]:
+    """Blocks of columns orthogonalised separately (e.g. an attention output projection per head:
+    each head's ``head_dim`` columns); one block unless a split is given. ``split_cols`` as
+    ``row_blocks``' ``split_rows``, over columns. With row blocks too, every (row block, column
+    block) pair is one matrix."""
+    return _blocks(shape[1], split_cols, "split_cols", "columns")
+
+
+def _blocks(size: int, split, name: str, what: str) -> list[Block]:
+    """``row_blocks``/``column_blocks`` over ``size`` rows or columns."""
+    if split is None:
+        return [((0, size),)]
+    split = list(split)
+    if all(isinstance(r, int) for r in split):
+        if any(r <= 0 for r in split) or sum(split) != size:
+            raise ValueError(f"{name} {split}: {what} counts must be positive and sum to {size}")
         starts = [0]
-        for r in split_rows:
+        for r in split:
             starts.append(starts[-1] + r)
         return [((a, b),) for a, b in zip(starts[:-1], starts[1:])]
-    blocks = [tuple((int(a), int(b)) for a, b in block) for block in split_rows]
+    blocks = [tuple((int(a), int(b)) for a, b in block) for block in split]
     covered = sorted(r for block in blocks for r in block)
     position = 0
     for start, stop in covered:
         if start != position or stop <= start:
-            raise ValueError(f"split_rows blocks must cover rows 0..{rows} exactly once; got {covered}")
+            raise ValueError(f"{name} blocks must cover {what} 0..{size} exactly once; got {covered}")
         position = stop
-    if position != rows:
-        raise ValueError(f"split_rows blocks must cover rows 0..{rows} exactly once; got {covered}")
+    if position != size:
+        raise ValueError(f"{name} blocks must cover {what} 0..{size} exactly once; got {covered}")
     return blocks
 
 
 def block_rows(block: Block) -> int:
+    """The rows a row block spans (of a column block: its columns)."""
     return sum(stop - start for start, stop in block)
+
+
+def whole_columns(shape: Sequence[int]) -> tuple[Block, ...]:
+    """The column blocks of a matrix not split by columns: one, every column."""
+    return (((0, shape[-1]),),)
+
+
+def second_moment_shape(shape: Sequence[int], col_blocks: Sequence[Block] | None = None) -> tuple[int, ...]:
+    """NorMuon's second moment of a weight of ``shape`` (a matrix or a stack of experts): one value per
+    row of each Newton–Schulz matrix, i.e. per row and column block (``(..., rows, column blocks)``)."""
+    return (*shape[:-1], len(col_blocks) if col_blocks else 1)
+
+
+def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
+            eps: float = NORMUON_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon's rule on an orthogonalised update O ``(..., rows, cols)`` and its second moment v
+    ``(..., rows)``: ``v' = beta2 v + (1 - beta2) mean_cols(O²)``; ``Ô = O / (sqrt(v') + eps)`` row by
+    row, rescaled to O's Frobenius norm (a zero O gives a zero Ô). Returns (Ô, v'), in float32; the
+    caller keeps v'. Over whole rows of the matrix Newton–Schulz orthogonalised, never a shard's part of
+    one (which is what makes it exact: dion computes it per local shard)."""
+    o = orthogonal.float()
+    moment = beta2 * second_moment.float() + (1 - beta2) * (o * o).mean(-1)
+    scaled = o / (moment.sqrt() + eps).unsqueeze(-1)
+    ratio = (torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
+             / torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny))
+    return scaled * ratio, moment
 
 
 def _take_rows(matrix: torch.Tensor, block: Block) -> torch.Tensor:
     if len(block) == 1:
         return matrix[block[0][0] : block[0][1]]
     return torch.cat([matrix[start:stop] for start, stop in block])
+
+
+def _take_tile(matrix: torch.Tensor, rows: Block, cols: Block) -> torch.Tensor:
+    """The matrix of a (row block, column block) pair: a view where both are one range, else a copy."""
+    taken = _take_rows(matrix, rows)
+    if len(cols) == 1:
+        return taken if cols[0] == (0, matrix.shape[-1]) else taken[:, cols[0][0] : cols[0][1]]
+    return torch.cat([taken[:, start:stop] for start, stop in cols], dim=1)
+
+
+def _tile_ranges(rows: Block, cols: Block):
+    """(rows of the matrix, columns of the matrix, rows of the tile, columns of the tile) of each
+    rectangle a (row block, column block) pair is made of."""
+    row_offset = 0
+    for r0, r1 in rows:
+        col_offset = 0
+        for c0, c1 in cols:
+            yield slice(r0, r1), slice(c0, c1), slice(row_offset, row_offset + r1 - r0), slice(col_offset, col_offset + c1 - c0)
+            col_offset += c1 - c0
+        row_offset += r1 - r0
 
 
 def muon_step(
@@ -326,27 +426,47 @@ def muon_step(
     adjust_lr_fn: str | None = None,
     ns_mode: str = "batched",
     ns_method: str = "torch",
+    col_blocks: Sequence[Sequence[Block] | None] | None = None,
+    ns_dtype: str = "bfloat16",
+    normuon_beta2: float | None = None,
+    second_moments: Sequence[torch.Tensor] | None = None,
 ) -> int:
     """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
     A parameter is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of
     E independent matrices (MoE experts). ``blocks[i]`` lists the row blocks of
-    each of ``params[i]``'s matrices, orthogonalised separately. Every block
-    of every matrix is one Newton–Schulz matrix. ``ns_mode="exact"`` runs each
-    through ``torch.optim.Muon``'s functional update (bitwise torch.optim.Muon);
-    ``"batched"`` lets blocks with the same shape up to transposition share one
-    batched call, one shape group at a time, stacked straight into bf16, so at
-    most one group's stack is alive at once, orthogonalised by ``ns_method``.
+    each of ``params[i]``'s matrices, ``col_blocks[i]`` its column blocks (None:
+    whole columns), orthogonalised separately: every (row block, column block)
+    pair of every matrix is one Newton–Schulz matrix, its learning rate scaled
+    for its own shape (``adjusted_lr``), as if it were a separate weight.
+    ``ns_mode="exact"`` runs each through ``torch.optim.Muon``'s functional
+    update (bitwise torch.optim.Muon); ``"batched"`` lets blocks with the same
+    shape up to transposition share one batched call, one shape group at a
+    time, stacked straight into ``ns_dtype``, so at most one group's stack is
+    alive at once, orthogonalised by ``ns_method``. ``normuon_beta2``: NorMuon
+    (``normuon``) on each Newton–Schulz matrix's output, its second moment in
+    ``second_moments[i]`` (``second_moment_shape``, updated in place); the exact
+    mode applies it to torch.optim.Muon's own Newton–Schulz output.
     ``lr`` may be a 0-dim tensor, as torch.optim.Muon's (read as its value).
     """
     check_method(ns_method, ns_coefficients)
+    dtype = ns_torch_dtype(ns_dtype)
+    cols_of = [tuple(col_blocks[i]) if col_blocks is not None and col_blocks[i] else whole_columns(p.shape)
+               for i, p in enumerate(params)]
+    if normuon_beta2 is not None:
+        _check_second_moments(params, cols_of, second_moments)
+    variant = dict(col_blocks=cols_of, normuon_beta2=normuon_beta2, second_moments=second_moments)
     if ns_mode == "exact":
         if ns_method != "torch":
             raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
                              f"got {ns_method!r}")
+        if dtype is not torch.bfloat16:
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update, in bf16: ns_dtype must be "
+                             f"'bfloat16', got {ns_dtype!r}")
         return _exact_step(
             params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
+            **variant,
         )
     if ns_mode != "batched":
         raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
@@ -354,22 +474,44 @@ def muon_step(
         return 0
     lr = scalar(lr)
     torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - momentum)
-    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (short, long) -> (param, matrix, block)
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (short, long) -> (param, matrix, block, column block)
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
-        cols = param.shape[-1]
         for e in range(param.shape[0] if param.ndim == 3 else 1):
             for b, block in enumerate(param_blocks):
                 rows = block_rows(block)
-                groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b))
+                for c, col_block in enumerate(cols_of[i]):
+                    cols = block_rows(col_block)
+                    groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b, c))
     torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     for (short, long), group in groups.items():
         for batch in _stack_batches(group, short, long, ns_method, ns_steps):
             _orthogonalise_batch(
                 batch, short, long, params, grads, momentum_buffers, blocks,
                 lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method,
+                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, **variant,
             )
     return sum(len(group) for group in groups.values())
+
+
+def _check_second_moments(params, cols_of, second_moments) -> None:
+    """NorMuon needs one second moment per parameter, shaped by ``second_moment_shape``."""
+    if second_moments is None or len(second_moments) != len(params):
+        raise ValueError("normuon_beta2 needs second_moments: one tensor per parameter (second_moment_shape)")
+    for p, moment, cols in zip(params, second_moments, cols_of):
+        expected = second_moment_shape(p.shape, cols)
+        if tuple(moment.shape) != expected:
+            raise ValueError(f"a NorMuon second moment of shape {tuple(moment.shape)} for a weight of shape "
+                             f"{tuple(p.shape)} with {len(cols)} column block(s): expected {expected}")
+
+
+def apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
+                   beta2: float) -> torch.Tensor:
+    """NorMuon on one Newton–Schulz matrix's output: its rows' second moments (matrix ``e``, column
+    block ``c`` of ``second_moment``) read, advanced and written back; returns Ô."""
+    column = _matrix(second_moment, e)[:, c]
+    update, moment = normuon(update, _take_rows(column, rows), beta2)
+    _put_rows(column, rows, moment)
+    return update
 
 
 def scalar(value):
@@ -398,41 +540,62 @@ def workspace_elements(short: int, long: int, ns_method: str = "torch", steps: i
 
 
 def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
-                ns_coefficients, eps, adjust_lr_fn) -> int:
+                ns_coefficients, eps, adjust_lr_fn, col_blocks, normuon_beta2, second_moments) -> int:
     """torch.optim.Muon's own functional update, one 2-D matrix at a time.
 
-    A row block that is one contiguous range of rows is a view of the weight
-    (contiguous, like a separate weight); an interleaved block (TorchTitan's
-    fused wqkv) is gathered into a contiguous matrix and written back. Either
-    way ``torch.optim._muon.muon`` sees exactly the 2-D weight, gradient and
-    momentum a model with separate weights would give it."""
+    A block that is one contiguous range of rows (of every column) is a view of
+    the weight (contiguous, like a separate weight); an interleaved block
+    (TorchTitan's fused wqkv) or a block of columns is gathered into a
+    contiguous matrix and written back. Either way ``torch.optim._muon.muon``
+    sees exactly the 2-D weight, gradient and momentum a model with separate
+    weights would give it. With NorMuon, torch.optim.Muon's own steps around
+    its Newton–Schulz (``_exact_normuon``)."""
     from torch.optim._muon import muon as torch_muon
 
     refusal = exact_mode_refusal(adjust_lr_fn)
     if refusal is not None:
         raise ValueError(f"adjust_lr_fn = {adjust_lr_fn!r}: expected {refusal}")
     count = 0
-    for param, grad, buffer, param_blocks in zip(params, grads, momentum_buffers, blocks):
+    for i, (param, grad, buffer, param_blocks) in enumerate(zip(params, grads, momentum_buffers, blocks)):
         for e in range(param.shape[0] if param.ndim == 3 else 1):
             matrices = (_matrix(param, e), _matrix(grad, e), _matrix(buffer, e))
             for block in param_blocks:
-                weight, gradient, momentum_buffer = (_contiguous_rows(m, block) for m in matrices)
-                torch_muon(
-                    [weight], [gradient], [momentum_buffer], lr=lr, weight_decay=weight_decay, momentum=momentum,
-                    nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
-                    adjust_lr_fn=adjust_lr_fn, has_complex=False,
-                )
-                for target, updated in ((matrices[0], weight), (matrices[2], momentum_buffer)):
-                    if not _shares_memory(target, updated):
-                        _put_rows(target, block, updated)
-                count += 1
+                for c, col_block in enumerate(col_blocks[i]):
+                    weight, gradient, momentum_buffer = (_contiguous_tile(m, block, col_block) for m in matrices)
+                    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                 ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
+                                 adjust_lr_fn=adjust_lr_fn)
+                    if normuon_beta2 is None:
+                        torch_muon([weight], [gradient], [momentum_buffer], has_complex=False, **hyper)
+                    else:
+                        _exact_normuon(weight, gradient, momentum_buffer, second_moments[i], e, block, c,
+                                       beta2=normuon_beta2, **hyper)
+                    for target, updated in ((matrices[0], weight), (matrices[2], momentum_buffer)):
+                        if not _shares_memory(target, updated):  # (a copy: written back; a view already is)
+                            _put_tile(target, block, col_block, updated)
+                    count += 1
     return count
 
 
-def _contiguous_rows(matrix: torch.Tensor, block: Block) -> torch.Tensor:
-    """The block's rows as one contiguous matrix: a view where they are contiguous, else a copy."""
-    rows = _take_rows(matrix, block)
-    return rows if rows.is_contiguous() else rows.contiguous()
+def _exact_normuon(weight, gradient, momentum_buffer, second_moment, e, block, c, *, beta2, lr, weight_decay,
+                   momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn) -> None:
+    """torch.optim.Muon's single-tensor step (torch 2.14's ``_single_tensor_muon``) with NorMuon between
+    its Newton–Schulz (torch's own ``_zeropower_via_newtonschulz``) and the update."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    lr = scalar(lr)
+    momentum_buffer.lerp_(gradient, 1 - momentum)
+    update = gradient.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    orthogonal = _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+    orthogonal = apply_normuon(orthogonal, second_moment, e, block, c, beta2)
+    weight.mul_(1 - lr * weight_decay)
+    weight.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr_fn, weight.shape))
+
+
+def _contiguous_tile(matrix: torch.Tensor, rows: Block, cols: Block) -> torch.Tensor:
+    """The tile as one contiguous matrix: a view where it is contiguous, else a copy."""
+    tile = _take_tile(matrix, rows, cols)
+    return tile if tile.is_contiguous() else tile.contiguous()
 
 
 def _put_rows(matrix: torch.Tensor, block: Block, rows: torch.Tensor) -> None:
@@ -442,32 +605,41 @@ def _put_rows(matrix: torch.Tensor, block: Block, rows: torch.Tensor) -> None:
         offset += stop - start
 
 
+def _put_tile(matrix: torch.Tensor, rows: Block, cols: Block, tile: torch.Tensor) -> None:
+    for matrix_rows, matrix_cols, tile_rows, tile_cols in _tile_ranges(rows, cols):
+        matrix[matrix_rows, matrix_cols].copy_(tile[tile_rows, tile_cols])
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _orthogonalise_batch(
     members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
-    ns_coefficients, eps, adjust_lr_fn, ns_method,
+    ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments,
 ) -> None:
-    """One batch of equally shaped blocks: Nesterov input, bf16 stack, Newton–Schulz, update."""
-    stack = torch.empty((len(members), short, long), dtype=torch.bfloat16, device=params[members[0][0]].device)
-    for k, (i, e, b) in enumerate(members):
-        grad = _take_rows(_matrix(grads[i], e), blocks[i][b])
-        buffer = _take_rows(_matrix(momentum_buffers[i], e), blocks[i][b])
+    """One batch of equally shaped blocks: Nesterov input, stack in the iteration dtype (float16:
+    each block normalised in float32 first), Newton–Schulz, NorMuon, update."""
+    stack = torch.empty((len(members), short, long), dtype=dtype, device=params[members[0][0]].device)
+    scale = ns_input_scale(ns_method)
+    for k, (i, e, b, c) in enumerate(members):
+        grad = _take_tile(_matrix(grads[i], e), blocks[i][b], col_blocks[i][c])
+        buffer = _take_tile(_matrix(momentum_buffers[i], e), blocks[i][b], col_blocks[i][c])
         update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
-        stack[k].copy_(update.mT if update.shape[0] > update.shape[1] else update)
-    orthogonal = _orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps)
+        wide = update.mT if update.shape[0] > update.shape[1] else update
+        stack[k].copy_(wide if dtype is torch.bfloat16 else normalised(wide, eps, scale))
+    orthogonal = _orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps,
+                                      normalise=dtype is torch.bfloat16)
     del stack
-    for k, (i, e, b) in enumerate(members):
-        param, block = _matrix(params[i], e), blocks[i][b]
-        rows = block_rows(block)
-        update = orthogonal[k].mT if rows > param.shape[1] else orthogonal[k]
-        scale = adjusted_lr(lr, adjust_lr_fn, (rows, param.shape[1]))
-        offset = 0
-        for start, stop in block:
-            param[start:stop].add_(update[offset : offset + stop - start], alpha=-scale)
-            offset += stop - start
+    for k, (i, e, b, c) in enumerate(members):
+        param, block, col_block = _matrix(params[i], e), blocks[i][b], col_blocks[i][c]
+        rows, cols = block_rows(block), block_rows(col_block)
+        update = orthogonal[k].mT if rows > cols else orthogonal[k]
+        if normuon_beta2 is not None:
+            update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2)
+        step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
+        for matrix_rows, matrix_cols, tile_rows, tile_cols in _tile_ranges(block, col_block):
+            param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)
 
 
 def _matrix(tensor: torch.Tensor, index: int) -> torch.Tensor:
@@ -525,18 +697,20 @@ def orthogonalise(
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     ns_method: str = "torch",
+    ns_dtype: str = "bfloat16",
 ) -> list[torch.Tensor]:
-    """Newton–Schulz of whole bf16 2-D matrices (e.g. assembled from tensor-parallel shards), in bf16.
+    """Newton–Schulz of whole 2-D matrices (e.g. assembled from tensor-parallel shards), in ``ns_dtype``.
 
     ``"exact"``: each through ``torch.optim.Muon``'s own Newton–Schulz, which casts its input to bf16
     first, so a matrix given as the bf16 of Muon's input gets bitwise Muon's result. ``"batched"``:
-    equally shaped matrices (up to transposition) share batched calls, by ``ns_method``. The inputs
-    may be overwritten."""
+    equally shaped matrices (up to transposition) share batched calls, by ``ns_method`` (float16: each
+    normalised in float32 before it is rounded). The inputs may be overwritten."""
     check_method(ns_method, coefficients)
+    dtype = ns_torch_dtype(ns_dtype)
     if ns_mode == "exact":
-        if ns_method != "torch":
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
-                             f"got {ns_method!r}")
+        if ns_method != "torch" or dtype is not torch.bfloat16:
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch' and "
+                             f"ns_dtype 'bfloat16', got {ns_method!r}, {ns_dtype!r}")
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]
@@ -546,14 +720,31 @@ def orthogonalise(
     groups: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(matrices):
         groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
+    scale = ns_input_scale(ns_method)
     for (short, long), group in groups.items():
         for chosen in _stack_batches(group, short, long, ns_method, steps):
-            stack = torch.stack([matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i]
-                                 for i in chosen]).bfloat16()
-            result = _orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps)
+            wide = [matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i] for i in chosen]
+            if dtype is torch.bfloat16:
+                stack = torch.stack(wide).bfloat16()
+            else:
+                stack = torch.empty((len(chosen), short, long), dtype=dtype, device=wide[0].device)
+                for k, matrix in enumerate(wide):
+                    stack[k].copy_(normalised(matrix, eps, scale))
+            result = _orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
+                                          normalise=dtype is torch.bfloat16)
             for k, i in enumerate(chosen):
                 out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
     return out
+
+
+def local_tiles(rows: Block, cols: Block, *, tp_dim: int | None, tp_rank: int,
+                local_shape: Sequence[int]) -> list[tuple[slice, slice]]:
+    """The rectangles of a (row block, column block) pair of the full matrix that one tensor-parallel
+    shard of ``local_shape`` holds, in the shard's coordinates: a column-wise shard (``tp_dim`` 0) holds
+    a range of rows, a row-wise one (1) a range of columns, a replicated matrix (None) everything."""
+    local_rows = local_block_rows(rows, tp_dim=0 if tp_dim == 0 else None, tp_rank=tp_rank, local_rows=local_shape[0])
+    local_cols = local_block_rows(cols, tp_dim=0 if tp_dim == 1 else None, tp_rank=tp_rank, local_rows=local_shape[1])
+    return [(slice(r0, r1), slice(c0, c1)) for r0, r1, _ in local_rows for c0, c1, _ in local_cols]
 
 
 def local_block_rows(block: Block, *, tp_dim: int | None, tp_rank: int, local_rows: int) -> list[tuple[int, int, int]]:

@@ -32,10 +32,11 @@ from titan_dmuon.optimizer_state import adamw_initial_state, initialise_missing_
 from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
 from titan_dmuon.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.fsdp_ignore import check_left_alone
-from titan_dmuon.runtime.group_update import check_exact_mode
+from titan_dmuon.runtime.group_update import check_whole_matrix_rules
 from titan_dmuon.runtime.handle import handles_for
-from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
+from titan_dmuon.runtime.owner_update import SECOND_MOMENT, NSFigures, OwnerUpdate
 from titan_dmuon.runtime.step_schedule import StepSchedule
+from titan_dmuon.runtime.tensor_parallel_step import merged_second_moments
 
 
 class StepStat:
@@ -100,10 +101,12 @@ class DMuon(torch.optim.Optimizer):
                 group.update(merged.muon() if use_muon else merged.adamw())
                 groups.append(group)
         super().__init__(groups, {})
-        check_exact_mode(self.param_groups, self._handles)
+        # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
+        self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
+        check_whole_matrix_rules(self.param_groups, self._handles, ns_dtype=self.ns_dtype,
+                                 normuon_beta2=self.normuon_beta2)
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
-        self.ns_method = defaults.ns_method  # (a job key: not in the param groups, so not in checkpoints)
         self.qk_clip = None
         if defaults.qk_clip_threshold is not None:
             from titan_dmuon.qk_clip import QKClip
@@ -155,6 +158,12 @@ class DMuon(torch.optim.Optimizer):
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
                 packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+        if self.normuon_beta2 is not None or any(SECOND_MOMENT in s for s in self.state.values()):
+            params = [p for group in self.param_groups for p in group["params"]]
+            merged = merged_second_moments(self.state, params, self._handles)
+            for index, p in enumerate(params):
+                if id(p) in merged:
+                    packed["state"][index] = {**packed["state"][index], SECOND_MOMENT: merged[id(p)]}
         list_every_param(self, packed)
         return packed
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
+from titan_dmuon.runtime.owner_update import SECOND_MOMENT, second_moment_shape_of, zero_second_moment
+
 
 def adamw_initial_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
     """``torch.optim.AdamW``'s state of ``p`` before its first step."""
@@ -48,7 +50,8 @@ def keeps_momentum(handles, p: torch.Tensor) -> bool:
 
 def initialise_missing_state(optimizer) -> None:
     """Give each trainable parameter that has no state yet the zeros its first step would create
-    (the same values: a resumed run then equals the straight one bit for bit)."""
+    (the same values: a resumed run then equals the straight one bit for bit): AdamW's moments, the
+    Muon momentum, and with NorMuon (``optimizer.normuon_beta2``) its second moment."""
     handles = optimizer.dedicated_handles()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -57,7 +60,11 @@ def initialise_missing_state(optimizer) -> None:
             if not group["use_muon"]:
                 optimizer.state[p] = adamw_initial_state(p)
             elif keeps_momentum(handles, p):
-                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                state = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                shape = second_moment_shape_of(handles, p) if optimizer.normuon_beta2 is not None else None
+                if shape is not None:
+                    state[SECOND_MOMENT] = zero_second_moment(p, shape)
+                optimizer.state[p] = state
 
 
 def list_every_param(optimizer, packed: dict) -> None:

@@ -17,6 +17,7 @@ import torch
 from titan_dmuon.muon_math import (
     ADJUST_LR_FNS,
     NS_COEFFICIENTS,
+    NS_DTYPES,
     NS_EPS,
     NS_METHODS,
     NS_MODES,
@@ -78,6 +79,14 @@ class DMuonOptions:
     per-step schedule) or "gram" (the same, by Gram Newton–Schulz where that takes fewer FLOPs); see
     ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
     in checkpoints)."""
+    ns_dtype: Literal[NS_DTYPES] = "bfloat16"
+    """The Newton–Schulz iteration's dtype: "bfloat16" (torch.optim.Muon's) or "float16" (3 more mantissa
+    bits; the input normalised in float32 first), for every ns_method; ns_mode "exact" runs "bfloat16"
+    only. Job-wide (not a param-group option, not in checkpoints)."""
+    normuon_beta2: float | None = None
+    """NorMuon (arXiv 2510.05491): the decay of a per-row second moment of each Newton–Schulz output,
+    which rescales its rows (then its Frobenius norm back to the output's), over whole rows on the owner;
+    unset: Muon. Job-wide (not a param-group option); its state is in checkpoints."""
     adamw_lr: float = 1e-3
     """AdamW learning rate of the non-Muon parameters (with TorchTitan: of the catch-all param group,
     pattern ".*"; other param groups keep their own settings)."""
@@ -121,6 +130,13 @@ class DMuonOptions:
         if self.ns_mode == "exact" and self.ns_method != "torch":
             raise OptionError("ns_method", self.ns_method,
                               "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
+        if self.ns_dtype not in NS_DTYPES:
+            raise OptionError("ns_dtype", self.ns_dtype, f"one of {NS_DTYPES}")
+        if self.ns_mode == "exact" and self.ns_dtype != "bfloat16":
+            raise OptionError("ns_dtype", self.ns_dtype,
+                              "'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
+        if self.normuon_beta2 is not None and (not _is_number(self.normuon_beta2) or not 0.0 <= self.normuon_beta2 < 1.0):
+            raise OptionError("normuon_beta2", self.normuon_beta2, "a number in [0, 1), or unset (Muon)")
         if self.ns_method != "torch" and self.ns_coefficients != NS_COEFFICIENTS:
             raise OptionError("ns_coefficients", self.ns_coefficients,
                               f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own "
@@ -146,7 +162,9 @@ class DMuonOptions:
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DMuonOptions))
 ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 # One value for the whole optimizer, not per param group, kept out of the param groups and so out of
-# checkpoints: ns_method is how the step computes, not training state (a job may resume with another).
-JOB_KEYS = ("ns_method", "qk_clip_threshold", "qk_clip_alpha")
+# checkpoints: ns_method and ns_dtype are how the step computes, not training state (a job may resume with
+# another); normuon_beta2 is the job's choice of rule (its second moments are in the optimizer state, and a
+# job that resumes decides whether it uses them, not the checkpoint).
+JOB_KEYS = ("ns_method", "ns_dtype", "normuon_beta2", "qk_clip_threshold", "qk_clip_alpha")
 MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS and name not in JOB_KEYS)
 DEFAULTS = DMuonOptions()

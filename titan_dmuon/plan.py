@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from titan_dmuon.group_math import GRAM_REDUCE_BYTES, block_bounds, group_ns_flops
 from titan_dmuon.group_plan import Candidate, GroupOptions, gram_elements, place_groups, sizings
-from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops
+from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops, whole_columns
 
 
 def full_shape(shape: Sequence[int], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
@@ -40,33 +40,42 @@ class TPMatrix:
     """One matrix of the Muon step's tensor-parallel exchange as this rank holds it: ``shape`` is its
     shard, split along ``dim`` of the full matrix (0: column-wise parallel, 1: row-wise), or the whole
     matrix when ``dim`` is None (replicated: every TP rank holds it, e.g. a router); ``home`` is the tp
-    rank that runs its Newton–Schulz; ``blocks`` are rows of the full matrix."""
+    rank that runs its Newton–Schulz; ``blocks`` are rows of the full matrix and ``col_blocks`` its
+    columns: each (row block, column block) pair is one Newton–Schulz matrix."""
 
     shape: tuple[int, int]
     dim: int | None
     home: int
     blocks: tuple[Block, ...]
+    col_blocks: tuple[Block, ...]
+
+    def tiles(self) -> list[tuple[Block, Block]]:
+        """The (row block, column block) pairs of the full matrix, row blocks first."""
+        return [(rows, cols) for rows in self.blocks for cols in self.col_blocks]
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
 
-def tp_matrices(shape: Sequence[int], tp_dim: int | None, homes: Sequence[int], blocks) -> list[TPMatrix]:
+def tp_matrices(shape: Sequence[int], tp_dim: int | None, homes: Sequence[int], blocks, col_blocks) -> list[TPMatrix]:
     """The matrices of a TP shard of ``shape`` split along tensor dim ``tp_dim`` (None: replicated): one
     for a 2-D weight, one per expert for a stack ``(E, rows, cols)`` (``tp_dim`` 1 or 2), each with its
-    home from ``homes``."""
+    home from ``homes``; ``blocks`` and ``col_blocks`` of the full matrix."""
     matrix = tuple(shape[-2:])
     dim = None if tp_dim is None else tp_dim - (len(shape) - 2)
-    return [TPMatrix(shape=matrix, dim=dim, home=home, blocks=tuple(blocks)) for home in homes]
+    return [TPMatrix(shape=matrix, dim=dim, home=home, blocks=tuple(blocks), col_blocks=tuple(col_blocks))
+            for home in homes]
 
 
 @dataclass(frozen=True, kw_only=True)
 class MatrixSpec:
-    """One dedicated weight as every rank sees it: name, shape, layer unit, NS row blocks.
+    """One dedicated weight as every rank sees it: name, shape, layer unit, NS row (and column) blocks.
 
     A weight is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of E
-    independent matrices (MoE experts); ``blocks`` are the row blocks of each matrix.
+    independent matrices (MoE experts); ``blocks`` are the row blocks of each matrix,
+    ``col_blocks`` its column blocks (() : every column as one block); each (row block,
+    column block) pair is one Newton–Schulz matrix.
     """
 
     fqn: str
@@ -80,15 +89,22 @@ class MatrixSpec:
     ``tp_size`` > 1: replicated, every tp rank holds the whole weight and a partial sum of its
     gradient."""
     tp_size: int = 1
+    col_blocks: tuple[Block, ...] = ()
     groupable: bool = True
     """May be split over an owner group (False: a rule needs the whole matrix on one rank, e.g.
     QK-clip's per-head rescale); only 2-D weights of one NS block without tensor parallelism are."""
 
     @property
+    def column_blocks(self) -> tuple[Block, ...]:
+        """The column blocks of each (full) matrix: ``col_blocks``, or every column as one block."""
+        return self.col_blocks or whole_columns(self.full_shape)
+
+    @property
     def may_group(self) -> bool:
-        """Whether the plan may give it an owner group: a 2-D matrix, one NS block, no tensor
-        parallelism (a TP home stays one rank), not excluded by a rule (``groupable``)."""
-        return self.groupable and len(self.shape) == 2 and len(self.blocks) == 1 and not self.tensor_parallel
+        """Whether the plan may give it an owner group: a 2-D matrix, one NS block (no row or column
+        blocks), no tensor parallelism (a TP home stays one rank), not excluded by a rule (``groupable``)."""
+        return (self.groupable and len(self.shape) == 2 and len(self.blocks) == 1 and not self.col_blocks
+                and not self.tensor_parallel)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -115,7 +131,8 @@ class MatrixSpec:
         return self.shape[0] if len(self.shape) == 3 else 1
 
     def ns_flops(self, ns_steps: int = NS_STEPS) -> int:
-        return self.matrices * sum(ns_flops(block_rows(b), self.full_shape[-1], ns_steps) for b in self.blocks)
+        return self.matrices * sum(ns_flops(block_rows(b), block_rows(c), ns_steps)
+                                   for b in self.blocks for c in self.column_blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +178,7 @@ class PlanEntry(MatrixSpec):
         return (hi - lo) * self.shape[1 - self.group.long_dim]
 
     def tp_matrices(self) -> list[TPMatrix]:
-        return tp_matrices(self.shape, self.tp_dim, self.tp_homes, self.blocks)
+        return tp_matrices(self.shape, self.tp_dim, self.tp_homes, self.blocks, self.column_blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +193,7 @@ class LocalTPExperts:
     tp_homes: tuple[int, ...]
 
     def tp_matrices(self) -> list[TPMatrix]:
-        return tp_matrices(self.spec.shape, self.spec.tp_dim, self.tp_homes, self.spec.blocks)
+        return tp_matrices(self.spec.shape, self.spec.tp_dim, self.tp_homes, self.spec.blocks, self.spec.column_blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,10 +292,11 @@ class OwnershipPlan:
         """A hash of the whole plan: ``validate_across_ranks`` compares it between ranks."""
         payload = json.dumps(
             [self.replicate_size, self.shard_size, list(self.local_load)]
-            + [[e.fqn, e.shape, e.unit, e.blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes]
+            + [[e.fqn, e.shape, e.unit, e.blocks, e.col_blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes]
                + ([list(e.group.ranks), list(e.group.bounds), e.group.long_dim] if e.group else [])
                for e in self.entries]
-            + [[x.fqn, x.rank, x.first, x.spec.shape, x.spec.tp_dim, x.tp_homes] for x in self.local_tp_experts]
+            + [[x.fqn, x.rank, x.first, x.spec.shape, x.spec.col_blocks, x.spec.tp_dim, x.tp_homes]
+               for x in self.local_tp_experts]
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -374,8 +392,8 @@ def build_plan(
                          for e in range(count)]
     homes = _tp_homes(matrices)
     entries = tuple(
-        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
-                  groupable=s.groupable, owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes),
+        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, col_blocks=s.col_blocks, tp_dim=s.tp_dim,
+                  tp_size=s.tp_size, groupable=s.groupable, owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes),
                   group=owner_groups.get(i))
         for i, (s, o, c) in enumerate(zip(specs, owners, costs))
     )

@@ -47,6 +47,7 @@ class CommLabel(str, enum.Enum):
     TP_GRAD_REDUCE = "dmuon.tp_grad_reduce"  # a TP-replicated weight's partial gradients to its home
     GROUP_GRAM = "dmuon.group_gram"  # owner groups: each matrix's norm and Gram matrices summed over its group
     EXPORT = "dmuon.export"  # full_tensors(): every weight in full on every rank
+    CHECKPOINT = "dmuon.checkpoint"  # state_dict(): NorMuon's second moments of TP weights, merged on the TP group
     DMUON = "dmuon"  # not issued: selects every label above (``CommLedger.select(source=CommLabel.DMUON)``)
     OTHER = "other"  # not DMuon's: FSDP2, DDP, DTensor, the user's own collectives
 

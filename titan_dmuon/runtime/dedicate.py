@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan_dmuon.group_plan import GroupOptions
-from titan_dmuon.muon_math import Block, row_blocks
+from titan_dmuon.muon_math import Block, column_blocks, row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
@@ -71,6 +71,7 @@ def dedicate_params(
     mp_policy: MixedPrecisionPolicy | None = None,
     units: Sequence[nn.Module] | None = None,
     split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
+    split_cols: Mapping[nn.Parameter, Sequence[int]] | None = None,
     gradient_divide_factor: float | None = None,
     expert_sharding: str = "auto",
     initial_load: Sequence[int] | None = None,
@@ -111,6 +112,10 @@ def dedicate_params(
         split_rows: per parameter, the row blocks orthogonalised separately:
             row counts (``[q_rows, k_rows, v_rows]`` for a fused q/k/v weight)
             or per block a list of ``(start, stop)`` row ranges (interleaved layouts).
+        split_cols: per parameter, the column blocks orthogonalised separately, as ``split_rows``
+            over columns (e.g. an attention output projection: ``[head_dim] * n_heads``); with both,
+            every (row block, column block) pair is one Newton–Schulz matrix. Each block's update
+            gets the learning rate of its own shape, as a separate weight would (``adjusted_lr``).
         gradient_divide_factor: divide summed gradients by this; default the
             data-parallel world size (an average). TorchTitan, which normalises
             the loss by the global token count, uses 1.0.
@@ -133,8 +138,8 @@ def dedicate_params(
             e.g. a router) and of whose gradient each tp rank computes a partial sum (TorchTitan's
             spmd_types: a weight typed R, its gradient P; DMuon sums it over the TP group on the
             weight's NS home at the end of backward), given for every dedicated weight
-            (3-D weights left to FSDP2: only when TP splits their experts); ``split_rows`` then
-            names rows of the full matrix. Each weight has one data-parallel owner coordinate, whose
+            (3-D weights left to FSDP2: only when TP splits their experts); ``split_rows`` and
+            ``split_cols`` then name rows and columns of the full matrix. Each weight has one data-parallel owner coordinate, whose
             T tp ranks hold its T shards (or copies); in the Muon step each matrix (each expert) is
             assembled on one of them (its NS home) with an all-to-all on the TP group, orthogonalised
             there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
@@ -155,8 +160,8 @@ def dedicate_params(
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
     dedication = plan_dedication(module, params, mode, predicate=predicate, units=units, split_rows=split_rows,
-                                 initial_load=initial_load, tp_shard_dims=tp_shard_dims, owner_groups=owner_groups,
-                                 keep_whole=keep_whole)
+                                 split_cols=split_cols, initial_load=initial_load, tp_shard_dims=tp_shard_dims,
+                                 owner_groups=owner_groups, keep_whole=keep_whole)
     ctx = build_context(module, dedication, mode, mp_policy=mp_policy, gradient_divide_factor=gradient_divide_factor)
     handle = DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
                              mp_policy=mp_policy, local_experts=dedication.local_experts)
@@ -172,6 +177,7 @@ def plan_dedication(
     predicate: Predicate | None = None,
     units: Sequence[nn.Module] | None = None,
     split_rows: Mapping[nn.Parameter, Sequence[int]] | None = None,
+    split_cols: Mapping[nn.Parameter, Sequence[int]] | None = None,
     initial_load: Sequence[int] | None = None,
     tp_shard_dims: Mapping[nn.Parameter, int] | None = None,
     owner_groups: GroupOptions | None = None,
@@ -181,8 +187,8 @@ def plan_dedication(
     the request checked, the plan built and checked identical on every rank, this rank's members."""
     check_not_wrapped(module)
     sites = registration_sites(module)
-    split_rows = dict(split_rows or {})
-    requested = requested_params(chosen_params(module, params, predicate), sites, split_rows)
+    splits = Splits(rows=dict(split_rows or {}), cols=dict(split_cols or {}))
+    requested = requested_params(chosen_params(module, params, predicate), sites, splits.rows, splits.cols)
     tp_dims = checked_tp_dims(mode, requested, tp_shard_dims, sites)
     kept = [r for r in requested if _stays_local(mode, r.param)]
     dedicated = [r for r in requested if not _stays_local(mode, r.param)]
@@ -190,8 +196,8 @@ def plan_dedication(
     check_not_sharded(dedicated)
     unit_modules = assign_units(module, dedicated, units)
     whole = {id(p) for p in keep_whole}
-    specs, unit_index = build_specs(mode, dedicated, unit_modules, tp_dims, split_rows, whole)
-    local = local_experts(mode, module, kept, units, unit_index, tp_dims, split_rows)
+    specs, unit_index = build_specs(mode, dedicated, unit_modules, tp_dims, splits, whole)
+    local = local_experts(mode, module, kept, units, unit_index, tp_dims, splits)
     plan = plan_ownership(mode, specs, local, initial_load, owner_groups)
     modules_by_index = {unit_index[id(m)]: m for m in unit_modules}
     return Dedication(plan=plan, members=make_members(dedicated, plan, mode.mesh),
@@ -228,17 +234,26 @@ def _stays_local(mode: DedicationMode, p: nn.Parameter) -> bool:
     return p.ndim == 3 and mode.experts_stay_local(p.shape[0])
 
 
-def _row_blocks(mode: DedicationMode, r: Requested, tp_dims: dict, split_rows: Mapping) -> tuple[Block, ...]:
-    """The row blocks of ``r``'s (full) matrix, each orthogonalised on its own."""
-    try:
-        shape = full_shape(r.param.shape, tp_dims.get(id(r.param)), mode.tp.size if mode.tp else 1)
-        return tuple(row_blocks(shape[-2:], split_rows.get(r.param)))
-    except ValueError as e:
-        raise ValueError(f"parameter {r.fqn!r}: {e}") from None
+@dataclass(frozen=True)
+class Splits:
+    """``dedicate_params``' ``split_rows`` and ``split_cols``, by parameter."""
+
+    rows: dict
+    cols: dict
+
+    def blocks(self, mode: DedicationMode, r: Requested, tp_dims: dict) -> tuple[tuple[Block, ...], tuple[Block, ...]]:
+        """The row blocks of ``r``'s (full) matrix and its column blocks (() where it has no column split)."""
+        try:
+            shape = full_shape(r.param.shape, tp_dims.get(id(r.param)), mode.tp.size if mode.tp else 1)
+            rows = tuple(row_blocks(shape[-2:], self.rows.get(r.param)))
+            cols = tuple(column_blocks(shape[-2:], self.cols[r.param])) if r.param in self.cols else ()
+        except ValueError as e:
+            raise ValueError(f"parameter {r.fqn!r}: {e}") from None
+        return rows, cols
 
 
 def build_specs(
-    mode: DedicationMode, dedicated: list[Requested], unit_modules: list[nn.Module], tp_dims: dict, split_rows: Mapping,
+    mode: DedicationMode, dedicated: list[Requested], unit_modules: list[nn.Module], tp_dims: dict, splits: Splits,
     keep_whole: set[int] = frozenset(),
 ) -> tuple[list[MatrixSpec], dict[int, int]]:
     """The plan's spec of each dedicated weight, and {id(unit module): unit index} (first-seen order);
@@ -246,16 +261,16 @@ def build_specs(
     specs, unit_index = [], {}
     for r, unit_module in zip(dedicated, unit_modules):
         index = unit_index.setdefault(id(unit_module), len(unit_index))
-        specs.append(MatrixSpec(fqn=r.fqn, shape=tuple(r.param.shape), unit=index,
-                                blocks=_row_blocks(mode, r, tp_dims, split_rows), tp_dim=tp_dims.get(id(r.param)),
-                                tp_size=mode.tp.size if id(r.param) in tp_dims else 1,
+        blocks, col_blocks = splits.blocks(mode, r, tp_dims)
+        specs.append(MatrixSpec(fqn=r.fqn, shape=tuple(r.param.shape), unit=index, blocks=blocks, col_blocks=col_blocks,
+                                tp_dim=tp_dims.get(id(r.param)), tp_size=mode.tp.size if id(r.param) in tp_dims else 1,
                                 groupable=id(r.param) not in keep_whole))
     return specs, unit_index
 
 
 def local_experts(
     mode: DedicationMode, module: nn.Module, kept: list[Requested], units, unit_index: dict[int, int], tp_dims: dict,
-    split_rows: Mapping,
+    splits: Splits,
 ) -> list[LocalExperts]:
     """The expert stacks left in place, each with the unit of its layer (a layer without dedicated
     weights gets a number after the units)."""
@@ -265,9 +280,9 @@ def local_experts(
         index = unit_index.get(id(unit_module))
         if index is None:
             index = len(unit_index) + local_units.setdefault(id(unit_module), len(local_units))
-        blocks = _row_blocks(mode, r, tp_dims, split_rows)
-        out.append(LocalExperts(fqn=r.fqn, module=r.module, name=r.name, blocks=blocks, tp_dim=tp_dims.get(id(r.param)),
-                                unit=index))
+        blocks, col_blocks = splits.blocks(mode, r, tp_dims)
+        out.append(LocalExperts(fqn=r.fqn, module=r.module, name=r.name, blocks=blocks, col_blocks=col_blocks,
+                                tp_dim=tp_dims.get(id(r.param)), unit=index))
     return out
 
 
@@ -278,8 +293,9 @@ def plan_ownership(
     """The plan, balanced against the NS load the ranks already have (experts kept in place, other
     handles' ``initial_load``), and checked identical on every rank (a collective)."""
     mesh = mode.mesh
-    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(e.param.shape), unit=e.unit, blocks=e.blocks, tp_dim=e.tp_dim,
-                                 tp_size=mode.tp.size) for e in local if e.tp_dim is not None]
+    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(e.param.shape), unit=e.unit, blocks=e.blocks,
+                                 col_blocks=e.col_blocks, tp_dim=e.tp_dim, tp_size=mode.tp.size)
+                      for e in local if e.tp_dim is not None]
     load = local_expert_load(local, mesh.replicate_size, mesh.shard_size) if local else [0] * mesh.world_size
     if initial_load is not None:
         if len(initial_load) != mesh.world_size:

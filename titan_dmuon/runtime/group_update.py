@@ -153,18 +153,33 @@ class GroupedWeight:
     member: Member
 
 
-def check_exact_mode(param_groups: list[dict], handles: list) -> None:
-    """ValueError (on every rank: the plan and the param groups are the same everywhere) when a param
-    group with ``ns_mode`` "exact" holds a weight of an owner group."""
+def check_whole_matrix_rules(param_groups: list[dict], handles: list, *, ns_dtype: str,
+                             normuon_beta2: float | None) -> None:
+    """ValueError (on every rank: the plan and the options are the same everywhere) when a weight of an
+    owner group is to get a rule that needs its whole matrix on one rank: ``ns_mode`` "exact" (a param
+    group's), NorMuon's per-row statistics, or the float16 iteration (the group's Newton–Schulz runs in
+    bf16)."""
+    rules = [(lambda g: g["ns_mode"] == "exact", "ns_mode 'exact' is torch.optim.Muon's own update on one owner",
+              "or use ns_mode 'batched'")]
+    if normuon_beta2 is not None:
+        rules.append((lambda g: True, "NorMuon (normuon_beta2) normalises each row of the whole orthogonalised "
+                      "matrix on one owner", "or leave normuon_beta2 unset"))
+    if ns_dtype != "bfloat16":
+        rules.append((lambda g: True, f"ns_dtype {ns_dtype!r} iterates on one owner (an owner group's "
+                      "Newton–Schulz runs in bfloat16)", "or use ns_dtype 'bfloat16'"))
     for group in param_groups:
-        if group.get("use_muon") and group["ns_mode"] == "exact":
+        if not group.get("use_muon"):
+            continue
+        for applies, rule, other in rules:
+            if not applies(group):
+                continue
             for p in group["params"]:
                 member = next((m for h in handles if (m := h.member_of(p)) is not None), None)
                 if member is not None and member.group is not None:
                     raise ValueError(
-                        f"ns_mode 'exact' is torch.optim.Muon's own update on one owner, and the plan split "
-                        f"{member.fqn!r} over an owner group of {member.group.size} ranks: dedicate with "
-                        "owner_groups=None (TorchTitan: optimizer.owner_groups = false), or use ns_mode 'batched'")
+                        f"{rule}, and the plan split {member.fqn!r} over an owner group of {member.group.size} "
+                        "ranks: dedicate with owner_groups=None (TorchTitan: optimizer.owner_groups = false, which "
+                        f"these settings imply there), {other}")
 
 
 def update_grouped(rule, group: dict, weights: list[GroupedWeight], owner_groups: OwnerGroups) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_dmuon.muon_math import Block, block_rows, ns_flops
+from titan_dmuon.muon_math import Block, block_rows, ns_flops, whole_columns
 from titan_dmuon.plan import OwnerGroup, OwnershipPlan, PlanEntry
 
 
@@ -64,6 +64,7 @@ class LocalExperts:
     blocks: tuple[Block, ...]  # row blocks of each expert's matrix (of the full matrix under tensor parallelism)
     tp_dim: int | None = None  # tensor parallelism splits each expert (dim 1 or 2 of the stack): NS on a TP home
     unit: int = 0  # the layer it belongs to (the index of that layer's unit when it has one)
+    col_blocks: tuple[Block, ...] = ()  # column blocks of each expert's matrix (() : every column)
 
     @property
     def param(self) -> nn.Parameter:
@@ -72,8 +73,8 @@ class LocalExperts:
 
     def expert_flops(self) -> int:
         """NS FLOPs of one expert's matrix."""
-        shape = self.param.shape
-        return sum(ns_flops(block_rows(b), shape[-1]) for b in self.blocks)
+        cols = self.col_blocks or whole_columns(self.param.shape)
+        return sum(ns_flops(block_rows(b), block_rows(c)) for b in self.blocks for c in cols)
 
 
 @dataclass(eq=False)

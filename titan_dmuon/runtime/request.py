@@ -82,22 +82,25 @@ def _predicate_fn(predicate: Predicate) -> Callable[[str, nn.Parameter], bool]:
     return lambda name, p: pattern.search(name) is not None
 
 
-def requested_params(params: Iterable[nn.Parameter], sites: Sites, split_rows: Mapping) -> list[Requested]:
+def requested_params(params: Iterable[nn.Parameter], sites: Sites, split_rows: Mapping,
+                     split_cols: Mapping = ()) -> list[Requested]:
     """Each of ``params`` checked (a trainable 2-D or 3-D parameter of the model, registered once,
-    listed once, not dedicated yet) with where it is registered; ``split_rows`` names only them."""
+    listed once, not dedicated yet) with where it is registered; ``split_rows`` and ``split_cols``
+    name only them."""
     requested: list[Requested] = []
     seen: set[int] = set()
     for p in params:
         requested.append(_checked_param(p, sites, seen))
         seen.add(id(p))
-    for p in split_rows:
-        if id(p) not in seen:
-            where = sites.get(id(p))
-            label = repr(where[0][0]) if where else f"of shape {tuple(p.shape)}"
-            raise ValueError(
-                f"split_rows names the parameter {label}, which is not among the parameters being dedicated; "
-                "give split_rows only for parameters you pass to dedicate_params"
-            )
+    for name, split in (("split_rows", split_rows), ("split_cols", split_cols)):
+        for p in split:
+            if id(p) not in seen:
+                where = sites.get(id(p))
+                label = repr(where[0][0]) if where else f"of shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"{name} names the parameter {label}, which is not among the parameters being dedicated; "
+                    f"give {name} only for parameters you pass to dedicate_params"
+                )
     return requested
 
 

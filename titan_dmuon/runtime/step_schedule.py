@@ -136,8 +136,7 @@ class StepSchedule:
                         f"{experts.fqn}: this rank holds {weight.shape[0]} experts but the plan expects "
                         f"{len(chunk.tp_homes)} (FSDP2's dim-0 shards of the stack, ceil(E/N) per rank)"
                     )
-                item = TPItem(param=p, weight=weight, grad=_local(p.grad), matrices=chunk.tp_matrices(),
-                              full_cols=chunk.spec.full_shape[-1])
+                item = TPItem(param=p, weight=weight, grad=_local(p.grad), matrices=chunk.tp_matrices())
                 by_layer.setdefault(experts.unit, Job([])).add(group, [item])
         order = [u.index for u in handle.step_units()]
         layers = sorted(by_layer, key=lambda u: (order.index(u) if u in order else len(order), u))
@@ -152,7 +151,7 @@ class StepSchedule:
                 experts = next((e for h in self.handles if (e := h.local_expert_of(p)) is not None), None)
                 if experts is not None and experts.tp_dim is None and p.grad is not None:
                     weights.append(OwnedWeight(param=p, tensor=whole_local_experts(p), grad=_local(p.grad),
-                                               blocks=experts.blocks))
+                                               blocks=experts.blocks, col_blocks=experts.col_blocks))
             if weights:
                 self.rule.update(group, weights)
 
@@ -176,9 +175,8 @@ def _dedicated_item(p: torch.Tensor, member):
     if member.group is not None:
         return GroupedWeight(param=p, grad=p.grad, member=member)
     if not member.entry.tensor_parallel:
-        return OwnedWeight(param=p, tensor=p, grad=p.grad, blocks=member.entry.blocks)
-    return TPItem(param=p, weight=p, grad=p.grad, matrices=member.entry.tp_matrices(),
-                  full_cols=member.entry.full_shape[-1])
+        return OwnedWeight(param=p, tensor=p, grad=p.grad, blocks=member.entry.blocks, col_blocks=member.entry.col_blocks)
+    return TPItem(param=p, weight=p, grad=p.grad, matrices=member.entry.tp_matrices())
 
 
 def pipeline_chunks(units: list) -> list[list]:

@@ -10,8 +10,10 @@ of matrices (of at most ``tensor_parallel_step.MAX_EXCHANGE_BYTES``):
 1. ``send_to_homes``: every TP rank sends the bf16 Newton–Schulz input of its shards to each
    matrix's home (one all-to-all on the TP group; a replicated matrix's home has its input already);
 2. ``orthogonalise_at_homes``: each home assembles its matrices (shards concatenated along their
-   split dim), orthogonalises every row block, and sends each rank its shard of the result (the
-   whole result of a replicated matrix): one all-to-all back;
+   split dim), orthogonalises every (row block, column block) pair, applies the optimizer's rule to
+   each result where it has one (NorMuon, whose statistics cover whole rows: exact here, where the
+   whole matrix is), and sends each rank its shard of the result (the whole result of a replicated
+   matrix), in the Newton–Schulz dtype: one all-to-all back;
 3. ``received``: this rank's shards of the results.
 
 The step runs these for consecutive batches of matrices as a pipeline (``tensor_parallel_step.py``:
@@ -40,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_dmuon.muon_math import _put_rows, _take_rows
+from titan_dmuon.muon_math import _put_tile, _take_tile
 from titan_dmuon.plan import TPMatrix
 from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch, comm_source
 from titan_dmuon.runtime.members import Member
@@ -102,10 +104,11 @@ class TensorParallelNewtonSchulz:
         matrices: Sequence[TPMatrix],
         shards: Sequence[torch.Tensor | None],
         orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        **at_homes,
     ) -> tuple[list[torch.Tensor], int]:
         """The three steps at once: this rank's shards of the orthogonalised matrices, and the number
-        of Newton–Schulz matrices (row blocks) it ran."""
-        back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), orthogonalise_fn)
+        of Newton–Schulz matrices (blocks) it ran (``at_homes``: ``orthogonalise_at_homes``' options)."""
+        back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), orthogonalise_fn, **at_homes)
         return self.received(back), back.ns_matrices
 
     def send_to_homes(self, matrices: Sequence[TPMatrix], shards: Sequence[torch.Tensor | None]) -> Exchange:
@@ -126,11 +129,16 @@ class TensorParallelNewtonSchulz:
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, own=own)
 
     def orthogonalise_at_homes(
-        self, sent: Exchange, orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+        self, sent: Exchange, orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
+        dtype: torch.dtype = torch.bfloat16, rule: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
     ) -> Exchange:
         """Wait for ``sent``, orthogonalise the matrices homed here, send each rank its shards.
+
         ``sent``'s buffers are dropped once read (the current stream, which reuses their memory,
-        waited for their transfer)."""
+        waited for their transfer). ``orthogonalise_fn`` returns its results in ``dtype`` (the
+        Newton–Schulz dtype, what travels back; the same on every rank). ``rule(i, t, result)``: what
+        the optimizer does to the result of tile ``t`` (``TPMatrix.tiles`` order) of ``matrices[i]``
+        before it travels back (NorMuon), or None."""
         size, me, matrices = self.tp.size, self.tp.rank, sent.matrices
         sent.in_flight.wait()
         homed = [i for i, m in enumerate(matrices) if m.home == me]
@@ -147,20 +155,26 @@ class TensorParallelNewtonSchulz:
             start += matrix.numel
         sent.sent = sent.received = None
         sent.own = {}
-        blocks = [(k, block) for k, i in enumerate(homed) for block in matrices[i].blocks]
-        results = orthogonalise_fn([_take_rows(full[k], block).contiguous() for k, block in blocks]) if blocks else []
-        for (k, block), result in zip(blocks, results):
-            if len(matrices[homed[k]].blocks) == 1:
-                full[k] = result
-            else:
-                _put_rows(full[k], block, result)
-        parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(full, homed)]
-        send = torch.cat(parts) if parts else self._empty()
-        received = send.new_empty(sum(m.numel for m in matrices))
+        tiles = [(k, t, rows, cols) for k, i in enumerate(homed) for t, (rows, cols) in enumerate(matrices[i].tiles())]
+        inputs = [_take_tile(full[k], rows, cols).contiguous() for k, _, rows, cols in tiles]
+        results = orthogonalise_fn(inputs) if tiles else []
+        out: list[torch.Tensor | None] = [None] * len(full)
+        for (k, t, rows, cols), result in zip(tiles, results):
+            if rule is not None:
+                result = rule(homed[k], t, result)
+            if len(matrices[homed[k]].tiles()) == 1 and result.dtype == dtype:
+                out[k] = result  # (the whole matrix)
+                continue
+            if out[k] is None:  # (the assembled matrix itself where it has the dtype: every input was taken)
+                out[k] = full[k] if full[k].dtype == dtype else torch.empty(full[k].shape, dtype=dtype, device=full[k].device)
+            _put_tile(out[k], rows, cols, result)
+        parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(out, homed)]
+        send = torch.cat(parts) if parts else self._empty(dtype)
+        received = send.new_empty(sum(m.numel for m in matrices), dtype=dtype)
         per_destination = sum(matrices[i].numel for i in homed)
         in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
                                 [per_destination] * size)
-        return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(blocks))
+        return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(tiles))
 
     def received(self, back: Exchange) -> list[torch.Tensor]:
         """Wait for ``back``: this rank's shards of the results, in ``matrices`` order (views of its buffer)."""
@@ -184,9 +198,9 @@ class TensorParallelNewtonSchulz:
         return [sum(m.numel for m in matrices if m.home == home and not (sharded_only and m.dim is None))
                 for home in range(self.tp.size)]
 
-    def _empty(self) -> torch.Tensor:
-        """Nothing to send (Newton–Schulz inputs are bf16)."""
-        return torch.empty(0, dtype=torch.bfloat16, device=self.streams.device)
+    def _empty(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Nothing to send (Newton–Schulz inputs are bf16, results in the Newton–Schulz dtype)."""
+        return torch.empty(0, dtype=dtype, device=self.streams.device)
 
     def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream, which waits for an event recorded now on the current

@@ -8,8 +8,9 @@ data moved between them by ``TensorParallelNewtonSchulz`` (``tensor_parallel.py`
    home (a replicated weight's momentum and input live on its home only, the one rank with its summed
    gradient: ``GradientReducer``);
 2. ``_orthogonalise``: on each home, Newton–Schulz of the matrices assembled there (timed from when
-   their shards are there), the results sent back;
-3. ``_apply``: weight decay and each row block's update on this rank's shards.
+   their shards are there; NorMuon on each result, ``OwnerUpdate.home_rule``), the results sent back in
+   the Newton–Schulz dtype;
+3. ``_apply``: weight decay and each block's update on this rank's shards.
 
 The schedule hands it each job's weights (``submit``) and the batches go through as a pipeline: batch
 k+1's shards are sent before batch k's Newton–Schulz, and batch k's results are applied after batch
@@ -39,9 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_dmuon.plan import TPMatrix
-from titan_dmuon.runtime.owner_update import OwnerUpdate
+from titan_dmuon.runtime.comm import CommLabel, comm_source
+from titan_dmuon.runtime.owner_update import SECOND_MOMENT, OwnerUpdate
 from titan_dmuon.runtime.tensor_parallel import Exchange, TensorParallelNewtonSchulz
 
 MAX_EXCHANGE_BYTES = 64 * 2**20  # of one exchange's matrices (exchange_bytes), as MAX_STACK_BYTES caps NS stacks
@@ -58,13 +62,12 @@ def exchange_bytes(matrix: TPMatrix, tp_size: int) -> int:
 class TPItem:
     """A weight in the step's tensor-parallel exchange: the registered parameter (the optimizer
     state's key), what this rank updates of it (the TP shard, or its local experts' shards), the
-    gradient of that, its matrices (one per expert) and the full matrix's columns (the lr rule)."""
+    gradient of that, and its matrices (one per expert, with the blocks of the full matrix)."""
 
     param: torch.Tensor
     weight: torch.Tensor
     grad: torch.Tensor
     matrices: list
-    full_cols: int
 
 
 @dataclass(eq=False)
@@ -163,7 +166,7 @@ class TensorParallelStep:
                 inputs += [None] * len(part.matrices)  # (a replicated weight: its momentum lives on its home)
                 continue
             inputs += self.rule.momentum_inputs(batch.group, part.item.param, part.item.grad,
-                                                slice(part.first, part.stop))
+                                                slice(part.first, part.stop), part.item.matrices)
         batch.exchange = self.exchange.send_to_homes(matrices, inputs)
 
     def _orthogonalise(self, batch: _Batch) -> None:
@@ -176,15 +179,58 @@ class TensorParallelStep:
                 return newton_schulz(matrices)
 
         sent, batch.exchange = batch.exchange, None
-        batch.exchange = self.exchange.orthogonalise_at_homes(sent, timed)
+        owners = [(part.item, k) for part in batch.parts for k in range(part.first, part.stop)]
+        batch.exchange = self.exchange.orthogonalise_at_homes(sent, timed, dtype=self.rule.result_dtype,
+                                                              rule=self.rule.home_rule(owners))
         figures.matrices += batch.exchange.ns_matrices
 
     def _apply(self, batch: _Batch) -> None:
-        """Weight decay and each row block's update (scaled for the full block) on this rank's shards."""
+        """Weight decay and each block's update (scaled for the block of the full matrix) on this rank's shards."""
         updates = iter(self.exchange.received(batch.exchange))
         for part in batch.parts:
-            self.rule.apply_shards(batch.group, part.weight, part.matrices, updates, full_cols=part.item.full_cols,
-                                   tp_rank=self.exchange.tp.rank)
+            self.rule.apply_shards(batch.group, part.weight, part.matrices, updates, tp_rank=self.exchange.tp.rank)
         batch.exchange = None
         if batch.then is not None:
             batch.then()
+
+
+def merged_second_moments(state: dict, params: list, handles: list) -> dict[int, torch.Tensor]:
+    """NorMuon's second moments of tensor-parallel weights as a checkpoint holds them: whole on every rank
+    of the TP group, by ``id(param)``. Each home keeps the rows of the matrices it orthogonalises (its
+    experts of a stack, the whole of a matrix it homes) and the other ranks' copies are stale there, so
+    each rank contributes its homes' rows and zeros, and one SUM all-reduce on the TP group per weight
+    (checkpoints only) gives every rank the same whole value: DCP writes it once and loads it into any
+    layout (a weight's rows are its full matrix's). ``params``: in the same order on every rank of a TP
+    group (the optimizer's param groups); weights TP replicates keep theirs on their home only."""
+    merged = {}
+    for p in params:
+        moment = state.get(p, {}).get(SECOND_MOMENT)
+        found = _tp_homes_of(p, handles)
+        if moment is None or found is None:
+            continue
+        tp, homes = found
+        local = moment.to_local() if isinstance(moment, DTensor) else moment
+        mine = torch.tensor([home == tp.rank for home in homes], dtype=local.dtype, device=local.device)
+        summed = local * (mine.view(-1, *([1] * (local.ndim - 1))) if local.ndim == 3 else mine[0])
+        with comm_source(CommLabel.CHECKPOINT):
+            dist.all_reduce(summed, group=tp.group)
+        merged[id(p)] = (DTensor.from_local(summed, moment.device_mesh, moment.placements, run_check=False,
+                                            shape=moment.shape, stride=moment.stride())
+                         if isinstance(moment, DTensor) else summed)
+    return merged
+
+
+def _tp_homes_of(p: torch.Tensor, handles: list):
+    """(the TP group, each local matrix's home) of a TP-split weight: a dedicated one's, or the local
+    experts of a stack FSDP2 keeps; None for anything else (and for weights TP replicates)."""
+    for handle in handles:
+        tp = handle.mode.tp
+        if tp is None:
+            continue
+        member = handle.member_of(p)
+        if member is not None:
+            return (tp, member.entry.tp_homes) if member.entry.tp_dim is not None else None
+        experts = handle.local_expert_of(p)
+        if experts is not None and experts.tp_dim is not None and experts.fqn in handle.local_tp_experts:
+            return tp, handle.local_tp_experts[experts.fqn].tp_homes
+    return None

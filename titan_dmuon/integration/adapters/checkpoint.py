@@ -14,6 +14,10 @@ everywhere rather than a hang in DCP's collectives:
   (a checkpoint of another model is named by its first differing keys);
 * a checkpoint written by another optimizer (e.g. AdamW) loads weights, step,
   data position and LR schedule, with fresh optimizer state and a warning;
+* NorMuon's second moments (``normuon_second_moment``) that a checkpoint does not
+  hold (written by a job without NorMuon, or with other Newton–Schulz blocks,
+  ``ns_blocks``) start at zero, as in a new job, with a warning; the rest of the
+  optimizer state loads (a job without NorMuon ignores a checkpoint's);
 * the data position can only be loaded at the data-parallel degree it was
   saved with (TorchTitan keeps one dataloader state per dp rank and cannot
   reshard it): after a change of layout the job stops with one line naming
@@ -34,6 +38,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchtitan.components.checkpoint import DATALOADER, OPTIMIZER, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
+
+from titan_dmuon.runtime.owner_update import SECOND_MOMENT
 
 DMUON_GROUP_MARKER = ".use_muon"  # a param-group key only DMuon writes
 _DATALOADER_RANK_KEY = re.compile(rf"^{DATALOADER}\.dp_rank_(\d+)$")  # one per data-parallel rank
@@ -99,7 +105,37 @@ def checked_state_dict(state_dict: dict, checkpoint_id: str, *, replica_groups: 
                 "step, data position and LR schedule; the optimizer state (momentum, Adam moments) starts fresh."
             )
             state_dict = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+        elif ours:
+            state_dict = {**state_dict, OPTIMIZER: FreshSecondMoments(state_dict[OPTIMIZER], metadata, checkpoint_id)}
     return state_dict
+
+
+class FreshSecondMoments:
+    """The optimizers as DCP loads them (a Stateful), without the NorMuon second moments the checkpoint
+    does not hold as this job has them (missing, or of another shape): DCP would fail on them. Left out,
+    the optimizers' own load drops them, and the next step makes them zero: a defined start."""
+
+    def __init__(self, optimizers, metadata, checkpoint_id: str) -> None:
+        self.optimizers, self.saved, self.checkpoint_id = optimizers, metadata.state_dict_metadata, checkpoint_id
+
+    def state_dict(self) -> dict:
+        own = self.optimizers.state_dict()
+        fresh = [k for k, v in own.items() if k.endswith("." + SECOND_MOMENT) and not self._holds(k, v)]
+        if fresh:
+            logger.warning(
+                f"checkpoint {self.checkpoint_id} holds no NorMuon second moment of this job's shape for "
+                f"{len(fresh)} weight(s) (e.g. {fresh[0].removeprefix('state.').removesuffix('.' + SECOND_MOMENT)}): it "
+                "was written without optimizer.normuon_beta2, or with another optimizer.ns_blocks; they start at "
+                "zero, as in a new job, and the rest of the optimizer state loads."
+            )
+        return {k: v for k, v in own.items() if k not in fresh}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+    def _holds(self, key: str, value) -> bool:
+        entry = self.saved.get(f"{OPTIMIZER}.{key}")
+        return isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(value.shape)
 
 
 def _writes_dmuon_state(optimizers) -> bool:

@@ -52,6 +52,8 @@ from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
 from titan_dmuon.runtime import canonical_fqn
 
 ADAMW_EXAMPLE = "train_configs/debug_model_adamw.toml"
+# Muon-family keys only DMuon runs (the benchmarks' naive_muon baseline does not): their off values
+DMUON_ONLY_DEFAULTS = {"normuon_beta2": None, "ns_dtype": "bfloat16", "ns_blocks": "matrix"}
 
 
 class ConfigError(ValueError):
@@ -141,6 +143,12 @@ def validate_dmuon(
                 check_model(config.model_spec)
             except (NotImplementedError, ModelNotSupported) as e:
                 raise ConfigError(f"{names.source('optimizer', 'name', text=str(e))}{e}") from None
+        for key, default in DMUON_ONLY_DEFAULTS.items():
+            if opt.name != DMUON and getattr(opt, key) != default:
+                raise ConfigError(
+                    f"{names.key('optimizer', key)} = {getattr(opt, key)!r} applies to optimizer.name = 'dmuon' only "
+                    f"({opt.name!r} does not run it); leave it unset or use name = 'dmuon'"
+                )
         if opt.qk_clip_threshold is not None:
             key = names.key("optimizer", "qk_clip_threshold")
             if opt.name != DMUON:
@@ -416,6 +424,8 @@ def _validate_against_model(config, world_size: int | None, names: Naming) -> li
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
     if opt.name == DMUON and opt.qk_clip_threshold is not None:
         _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
+    if opt.name == DMUON and opt.ns_blocks != "matrix":
+        _validate_head_blocks(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
     if experts and _fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
                                                    for m in model.modules() if hasattr(m, "routed_experts")):
@@ -445,6 +455,29 @@ def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1
                 f"{key} = {opt.qk_clip_threshold!r}: QK-clip rescales {name} on its Muon owner after the update, but "
                 f"{names.key('optimizer', 'muon_params')} leaves it to AdamW; add it to the Muon targets"
             )
+
+
+def _validate_head_blocks(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1) -> None:
+    """Per-head Newton–Schulz needs attention whose head layout it knows, and some of its projections on Muon."""
+    from titan_dmuon.integration.training.attention_heads import HeadBlocksNotSupported, head_blocks
+
+    key, model_name = names.key("optimizer", "ns_blocks"), f"the {spec.name} {spec.flavor} model"
+    try:
+        blocks = head_blocks(model, tp_size=tp)
+    except HeadBlocksNotSupported as e:
+        raise ConfigError(f"{key} = {opt.ns_blocks!r} with {model_name}: {e}; use ns_blocks = \"matrix\"") from None
+    weights = [*blocks.split_rows, *blocks.split_cols]
+    if not weights:
+        raise ConfigError(f"{key} = {opt.ns_blocks!r}: {model_name} has no attention module to split by heads; "
+                          "use ns_blocks = \"matrix\"")
+    names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    patterns = [re.compile(p) for p in opt.muon_params]
+    if not any(any(p.search(names_of.get(id(w), "")) for p in patterns) for w in weights):
+        raise ConfigError(
+            f"{key} = {opt.ns_blocks!r}: none of {model_name}'s attention projections is on Muon "
+            f"({names.key('optimizer', 'muon_params')}), so no weight would be split by heads; add them or use "
+            "ns_blocks = \"matrix\""
+        )
 
 
 def meta_model(config, names: Naming = PYTHON_NAMES) -> nn.Module:

@@ -100,7 +100,7 @@ def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
                 out.append(QKClipAttention.separate(inner, wq=qkv.wq.weight, wk=qkv.wk.weight, **common))
             else:
                 raise QKClipNotSupported(f"attention {fqn!r}: q/k projection {type(qkv).__name__} has no known row layout")
-        elif _is_mla(module):
+        elif is_mla(module):
             wq = module.wq if module.q_lora_rank == 0 else module.wq_b
             out.append(QKClipAttention.mla(
                 inner, wq=wq.weight, wkv_b=module.wkv_b.weight, n_heads=module.n_heads // tp_size,
@@ -115,7 +115,8 @@ def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
     return out
 
 
-def _is_mla(module: nn.Module) -> bool:
+def is_mla(module: nn.Module) -> bool:
+    """DeepSeek-V3's multi-head latent attention (also kimi_k2_7's), recognised by its attributes."""
     return all(hasattr(module, a) for a in ("wkv_b", "wkv_a", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"))
 
 

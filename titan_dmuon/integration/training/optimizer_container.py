@@ -33,6 +33,7 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
+from titan_dmuon.integration.training.attention_heads import NS_BLOCKS
 from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.optimizer import DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
@@ -43,7 +44,7 @@ from titan_dmuon.runtime.streams import DeviceTimer
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
 # (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
 DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients", "eps"))
-DEDICATION_KEYS = ("muon_params", "reshard_after_forward", "owner_groups", "owner_group_node_size",
+DEDICATION_KEYS = ("muon_params", "reshard_after_forward", "ns_blocks", "owner_groups", "owner_group_node_size",
                    "owner_group_ns_tflops")
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
@@ -120,6 +121,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
         reshard_after_forward: bool | None = None
         """DMuon Z3 (true) or Z2 (false); unset mirrors parallelism.fsdp_reshard_after_forward."""
+        ns_blocks: Literal[NS_BLOCKS] = "matrix"
+        """Newton–Schulz blocks of the attention projections: "matrix" (each weight whole; a fused wqkv as
+        q, k, v) or "heads" (each head's rows of q, k, v, fused wqkv and MLA's wq/wq_b/wkv_b, and its
+        columns of the output projection, orthogonalised on their own)."""
         owner_groups: bool = True
         """Let the plan split a dominant weight's Newton–Schulz and storage over a few ranks of its shard group
         where its cost model says it pays (docs/owner-groups.md); false: one owner per weight."""

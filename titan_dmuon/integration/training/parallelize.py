@@ -52,19 +52,24 @@ class DedicationSettings:
     reshard_after_forward: bool | None = None  # None: mirror FSDP's setting
     owner_groups: GroupOptions | None = None  # None: one owner per weight
     keep_whole: tuple[str, ...] = ()  # regexes of Muon targets that keep one owner (a rule reads them whole)
+    ns_blocks: str = "matrix"  # "heads": attention projections orthogonalised per head (attention_heads.py)
 
     @staticmethod
     def of(optimizer_config) -> DedicationSettings:
-        """What the dedication reads of DMuon's optimizer config: owner groups unless turned off or
-        ``ns_mode`` is "exact" (torch.optim.Muon's own update, on one owner), attention weights kept
-        whole under QK-clip."""
+        """What the dedication reads of DMuon's optimizer config: owner groups unless turned off or a rule
+        needs each whole matrix on one rank (``ns_mode`` "exact": torch.optim.Muon's own update; NorMuon's
+        per-row statistics; float16 iteration, which the group's Newton–Schulz does not run), attention
+        weights kept whole under QK-clip, the Newton–Schulz blocks of the attention projections."""
         groups = None
-        if optimizer_config.owner_groups and optimizer_config.ns_mode != "exact":
+        whole_matrix_rules = (optimizer_config.ns_mode == "exact" or optimizer_config.normuon_beta2 is not None
+                              or optimizer_config.ns_dtype != "bfloat16")
+        if optimizer_config.owner_groups and not whole_matrix_rules:
             groups = GroupOptions(node_size=optimizer_config.owner_group_node_size,
                                   ns_tflops=optimizer_config.owner_group_ns_tflops)
         return DedicationSettings(
             muon_params=tuple(optimizer_config.muon_params), reshard_after_forward=optimizer_config.reshard_after_forward,
             owner_groups=groups, keep_whole=(ATTENTION_PARAMS,) if optimizer_config.qk_clip_threshold is not None else (),
+            ns_blocks=optimizer_config.ns_blocks,
         )
 
 
@@ -248,9 +253,7 @@ class _Dedication:
                 reduce_dtype=TORCH_DTYPE_MAP[self.training.mixed_precision_reduce],
                 cast_forward_inputs=False,
             ),
-            split_rows={
-                p: blocks for p, blocks in fused_qkv_blocks(model, degrees.tp).items() if any(p is t for t in targets)
-            },
+            **self._splits(targets),
             gradient_divide_factor=1.0,  # TorchTitan normalises the loss by the global token count
             expert_sharding=expert_sharding(model, degrees),
             initial_load=[sum(load) for load in zip(*(h.plan.ns_flops_per_rank for h in self.earlier_parts))] or None,
@@ -259,6 +262,19 @@ class _Dedication:
             owner_groups=self.settings.owner_groups,
             keep_whole=[p for p in targets if any(re.search(k, names_of[id(p)]) for k in self.settings.keep_whole)],
         )
+
+    def _splits(self, targets: list) -> dict:
+        """``dedicate_params``' ``split_rows`` and ``split_cols`` for the Muon targets: a fused wqkv's q, k
+        and v, or (``ns_blocks = "heads"``) each head's blocks of the attention projections."""
+        target_ids = {id(t) for t in targets}
+        rows, cols = fused_qkv_blocks(self.model, self.degrees.tp), {}
+        if self.settings.ns_blocks == "heads":
+            from titan_dmuon.integration.training.attention_heads import head_blocks
+
+            heads = head_blocks(self.model, self.degrees.tp)
+            rows, cols = {**rows, **heads.split_rows}, heads.split_cols
+        return {"split_rows": {p: b for p, b in rows.items() if id(p) in target_ids},
+                "split_cols": {p: b for p, b in cols.items() if id(p) in target_ids}}
 
 
 def tensor_parallel_dim(fqn: str, param) -> int | None:
