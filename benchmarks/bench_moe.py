@@ -18,9 +18,9 @@ of steps 2+ (step 1 pays for warm-up); communication and launches per rank per
 step come from the CommLedger (``count_all_comm``; launches as NCCL runs them,
 see bench_debug_model.py);
 loss is the last step's. Prints a table (and its markdown) and writes
-bench_out/moe.png. By default each configuration initialises its own weights
-from ``[debug] seed``: TorchTitan's AdamW and naive_muon start alike, DMuon
-from other weights (step-1 loss 7.669 vs 7.660); ``--seed-checkpoint``
+bench_out/moe.png. By default each configuration initialises its weights from
+``[debug] seed`` (DMuon's same-seed initialisation gives it TorchTitan's own
+initial model: the same step-1 loss as AdamW's); ``--seed-checkpoint``
 starts all three from one TorchTitan seed checkpoint (costs a ~1.3 GB write
 and a load per run). ``--ns-methods``: one DMuon row per Newton–Schulz method ("DMuon" is "torch"'s,
 "DMuon gram" ``ns_method = "gram"``'s).

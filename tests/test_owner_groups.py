@@ -161,6 +161,34 @@ def test_a_dominant_matrix_over_an_owner_group_trains_as_torch_muon(pool4, mode,
     assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
 
 
+def _train_groups_accumulating(rank, world, sync, groups):
+    data = batches(STEPS)
+    setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=groups,
+                       opt_kwargs=ADAMW_EPS)
+    train(setup, data, rank, world, accumulate=2, sync=sync)
+    big = next(e for e in setup.handle.plan.entries if e.fqn.endswith("big.weight"))
+    return {"state": full_state(setup), "group": None if big.group is None else big.group.size,
+            "held": setup.handle.holds_unreduced_gradients}
+
+
+@pytest.mark.parametrize("sync", ["last", "deferred"])
+def test_owner_groups_accumulate_and_reduce_once_as_pipelining_does(pool4, sync):
+    """Z3, 4 ranks, two micro-batches per step with DMuon's gradient sync off until the last
+    (FSDP2's gradient accumulation: "last") or off for both and one ``reduce_gradients()`` after them
+    (a pipeline stage's pattern: "deferred"): each block's gradient is summed on its member and reduced
+    once, and the weights match single-process torch.optim.Muon + AdamW on the whole batch and the
+    one-owner job within GROUP_TOLERANCE (a block left unreduced, or reduced twice, is off by its
+    whole gradient)."""
+    grouped = pool4.run(_train_groups_accumulating, sync, TINY_GROUPS)[0]
+    alone = pool4.run(_train_groups_accumulating, sync, None)[0]
+    assert grouped["group"] is not None and alone["group"] is None
+    assert not grouped["held"] and not alone["held"]
+    reference, _, _ = reference_train(dominant_model(), batches(STEPS), targets_fn=dominant_targets,
+                                      adamw={**ADAMW, **ADAMW_EPS})
+    assert max_diff(grouped["state"], reference) <= GROUP_TOLERANCE
+    assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
+
+
 def _ledger_of_groups(rank, world, mode):
     """DMuon's elements per step on this rank (2 steps recorded after 2 warm-up steps), by label."""
     from titan_dmuon import CommLedger

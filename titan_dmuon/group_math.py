@@ -46,6 +46,7 @@ from titan_dmuon.muon_math import (
     _symmetric_matmul,
     check_method,
     gram_restarts,
+    gram_segments,
     ns_input_scale,
     ns_schedule,
     symmetric_flops,
@@ -209,23 +210,8 @@ def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce) -> torch.Tenso
     Large matrices go one at a time (2-D symmetric products), as there."""
     restarts = set(gram_restarts(len(schedule)))
     levels = symmetric_levels(x.size(-2))
-    gram = summed_gram(x, all_reduce, levels)
-    product = None
-    for step, (a, b, c) in enumerate(schedule):
-        if step in restarts:
-            x = product @ x
-            gram = summed_gram(x, all_reduce, levels)
-            product = None
-        z = _batched_symmetric(gram, gram, levels, add=gram, beta=b, alpha=c)
-        if product is None:
-            product = z.clone()
-            product.diagonal(dim1=-2, dim2=-1).add_(a)
-        else:
-            product = _batched_symmetric(product, z, levels, add=product, beta=a)
-        if step + 1 < len(schedule) and step + 1 not in restarts:
-            rz = _batched_symmetric(gram, z, levels, add=gram, beta=a)
-            gram = _batched_symmetric(z, rz, levels, add=rz, beta=a)
-    return product @ x
+    return gram_segments(x, schedule, restarts, gram_of=lambda y: summed_gram(y, all_reduce, levels),
+                         symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw))
 
 
 def _batched_symmetric(a: torch.Tensor, b: torch.Tensor, levels: int, **kwargs) -> torch.Tensor:

@@ -221,22 +221,31 @@ def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | Non
         for i in range(x.size(0)):
             out[i] = _gram_newton_schulz(x[i], schedule, restarts)
         return out
-    gram = _symmetric_matmul(x, x.mT, levels)
+    return gram_segments(x, schedule, restarts, gram_of=lambda y: _symmetric_matmul(y, y.mT, levels),
+                         symmetric=lambda a, b, **kw: _symmetric_matmul(a, b, levels, **kw))
+
+
+def gram_segments(x: torch.Tensor, schedule, restarts, *, gram_of, symmetric) -> torch.Tensor:
+    """Gram Newton–Schulz's short-space loop (``_gram_newton_schulz``'s notes): R = ``gram_of(X)`` at the
+    start and at each restart, Q and R updated by ``symmetric(a, b, add=, beta=, alpha=)`` (beta add +
+    alpha a @ b, known symmetric), Q X at each restart and at the end. An owner group passes its summed
+    Gram matrix (``group_math``): the rest of the loop is the same on one owner and on a member."""
+    gram = gram_of(x)
     product = None  # Q
     for step, (a, b, c) in enumerate(schedule):
         if step in restarts:
             x = product @ x
-            gram = _symmetric_matmul(x, x.mT, levels)
+            gram = gram_of(x)
             product = None
-        z = _symmetric_matmul(gram, gram, levels, add=gram, beta=b, alpha=c)
+        z = symmetric(gram, gram, add=gram, beta=b, alpha=c)
         if product is None:
             product = z.clone()
             product.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            product = _symmetric_matmul(product, z, levels, add=product, beta=a)
+            product = symmetric(product, z, add=product, beta=a)
         if step + 1 < len(schedule) and step + 1 not in restarts:
-            rz = _symmetric_matmul(gram, z, levels, add=gram, beta=a)
-            gram = _symmetric_matmul(z, rz, levels, add=rz, beta=a)
+            rz = symmetric(gram, z, add=gram, beta=a)
+            gram = symmetric(z, rz, add=rz, beta=a)
     return product @ x
 
 
