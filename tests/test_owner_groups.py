@@ -161,10 +161,13 @@ def test_a_dominant_matrix_over_an_owner_group_trains_as_torch_muon(pool4, mode,
     assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
 
 
-def _train_groups_accumulating(rank, world, sync, groups):
+def _train_groups_accumulating(rank, world, sync, groups, bf16=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     data = batches(STEPS)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=groups,
-                       opt_kwargs=ADAMW_EPS)
+                       opt_kwargs=ADAMW_EPS, mp_policy=policy)
     train(setup, data, rank, world, accumulate=2, sync=sync)
     big = next(e for e in setup.handle.plan.entries if e.fqn.endswith("big.weight"))
     return {"state": full_state(setup), "group": None if big.group is None else big.group.size,
@@ -178,7 +181,8 @@ def test_owner_groups_accumulate_and_reduce_once_as_pipelining_does(pool4, sync)
     (a pipeline stage's pattern: "deferred"): each block's gradient is summed on its member and reduced
     once, and the weights match single-process torch.optim.Muon + AdamW on the whole batch and the
     one-owner job within GROUP_TOLERANCE (a block left unreduced, or reduced twice, is off by its
-    whole gradient)."""
+    whole gradient). In bf16 with fp32 reduces the same job equals the one that reduces every
+    micro-batch (planted: the fp32 accumulator dropping the second micro-batch fails the "deferred" case)."""
     grouped = pool4.run(_train_groups_accumulating, sync, TINY_GROUPS)[0]
     alone = pool4.run(_train_groups_accumulating, sync, None)[0]
     assert grouped["group"] is not None and alone["group"] is None
@@ -187,6 +191,12 @@ def test_owner_groups_accumulate_and_reduce_once_as_pipelining_does(pool4, sync)
                                       adamw={**ADAMW, **ADAMW_EPS})
     assert max_diff(grouped["state"], reference) <= GROUP_TOLERANCE
     assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
+    # bf16 compute, fp32 reduce: the micro-batches' gradients add up in fp32 accumulators (FSDP2's no-sync),
+    # and the step equals the one that reduced each micro-batch (the same sums in another order)
+    each = pool4.run(_train_groups_accumulating, "each", TINY_GROUPS, True)[0]
+    accumulated = pool4.run(_train_groups_accumulating, sync, TINY_GROUPS, True)[0]
+    assert accumulated["group"] is not None and not accumulated["held"]
+    assert max_diff(accumulated["state"], each["state"]) <= TOLERANCE
 
 
 def _ledger_of_groups(rank, world, mode):
