@@ -73,7 +73,9 @@ class StepSchedule:
                 if owned:
                     self.rule.update(group, owned)
                 grouped = [w for w in items if isinstance(w, GroupedWeight)]
-                if grouped:  # (its members run it together: the same list on each)
+                if grouped:  # (its members run it together: the same list on each). No TP pipeline is in flight
+                    # here: a tp mesh makes every weight TP (check_tp_dims_complete), and TP weights get no group
+                    # (MatrixSpec.may_group), so these sends never pass a unit's deferred broadcast on NCCL
                     self.rule.update_grouped(group, grouped, handle.owner_groups)
                 sharded = [w for w in items if isinstance(w, TPItem)]
                 if sharded:  # (the same list on every rank of the TP group)
