@@ -68,7 +68,7 @@ fi
 # Check the config once, before any worker starts (each worker checks it again, but when one rank
 # fails first torchrun kills the others before rank 0 logs why): one line, exit status 2.
 if [ "${TITAN_DMUON_PRECHECK:-1}" != "0" ]; then
-  WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titan_dmuon.integration.check "${JOB[@]}" "$@" || exit $?
+  WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titan_dmuon.integration.config.check "${JOB[@]}" "$@" || exit $?
 fi
 
 CMD=("$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${LAUNCH[@]}"

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from titan_dmuon.muon_math import NS_METHODS  # noqa: E402
+from titan_dmuon.math.ns_methods import NS_METHODS  # noqa: E402
 
 ADAMW = 'name = "AdamW"\nlr = 8e-4'
 NAIVE = 'name = "naive_muon"\nlr = 0.05\nadamw_lr = 8e-4'

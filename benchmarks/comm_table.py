@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
 from titan_dmuon import CommLedger, baseline_elements_per_rank  # noqa: E402
-from titan_dmuon.cost_model import design_elements_per_rank  # noqa: E402
+from titan_dmuon.plan.cost_model import design_elements_per_rank  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets  # noqa: E402
 

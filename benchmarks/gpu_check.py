@@ -9,7 +9,7 @@ TorchTitan-free core; the TorchTitan rows are skipped there with one line saying
 
 (a) The bf16 matmul peak of this GPU, then Newton–Schulz on one layer of llama3 8B and 70B
     shapes: ``torch.optim.Muon``'s per-matrix iteration, and DMuon's batched ``orthogonalise``
-    once per method in ``muon_math.NS_METHODS``: ms, TFLOP/s and their share of that peak.
+    once per method in ``ns_math.NS_METHODS``: ms, TFLOP/s and their share of that peak.
 (1) One coalesced broadcast + reduce ``Launch`` on a real 1-rank NCCL group with
     DMuon's size-1 shortcut bypassed, behind a ``torch.cuda._sleep`` on its side
     stream: one launch, the host not blocked, the compute stream waits, values, no sync.
@@ -62,7 +62,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from titan_dmuon import muon_math  # noqa: E402
+from titan_dmuon.math import muon_update  # noqa: E402
+from titan_dmuon.math import ns_methods as ns_math  # noqa: E402
 
 BUDGET_S = 470  # the whole check, every subprocess included (8 minutes, less a margin)
 BUDGET_SPENT = "SKIPPED: the 8-minute budget is spent"
@@ -102,7 +103,7 @@ def time_ms(fn, device, reps: int = 3) -> float:
 
 def ns_methods() -> tuple[str, ...]:
     """The Newton–Schulz methods of ``muon_math`` ("torch" first); ("torch",) where it names none."""
-    return tuple(getattr(muon_math, "NS_METHODS", ("torch",)))
+    return tuple(getattr(ns_math, "NS_METHODS", ("torch",)))
 
 
 def with_method(fn, method: str):
@@ -161,8 +162,8 @@ def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3, *, peak
 def _time_newton_schulz(matrices, method: str, ns_mode: str, device, reps: int) -> tuple[float, bool, int]:
     """(ms per call, every output finite, FLOPs) of ``orthogonalise`` on ``matrices`` (bf16; the
     per-matrix path normalises them in place, which leaves them the same matrices up to scale)."""
-    orthogonalise = with_method(muon_math.orthogonalise, method) if ns_mode == "batched" else muon_math.orthogonalise
-    flops = sum(with_method(muon_math.ns_flops, method)(*m.shape) for m in matrices)
+    orthogonalise = with_method(muon_update.orthogonalise, method) if ns_mode == "batched" else muon_update.orthogonalise
+    flops = sum(with_method(ns_math.ns_flops, method)(*m.shape) for m in matrices)
     outputs: list = []
 
     def run():

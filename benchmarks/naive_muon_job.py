@@ -23,9 +23,9 @@ from titan_dmuon.integration import cpu
 cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 
 from titan_dmuon.integration.assets import ensure_debug_assets  # noqa: E402
-from titan_dmuon.integration.doors.toml_file import load_config  # noqa: E402
+from titan_dmuon.integration.config.toml_file import load_config  # noqa: E402
 from titan_dmuon.integration.names import NAIVE_MUON  # noqa: E402
-from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer  # noqa: E402
+from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.testing.baselines import NaiveFSDPMuon  # noqa: E402
 
 CONFIG_FILE_ENV = "NAIVE_MUON_CONFIG_FILE"

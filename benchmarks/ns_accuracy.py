@@ -9,12 +9,12 @@ For each (short, long) shape of those models' Muon matrices (a matrix and its tr
 Newton–Schulz problem) and each input: Gaussian; "real", the momentum buffers of TorchTitan's llama3
 debug model after a few torch.optim.Muon steps on the bundled dataset (debug shapes); rank 16; condition
 number 1e6; a zero matrix; a single nonzero entry. For torch.optim.Muon's own Newton–Schulz (per matrix)
-and each ``muon_math.NS_METHODS`` method (batched): the smallest and largest singular value of the output
+and each ``ns_methods.NS_METHODS`` method (batched): the smallest and largest singular value of the output
 (over the input's rank) and its relative Frobenius distance from the exact polar factor (float64: from the
 known factors of the constructed inputs, from the eigendecomposition of M Mᵀ for Gaussian ones, an SVD for
 the real ones; U_r V_rᵀ for rank r). Whether every output is finite and a zero matrix gives zero is checked
 on every row. ``--restarts`` adds Gram Newton–Schulz with its authors' float16 default (one restart, before
-step 2) and with restarts before steps 2 and 4, the rows behind ``muon_math.gram_restarts``.
+step 2) and with restarts before steps 2 and 4, the rows behind ``ns_methods.gram_restarts``.
 
 Each method also runs in float16 (``ns_dtype="float16"``: normalised in float32, then every product in
 float16), a column each; a second table gives, per shape and input, the largest magnitude any float16
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from titan_dmuon import muon_math  # noqa: E402
+from titan_dmuon.math import ns_methods  # noqa: E402
 
 # (short, long) of the Newton–Schulz matrices (tests/..., from the models built on the meta device)
 SHAPES = {
@@ -80,7 +80,7 @@ def debug_model_momenta(steps: int = 5, seed: int = 0) -> list[torch.Tensor]:
     import torchtitan.models.llama3 as llama3
 
     from titan_dmuon.integration.assets import dataset_dir, ensure_debug_assets, tokenizer_dir
-    from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
+    from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
 
     root = ensure_debug_assets(os.path.join(ROOT, "assets", "debug"))
     tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir(root), "tokenizer.json"))
@@ -146,18 +146,18 @@ def runs(short: int, long: int, restarts: bool):
     """(label, fn: bf16 (1, short, long) -> output) for each method."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    out = [("torch.optim.Muon", lambda x: _zeropower_via_newtonschulz(x[0], muon_math.NS_COEFFICIENTS, 5, 1e-7)[None])]
-    out += [(m, lambda x, m=m: muon_math.newton_schulz(x, ns_method=m)) for m in muon_math.NS_METHODS]
-    out += [(f"{m}, float16", lambda x, m=m: muon_math.newton_schulz(x, ns_method=m, ns_dtype="float16"))
-            for m in muon_math.NS_METHODS]
-    if restarts and muon_math.uses_gram(short, long):
-        schedule = muon_math.ns_schedule("gram", 5)
+    out = [("torch.optim.Muon", lambda x: _zeropower_via_newtonschulz(x[0], ns_methods.NS_COEFFICIENTS, 5, 1e-7)[None])]
+    out += [(m, lambda x, m=m: ns_methods.newton_schulz(x, ns_method=m)) for m in ns_methods.NS_METHODS]
+    out += [(f"{m}, float16", lambda x, m=m: ns_methods.newton_schulz(x, ns_method=m, ns_dtype="float16"))
+            for m in ns_methods.NS_METHODS]
+    if restarts and ns_methods.uses_gram(short, long):
+        schedule = ns_methods.ns_schedule("gram", 5)
 
         def gram_with(chosen):
             def run(x):
                 x = x.bfloat16()  # (a copy: x is float32)
-                muon_math._normalise_(x, muon_math.NS_EPS, muon_math.POLAR_EXPRESS_SAFETY)
-                return muon_math._gram_newton_schulz(x, schedule, restarts=chosen)
+                ns_methods._normalise_(x, ns_methods.NS_EPS, ns_methods.POLAR_EXPRESS_SAFETY)
+                return ns_methods._gram_newton_schulz(x, schedule, restarts=chosen)
             return run
 
         out += [("gram, restart before 2", gram_with((2,))), ("gram, restarts before 2, 4", gram_with((2, 4)))]
@@ -181,7 +181,7 @@ class Float16Peak(TorchDispatchMode):
 
 def below_float16_normal(matrix: torch.Tensor) -> float:
     """The share of the normalised matrix's nonzero entries below float16's smallest normal number."""
-    x = muon_math.normalised(matrix.float())
+    x = ns_methods.normalised(matrix.float())
     nonzero = x[x != 0]
     return float((nonzero.abs() < torch.finfo(torch.float16).tiny).float().mean()) if nonzero.numel() else 0.0
 
@@ -230,7 +230,7 @@ def main() -> None:
     shapes = sorted({s for group in args.shapes for s in SHAPES[group]})
     started = time.monotonic()
     real = debug_model_momenta() if any(s in SHAPES["debug"] for s in shapes) else []
-    labels = [label for label, _ in runs(*max(shapes, key=lambda s: muon_math.uses_gram(*s)), args.restarts)]
+    labels = [label for label, _ in runs(*max(shapes, key=lambda s: ns_methods.uses_gram(*s)), args.restarts)]
     print(f"Newton–Schulz (5 steps, bf16; the float16 columns in float16) vs the exact polar factor U Vᵀ, {device.type}, "
           f"torch {torch.__version__}: "
           "per method, the output's smallest–largest singular value (over the input's rank) / "

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_dmuon.muon_math import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz  # noqa: E402
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz  # noqa: E402
 
 SHAPES = [(16, 32), (32, 16), (8, 8), (96, 32), (48, 32), (64, 64), (128, 64), (64, 256), (256, 768), (512, 256)]
 BATCHES = [1, 2, 3, 4, 5, 6, 8, 12, 16]

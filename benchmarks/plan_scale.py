@@ -42,10 +42,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.plan_reference import reference_build_plan  # noqa: E402
-from titan_dmuon.group_math import GRAM_REDUCE_BYTES, packed_numel  # noqa: E402
-from titan_dmuon.group_plan import H200_BF16_TFLOPS, GroupOptions  # noqa: E402
-from titan_dmuon.muon_math import NS_STEPS  # noqa: E402
-from titan_dmuon.plan import MatrixSpec, build_plan  # noqa: E402
+from titan_dmuon.math.group_newton_schulz import GRAM_REDUCE_BYTES, packed_numel  # noqa: E402
+from titan_dmuon.plan.owner_groups import H200_BF16_TFLOPS, GroupOptions  # noqa: E402
+from titan_dmuon.math.ns_methods import NS_STEPS  # noqa: E402
+from titan_dmuon.plan.specs import MatrixSpec  # noqa: E402
+from titan_dmuon.plan.ownership import build_plan
 
 
 def llama3_405b_specs() -> list[MatrixSpec]:

@@ -34,9 +34,9 @@ def main() -> None:
 
     from torchtitan.models.llama3 import model_registry
 
-    from titan_dmuon.integration.training.attention_clip import attention_descriptions
-    from titan_dmuon.qk_clip import _capture
-    from titan_dmuon.qk_clip_math import clip_factors, role_exponent, row_map, scale_rows
+    from titan_dmuon.integration.models.attention_clip import attention_descriptions
+    from titan_dmuon.optim.qk_clip import _capture
+    from titan_dmuon.math.qk_clip_factors import clip_factors, role_exponent, row_map, scale_rows
 
     config = model_registry("debugmodel").model
     cpu.use_sdpa_attention(config)

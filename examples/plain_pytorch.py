@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from titan_dmuon import CommLedger, DMuon, clip_grad_norm_, dedicate_params, wrap_ddp
-from titan_dmuon.cost_model import design_elements_per_rank
+from titan_dmuon.plan.cost_model import design_elements_per_rank
 from titan_dmuon.testing.toy_model import ToyConfig, ToyTransformer, loss_fn, muon_targets
 
 

@@ -28,20 +28,20 @@ SHORT = 3  # shorter literals (": ", ", ") say nothing
 # Sites whose message is another error's, raised at a site of its own (the key: module, enclosing
 # function, exception class).
 PASSED_ON = {
-    ("titan_dmuon/integration/doors/toml_file.py", "load_config", "ConfigError"):
+    ("titan_dmuon/integration/config/toml_file.py", "load_config", "ConfigError"):
         "finalize's ConfigError (TorchTitan's own checks of the whole config), the file's name put first",
-    ("titan_dmuon/integration/doors/toml_file.py", "_base_config", "ConfigError"):
+    ("titan_dmuon/integration/config/toml_file.py", "_base_config", "ConfigError"):
         "config_function's ValueError ([model] name or flavor), with where the value was set",
-    ("titan_dmuon/integration/doors/values.py", "_convert_union", "ValueError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_literal", "ValueError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_sequence", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_bool", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_int", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_float", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/doors/values.py", "_convert_str", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/prepare/validation.py", "validate_dmuon", "ConfigError"):
+    ("titan_dmuon/integration/config/values.py", "_convert_union", "ValueError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_literal", "ValueError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_sequence", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_bool", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_int", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_float", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_str", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/validation/optimizer_section.py", "validate_optimizer", "ConfigError"):
         "check_supported's NotImplementedError or check_model's ModelNotSupported, named as the door names settings",
-    ("titan_dmuon/integration/prepare/validation.py", "_validate_expert_parallelism", "ConfigError"):
+    ("titan_dmuon/integration/config/validation/parallelism_section.py", "validate_expert_parallelism", "ConfigError"):
         "expert_parallel_limit's message after the door's section name",
 }
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.config_registry import llama3_debugmodel_dmuon_ft  # noqa: F401 (TorchTitan's --config)
-from titan_dmuon.integration.training.fault_tolerance import DMuonFaultTolerantTrainer
+from titan_dmuon.integration.distributed.fault_tolerance import DMuonFaultTolerantTrainer
 
 _RECORD = os.environ.get("FT_TEST_RECORD")
 _PAUSE = os.environ.get("FT_TEST_PAUSE")

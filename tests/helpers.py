@@ -394,7 +394,7 @@ def allocation_peak(fn) -> int:
     return peak
 
 
-# ---- Newton–Schulz methods, written here independently of titan_dmuon.muon_math ---------------------------------
+# ---- Newton–Schulz methods, written here independently of titan_dmuon.math ---------------------------------
 # Polar Express (arXiv 2505.16932, Algorithm 1): the degree-5 polynomial of each step, the last one repeated.
 PAPER_POLAR_EXPRESS = [
     (8.28721201814563, -23.595886519098837, 17.300387312530933),

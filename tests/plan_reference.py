@@ -1,5 +1,5 @@
 """The ownership plan as ``build_plan`` built it before its heap, written independently of
-``titan_dmuon.plan``: for every weight, longest first, a scan of every rank for the least-loaded
+``titan_dmuon.plan.ownership``: for every weight, longest first, a scan of every rank for the least-loaded
 one (O(M x R)). ``tests/test_plan.py`` compares the plans with it; ``benchmarks/plan_scale.py``
 times it as the "before" column."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from titan_dmuon.muon_math import NS_STEPS
-from titan_dmuon.plan import MatrixSpec, OwnershipPlan, PlanEntry
+from titan_dmuon.math.ns_methods import NS_STEPS
+from titan_dmuon.plan.specs import MatrixSpec, PlanEntry
+from titan_dmuon.plan.ownership import OwnershipPlan
 
 
 def reference_owners(costs: Sequence[int], world_size: int, initial_load: Sequence[int] | None = None) -> list[int]:

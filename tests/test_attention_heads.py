@@ -13,8 +13,8 @@ import torch
 
 from tests import titan_harness
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.training.attention_heads import HeadBlocksNotSupported, head_blocks
-from titan_dmuon.muon_math import column_blocks, row_blocks
+from titan_dmuon.integration.models.attention_heads import HeadBlocksNotSupported, head_blocks
+from titan_dmuon.math.matrix_blocks import column_blocks, row_blocks
 
 DIM = 64  # the tiny models' (titan_harness)
 

@@ -22,8 +22,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 from tests.helpers import (  # noqa: E402
     ADAMW, MUON, Counter, baseline, merge_rank_states, batches, distribute, full_state, local_slice, make_mesh, toy_model,
 )
-from titan_dmuon.integration.adapters.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
-from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import CheckpointError, DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.testing.toy_model import loss_fn  # noqa: E402
 
 STEPS = 6

@@ -18,10 +18,10 @@ from titan_dmuon.integration import cpu
 cpu.enable()  # before anything imports TorchTitan's trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
-from titan_dmuon.integration.check import check, main  # noqa: E402
-from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
-from titan_dmuon.integration.prepare.finalize import prepare_for_build  # noqa: E402
-from titan_dmuon.integration.prepare.validation import validate_dmuon  # noqa: E402
+from titan_dmuon.integration.config.check import check, main  # noqa: E402
+from titan_dmuon.integration.config.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.config.finalize import prepare_for_build  # noqa: E402
+from titan_dmuon.integration.config.validation.validate import validate_dmuon  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = "train_configs/debug_model.toml"
@@ -85,7 +85,7 @@ def test_integration_modules_import_each_other_without_a_cycle():
                     # ``from titan_dmuon.integration[.pkg] import x``: x is a module when it is one
                     deps |= {f"{inner}.{a.name}".lstrip(".") for a in node.names} | {inner}
             graph[name] = deps - {name, ""}
-    assert {"doors.python_config", "training.trainer", "cpu"} <= set(graph)  # the walk found the modules
+    assert {"config.python_config", "trainer", "cpu"} <= set(graph)  # the walk found the modules
 
     def reaches(start, target, seen=()):
         return any(d == target or (d not in seen and reaches(d, target, (*seen, d))) for d in graph.get(start, ()))
@@ -183,7 +183,7 @@ def test_prelaunch_check_prints_one_line_last_and_exits_2(capsys, monkeypatch):
     err = capsys.readouterr().err.rstrip("\n")
     assert "Unrecognized options" in err.rsplit("\n", 1)[0]  # TorchTitan's own message first
     assert err.rsplit("\n", 1)[1].startswith("config error: command line: Unrecognized options: --stepz, 3")
-    from titan_dmuon.integration.check import _summary_of_box
+    from titan_dmuon.integration.config.check import _summary_of_box
 
     box = ("╭─ Invalid choice ────────╮\n│ invalid choice 'x' for argument '--a.b'. Expected  │\n│ one of ('p', 'q'). │\n"
            "│ ────────────────── │\n│ For full helptext, run check.py --help │\n╰────────────────╯\n")
@@ -409,7 +409,7 @@ def test_cuda_graph_warning_only_after_overrides_and_where_capture_could_happen(
 
 
 def test_no_two_modules_of_the_package_share_a_base_name():
-    """titan_dmuon/optimizer.py and integration/optimizer.py (and two qk_clip.py) held different things
+    """titan_dmuon/optim/optimizer.py and integration/optimizer.py (and two qk_clip.py) held different things
     under one name: a newcomer (and a traceback) could not tell them apart. Base names are unique."""
     seen = {}
     for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
@@ -490,7 +490,7 @@ def test_naive_muon_is_one_line_before_launch_outside_its_config_module(tmp_path
     import torch
 
     from titan_dmuon.integration.names import NAIVE_MUON
-    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
 
     job = importlib.import_module("benchmarks.naive_muon_job")  # (imported first: it must not change the product)
     monkeypatch.setenv("WORLD_SIZE", "2")

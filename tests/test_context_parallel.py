@@ -19,6 +19,7 @@ import torch
 from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 
 from tests.helpers import TOLERANCE, full_parameters, merge_rank_states  # noqa: E402
+from titan_dmuon.integration.distributed import context_parallel  # noqa: E402
 
 STEPS = 3
 LAYERS = 2
@@ -34,7 +35,7 @@ def test_head_tail_order_puts_chunks_r_and_2w_minus_1_minus_r_on_rank_r():
     """The positions each cp rank holds, as TorchTitan's cp_shard cuts a sequence of 8 over 2 ranks with
     its default head-tail load balancer (chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and
     2), and over 2 ranks without one."""
-    from titan_dmuon.integration.training.attention_clip import load_balanced_order
+    from titan_dmuon.integration.models.attention_clip import load_balanced_order
 
     assert load_balanced_order("headtail", 2, 8, "cpu").tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     assert load_balanced_order(None, 2, 8, "cpu").tolist() == list(range(8))
@@ -47,7 +48,7 @@ def test_cpu_attention_of_each_ranks_part_is_causal_attention_of_the_sequence(cp
     to end in rank order, as TorchTitan's spmd_types backend gathers them) gives that rank's rows of
     causal SDPA over the whole sequence (GQA: 4 query heads, 2 key heads; fp32, the same sums with other
     masked entries: 1e-6)."""
-    from titan_dmuon.integration.training.attention_clip import load_balanced_order
+    from titan_dmuon.integration.models.attention_clip import load_balanced_order
 
     g = torch.Generator().manual_seed(0)
     length = 8 * cp
@@ -57,7 +58,7 @@ def test_cpu_attention_of_each_ranks_part_is_causal_attention_of_the_sequence(cp
     order = load_balanced_order(balancer, cp, length, "cpu")
     part = length // cp
     for rank in range(cp):
-        attention = th.cpu.ContextParallelCausalAttention()
+        attention = context_parallel.ContextParallelCausalAttention()
         attention.bind(cp_rank=rank, cp_size=cp, load_balancer=balancer)
         mine = order[rank * part : (rank + 1) * part]
         out = attention(q[:, mine], k[:, order], v[:, order], enable_gqa=True)
@@ -68,8 +69,8 @@ def test_cpu_attention_of_each_ranks_part_is_causal_attention_of_the_sequence(cp
 def test_max_logits_by_positions_cover_the_whole_sequence():
     """QK-clip's per-head max logit of each cp rank's queries against every rank's keys, masked by
     sequence position, has the whole sequence's causal max as its max over the ranks (GQA)."""
-    from titan_dmuon.integration.training.attention_clip import load_balanced_order
-    from titan_dmuon.qk_clip_math import max_logits
+    from titan_dmuon.integration.models.attention_clip import load_balanced_order
+    from titan_dmuon.math.qk_clip_factors import max_logits
 
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 16, 4, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
@@ -89,8 +90,10 @@ def test_nothing_of_the_cpu_accommodation_runs_with_an_accelerator(monkeypatch):
 
     from torchtitan.models.common.attention import FlexAttention
 
-    from titan_dmuon.integration.prepare import finalize, validation
-    from titan_dmuon.integration.training import parallelize
+    from titan_dmuon.integration.config import finalize
+    from titan_dmuon.integration.config.validation.naming import PYTHON_NAMES, ConfigError
+    from titan_dmuon.integration.config.validation.parallelism_section import validate_context_parallel
+    from titan_dmuon.integration.distributed import parallelize
     from titan_dmuon.config_registry import llama3_debugmodel_dmuon
 
     monkeypatch.setattr(th.cpu, "accelerator_present", lambda: True)
@@ -99,18 +102,18 @@ def test_nothing_of_the_cpu_accommodation_runs_with_an_accelerator(monkeypatch):
     config.model_spec = dataclasses.replace(config.model_spec, model=th.tiny_llama3()[0])
     finalize._finalize_model_spec(config)
     assert all(isinstance(layer.attention.inner_attention, FlexAttention.Config) for layer in config.model_spec.model.layers)
-    validation._validate_context_parallel(config, validation.PYTHON_NAMES, this_machine=True)  # (no CPU refusal)
+    validate_context_parallel(config, PYTHON_NAMES, this_machine=True)  # (no CPU refusal)
     calls = []
-    monkeypatch.setattr(th.cpu, "bind_context_parallel_attention", lambda *a: calls.append("bind"))
+    monkeypatch.setattr(context_parallel, "bind_context_parallel_attention", lambda *a: calls.append("bind"))
     monkeypatch.setattr(th.cpu, "force_sum_reductions", lambda *a: calls.append("sum"))
     parallelize.parallelize_without_dmuon(torch.nn.Linear(1, 1), base_fn=lambda m, **_: m, parallel_dims=None,
                                           parallelism=config.parallelism)
     assert calls == []
     monkeypatch.setattr(th.cpu, "accelerator_present", lambda: False)  # (and without one, they do)
-    with pytest.raises(validation.ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"):
-        validation._validate_context_parallel(config, validation.PYTHON_NAMES, this_machine=True)
+    with pytest.raises(ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"):
+        validate_context_parallel(config, PYTHON_NAMES, this_machine=True)
     finalize._finalize_model_spec(config)
-    assert all(isinstance(layer.attention.inner_attention, th.cpu.ContextParallelCausalAttention.Config)
+    assert all(isinstance(layer.attention.inner_attention, context_parallel.ContextParallelCausalAttention.Config)
                for layer in config.model_spec.model.layers)
 
 
@@ -127,8 +130,8 @@ def _job(rank, world, state, settings: dict):
     (``settings``: cp, replicate, tp, optimizer, global_batch, steps and the optimizer's options):
     losses, gradient norms, the full weights; with DMuon its traffic per step after the first, by its
     own counts and by the CommLedger, the design's figure, the shard group, QK-clip's maxima."""
-    from titan_dmuon.cost_model import design_elements_per_rank
-    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
+    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel
 
     settings = dict(settings)
@@ -261,7 +264,7 @@ def _dedication_groups(_rank, _world, replicate, shard, cp, tp):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchtitan.distributed import ParallelDims
 
-    from titan_dmuon.integration.training.parallelize import ParallelDegrees, dedication_mesh
+    from titan_dmuon.integration.distributed.parallelize import ParallelDegrees, dedication_mesh
     from titan_dmuon.runtime.mode import MeshInfo
 
     world = replicate * shard * cp * tp
@@ -349,8 +352,8 @@ def test_cp_x_tp_trains_as_tp_without_cp_and_starts_where_adamw_starts(pool4, st
 def _pipelined(rank, world, state, cp):
     """Pipeline 2 x (CP 2 or FSDP 2), 1F1B, 2 micro-batches per step from a global batch of 4: losses (on
     the last stage's ranks), norms, the stages' weights, DMuon's traffic (ledger) and design, NS matrices."""
-    from titan_dmuon.cost_model import design_elements_per_rank
-    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
+    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel, DedicatedParams
 
     dims = th.pp_dims(world, cp=cp)
@@ -396,8 +399,8 @@ def _moe_job(rank, world, state, cp):
     """The tiny qwen3 MoE (8 experts, routing forced round-robin as in test_tensor_parallel_moe.py: a
     top-k choice between nearly equal scores may otherwise flip with the summation order), expert
     parallelism 2 over (CP 2 x FSDP 2) or FSDP 4: losses, norms, weights, DMuon's traffic and design."""
-    from titan_dmuon.cost_model import design_elements_per_rank
-    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
+    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel
 
     config, spec = th.tiny_qwen3_moe(experts=8)
@@ -447,7 +450,7 @@ def _checkpointed(rank, world, folder, state, cp, steps, hf):
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from tests.helpers import Counter
-    from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+    from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 
     config, spec = _model()
     dims = th.parallel_dims(world, cp=cp)

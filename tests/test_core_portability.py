@@ -11,9 +11,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from titan_dmuon import muon_math
+from titan_dmuon.math import muon_update
 from titan_dmuon.options import DMuonOptions, OptionError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +43,7 @@ def test_the_exact_mode_refuses_an_lr_rule_this_torchs_muon_lacks(monkeypatch):
     DMuonOptions(ns_mode="exact", adjust_lr_fn="match_rms_adamw")
     param, grad = torch.randn(8, 2), torch.randn(8, 2)
     with pytest.raises(ValueError, match="needs torch >= 2.14"):
-        muon_math.muon_step([param], [grad], [torch.zeros_like(param)], [[((0, 8),)]], lr=0.02, weight_decay=0.1,
+        muon_update.muon_step([param], [grad], [torch.zeros_like(param)], [[((0, 8),)]], lr=0.02, weight_decay=0.1,
                             momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="spectral_unclamped",
                             ns_mode="exact")
 

@@ -97,7 +97,7 @@ def test_each_newton_schulz_method_matches_its_reference(pool2, ns_method):
     batched GEMMs' rounding, within TOLERANCE; Gram Newton–Schulz turns a last-bit gradient difference
     into a larger update difference than the standard iteration (its products of polynomials are rounded
     as one matrix), so the reference's own gradient order (slices=1) would leave ~1e-3."""
-    from titan_dmuon.muon_math import uses_gram
+    from titan_dmuon.math.ns_methods import uses_gram
 
     assert uses_gram(16, 32) and not uses_gram(32, 48)
     _check(pool2.run(_vs_reference, "z3", None, 1, ns_method, 2))
@@ -142,7 +142,7 @@ def test_gradient_accumulation_equals_big_batch(pool2):
 
 
 def _deferred_sync(rank, world, mode):
-    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     data = batches(STEPS)
     model = toy_model()

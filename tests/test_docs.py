@@ -65,7 +65,7 @@ def test_the_scan_finds_messages_built_elsewhere():
 # ---- docstrings and the API reference ----------------------------------------------------------------------
 def _public_api():
     import titan_dmuon
-    from titan_dmuon.integration.doors.python_config import with_dmuon
+    from titan_dmuon.integration.config.python_config import with_dmuon
 
     return {**{name: getattr(titan_dmuon, name) for name in titan_dmuon.__all__}, "with_dmuon": with_dmuon}
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from titan_dmuon.integration.prepare.fault_tolerance_checks import torchft_missing
+from titan_dmuon.integration.config.validation.fault_tolerance_section import torchft_missing
 from tests.helpers import (
     TOLERANCE,
     batches,
@@ -136,7 +136,7 @@ def _managers_own_hook(rank, world):
     computed without it; and the figures it counts (``AcrossGroups``)."""
     from torchft.process_group import ManagedProcessGroup
 
-    from titan_dmuon.integration.training.fault_tolerance import DMuonTorchFTManager
+    from titan_dmuon.integration.distributed.fault_tolerance import DMuonTorchFTManager
     from titan_dmuon.runtime import DedicatedParams
 
     manager = DMuonTorchFTManager(DMuonTorchFTManager.Config())  # (not enabled: no lighthouse; given a quorum)
@@ -208,7 +208,7 @@ class _Manager:
 def _ft_container(model, manager, *, use_async_quorum=False):
     from types import SimpleNamespace
 
-    from titan_dmuon.integration.training.fault_tolerance import DMuonFTOptimizersContainer
+    from titan_dmuon.integration.distributed.fault_tolerance import DMuonFTOptimizersContainer
 
     ft = SimpleNamespace(enabled=True, per_step=True, use_async_quorum=use_async_quorum, manager=manager)
     config = DMuonFTOptimizersContainer.Config(name="dmuon", implementation="for-loop", lr=0.02)
@@ -229,7 +229,7 @@ def _local_tensors(model, container):
 
 def _commit_and_served_state(rank, world):
     from tests import titan_harness as th
-    from titan_dmuon.integration.training.trainer import dmuon_handles
+    from titan_dmuon.integration.trainer import dmuon_handles
 
     dims = th.parallel_dims(world)
     model, _ = th.build(th.tiny_llama3(), dims)
@@ -258,7 +258,7 @@ def _commit_and_served_state(rank, world):
     for o in container.optimizers:
         for group in o.param_groups:
             group["lr"] = 0.123  # as the LR schedule does each step
-    from titan_dmuon.integration.training import fault_tolerance
+    from titan_dmuon.integration.distributed import fault_tolerance
 
     synchronized, real_sync = [], fault_tolerance.synchronize_device
     fault_tolerance.synchronize_device = lambda device: synchronized.append(str(device))
@@ -296,8 +296,8 @@ def _forward_after_written_weights(rank, world, refresh):
     from types import SimpleNamespace
 
     from tests import titan_harness as th
-    from titan_dmuon.integration.training.fault_tolerance import drop_gathers_after_syncs
-    from titan_dmuon.integration.training.trainer import dmuon_handles
+    from titan_dmuon.integration.distributed.fault_tolerance import drop_gathers_after_syncs
+    from titan_dmuon.integration.trainer import dmuon_handles
 
     dims = th.parallel_dims(world)
     model, container = th.build(th.tiny_llama3(), dims)
@@ -340,7 +340,7 @@ def _ft_job(**ft):
 
 
 def _problem(config_fn, *args, **kwargs) -> str:
-    from titan_dmuon.integration.prepare.validation import ConfigError
+    from titan_dmuon.integration.config.validation.naming import ConfigError
 
     with pytest.raises(ConfigError) as info:
         config_fn(*args, **kwargs)
@@ -356,8 +356,8 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     monkeypatch.chdir(ROOT)
     from titan_dmuon import with_dmuon
     from titan_dmuon.config_registry import llama3_debugmodel_dmuon_ft
-    from titan_dmuon.integration.doors.toml_file import load_config
-    from titan_dmuon.integration.training.fault_tolerance import (
+    from titan_dmuon.integration.config.toml_file import load_config
+    from titan_dmuon.integration.distributed.fault_tolerance import (
         DMuonFaultTolerantTrainer,
         DMuonFTCheckpointManager,
         DMuonFTOptimizersContainer,
@@ -406,7 +406,7 @@ def test_what_cannot_run_under_torchft_is_refused_by_name(change, expected):
 
 def test_without_torchft_enabling_fault_tolerance_names_the_extra(monkeypatch):
     from titan_dmuon import with_dmuon
-    from titan_dmuon.integration.prepare import fault_tolerance_checks
+    from titan_dmuon.integration.config.validation import fault_tolerance as fault_tolerance_checks
 
     monkeypatch.setattr(fault_tolerance_checks, "torchft_missing", lambda: True)
     assert "needs TorchFT, which is not installed: pip install -e '.[ft]'" in _problem(with_dmuon, _ft_job())
@@ -418,7 +418,7 @@ def test_the_lighthouse_is_checked_before_the_job(monkeypatch):
     answering there, is one line with the command to start it (TorchFT itself waited its 60 s
     connect timeout and failed deep in its Rust client)."""
     from titan_dmuon import with_dmuon
-    from titan_dmuon.integration.prepare.validation import validate_dmuon
+    from titan_dmuon.integration.config.validation.validate import validate_dmuon
 
     config = with_dmuon(_ft_job())
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
@@ -452,7 +452,7 @@ def test_a_groups_data_position_loads_in_its_group():
     restarted group ("saved with data-parallel degree 2 and this job has 4"). Per group it is 2 and 2."""
     from types import SimpleNamespace
 
-    from titan_dmuon.integration.adapters.checkpoint import _data_parallel_change
+    from titan_dmuon.integration.components.checkpoint import _data_parallel_change
 
     saved = SimpleNamespace(state_dict_metadata={"dataloader.dp_rank_2": None, "dataloader.dp_rank_3": None})
     loader = {"dataloader": SimpleNamespace(dp_world_size=4)}

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.ft_jobs import DEADLINE_S, ROOT, Job, free_port, kill_restart_kill, log_time, losses, wait
-from titan_dmuon.integration.prepare.fault_tolerance_checks import torchft_missing
+from titan_dmuon.integration.config.validation.fault_tolerance_section import torchft_missing
 
 pytestmark = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the test extra has it)")
 

@@ -106,25 +106,25 @@ TINY_LAYERS = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2
 
 
 def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch):
-    """The rows are torch.optim.Muon's per-matrix iteration, then one per ``muon_math.NS_METHODS``
+    """The rows are torch.optim.Muon's per-matrix iteration, then one per ``ns_methods.NS_METHODS``
     ("torch", "polar_express", "gram"), each timed through ``orthogonalise(..., ns_method=m)`` with its
     own ``ns_flops``; a non-finite output is a FAIL and an error a FAILED row (stood in for below), the
     others still run. Only a GPU gives the times and shares of the peak that matter."""
     from benchmarks import gpu_check
-    from titan_dmuon import muon_math
+    from titan_dmuon.math import muon_update, ns_methods
 
     shapes = gpu_check.layer_matrices(TINY_LAYERS["tiny"])
     assert shapes == [(16, 16), (4, 16), (4, 16), (40, 16), (16, 40)]
     rows = gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)
     assert [(r[1], r[2].endswith(" ms")) for r in rows] == [("torch.optim.Muon's iteration, per matrix", True)] + [
-        (f"ns_method {m!r}, batched", True) for m in muon_math.NS_METHODS]
-    for row, method in zip(rows, ("torch",) + muon_math.NS_METHODS):
-        flops = sum(muon_math.ns_flops(r, c, ns_method=method) for r, c in shapes)
+        (f"ns_method {m!r}, batched", True) for m in ns_methods.NS_METHODS]
+    for row, method in zip(rows, ("torch",) + ns_methods.NS_METHODS):
+        flops = sum(ns_methods.ns_flops(r, c, ns_method=method) for r, c in shapes)
         assert f"5 matrices, {flops / 1e12:.3g} TFLOP" in row[3], row
     assert "x the time of torch.optim.Muon's iteration, per matrix" in rows[1][3]
     assert "x the time of ns_method 'torch', batched" in rows[2][3]
 
-    real_orthogonalise, real_flops, calls = muon_math.orthogonalise, muon_math.ns_flops, []
+    real_orthogonalise, real_flops, calls = muon_update.orthogonalise, ns_methods.ns_flops, []
     flops = sum(real_flops(r, c) for r, c in shapes)
 
     def orthogonalise(matrices, *, ns_mode="batched", ns_method="torch"):
@@ -134,12 +134,12 @@ def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch
         out = real_orthogonalise(matrices, ns_mode=ns_mode)
         return [o * float("nan") for o in out] if ns_method == "broken" else out
 
-    def ns_flops(rows, cols, steps=muon_math.NS_STEPS, *, ns_method="torch"):
+    def ns_flops(rows, cols, steps=ns_methods.NS_STEPS, *, ns_method="torch"):
         return real_flops(rows, cols, steps) // (2 if ns_method == "half" else 1)
 
-    monkeypatch.setattr(muon_math, "NS_METHODS", ("torch", "half", "broken", "raises"), raising=False)
-    monkeypatch.setattr(muon_math, "orthogonalise", orthogonalise)
-    monkeypatch.setattr(muon_math, "ns_flops", ns_flops)
+    monkeypatch.setattr(ns_methods, "NS_METHODS", ("torch", "half", "broken", "raises"), raising=False)
+    monkeypatch.setattr(muon_update, "orthogonalise", orthogonalise)
+    monkeypatch.setattr(ns_methods, "ns_flops", ns_flops)
     rows = {r[1]: r for r in gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)}
     assert list(rows) == ["torch.optim.Muon's iteration, per matrix", "ns_method 'torch', batched",
                           "ns_method 'half', batched", "ns_method 'broken', batched", "ns_method 'raises', batched"]
@@ -149,7 +149,7 @@ def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch
     assert rows["ns_method 'broken', batched"][2] == "FAIL: a non-finite output"
     assert rows["ns_method 'raises', batched"][2] == "FAILED: ValueError: no such method"
 
-    def ns_flops_before_methods(rows, cols, steps=muon_math.NS_STEPS):  # muon_math before ns_method
+    def ns_flops_before_methods(rows, cols, steps=ns_methods.NS_STEPS):  # muon_math before ns_method
         return real_flops(rows, cols, steps)
 
     assert gpu_check.with_method(ns_flops_before_methods, "torch") is ns_flops_before_methods
@@ -424,7 +424,7 @@ def test_its_1b_configs_are_valid():
 
     cpu.enable()
     from benchmarks.gpu_configs import llama3_1b_adamw, llama3_1b_dmuon
-    from titan_dmuon.integration.prepare.validation import validate_dmuon
+    from titan_dmuon.integration.config.validation.validate import validate_dmuon
 
     dmuon, adamw = llama3_1b_dmuon(), llama3_1b_adamw()
     assert dmuon.optimizer.name == "dmuon" and dmuon.model_spec.flavor == "1B" == adamw.model_spec.flavor
@@ -443,7 +443,7 @@ def test_every_job_parses_through_its_own_door(tmp_path):
     from torchtitan.config import ConfigManager
 
     from benchmarks.gpu_check import JOBS
-    from titan_dmuon.integration.doors.toml_file import load_config
+    from titan_dmuon.integration.config.toml_file import load_config
 
     graphs = {}
     for job in JOBS:

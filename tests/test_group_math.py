@@ -1,4 +1,4 @@
-"""Newton–Schulz on an owner group (``titan_dmuon.group_math``) against the one-owner iteration.
+"""Newton–Schulz on an owner group (``titan_dmuon.math.group_newton_schulz``) against the one-owner iteration.
 
 The bound, in two parts (``docs/owner-groups.md``):
 
@@ -31,8 +31,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.ns_deviation import scale_ulps
-from titan_dmuon import group_math
-from titan_dmuon.group_math import (
+from titan_dmuon.math import group_newton_schulz as group_math
+from titan_dmuon.math.group_newton_schulz import (
     GRAM_ROUNDINGS,
     block_bounds,
     gram_all_reduces,
@@ -44,7 +44,7 @@ from titan_dmuon.group_math import (
     summed_gram,
     unpack_symmetric,
 )
-from titan_dmuon.muon_math import NS_METHODS, newton_schulz, ns_flops, ns_input_scale, ns_schedule
+from titan_dmuon.math.ns_methods import NS_METHODS, newton_schulz, ns_flops, ns_input_scale, ns_schedule
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 

@@ -1,4 +1,4 @@
-"""Owner groups in the plan (``GroupOptions``, ``titan_dmuon.group_plan``): chosen by cost where a
+"""Owner groups in the plan (``GroupOptions``, ``titan_dmuon.plan.owner_groups``): chosen by cost where a
 weight dominates, placed on aligned slots, deterministic, and off unless asked for."""
 
 import dataclasses
@@ -8,11 +8,12 @@ import pytest
 
 from benchmarks.plan_scale import deepseek_v3_expert_specs, llama3_405b_specs
 from tests.plan_reference import reference_build_plan
-from titan_dmuon.cost_model import owner_group_elements_per_rank
-from titan_dmuon.group_math import block_bounds, group_ns_flops, packed_numel
-from titan_dmuon.group_plan import GroupOptions, group_sizes, member_load
-from titan_dmuon.muon_math import ns_flops
-from titan_dmuon.plan import MatrixSpec, build_plan
+from titan_dmuon.plan.cost_model import owner_group_elements_per_rank
+from titan_dmuon.math.group_newton_schulz import block_bounds, group_ns_flops, packed_numel
+from titan_dmuon.plan.owner_groups import GroupOptions, group_sizes, member_load
+from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.ownership import build_plan
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 

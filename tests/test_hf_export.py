@@ -3,7 +3,7 @@
 The last save with ``checkpoint.last_save_in_hf`` wrote safetensors only: ``from_pretrained``
 needs ``config.json`` (and ``generation_config.json``) too, and a ``sharded/`` folder was left
 beside the weights. DMuonCheckpointManager now writes both files from the model's own arguments
-(titan_dmuon/integration/adapters/hf_export.py). Checked with transformers' own classes: a tiny llama3
+(titan_dmuon/integration/components/hf_export.py). Checked with transformers' own classes: a tiny llama3
 (GQA, fused q/k/v, llama3 RoPE scaling) and a tiny dense qwen3 (q/k norms, head_dim set apart)
 trained 2 steps with DMuon on 2 ranks, saved at step 2 as a DCP checkpoint and as an HF export;
 ``AutoModelForCausalLM.from_pretrained(export)`` gives the logits of TorchTitan's model loaded
@@ -20,7 +20,7 @@ from tests import titan_harness as th  # noqa: I001 (enables the CPU accommodati
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import Counter  # noqa: E402
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 FAMILIES = {"llama3": th.tiny_llama3, "qwen3": th.tiny_qwen3}
 STEP = 2
@@ -104,7 +104,7 @@ def test_transformers_loads_the_export_and_gives_titans_logits(pool2, tmp_path, 
 def test_config_follows_the_model_arguments():
     """The written config is the model's, not a template's: GQA head counts, head_dim, the FFN
     width, eps, RoPE theta and scaling, tying; families without an HF architecture are named."""
-    from titan_dmuon.integration.adapters.hf_export import NoHFConfig, hf_config
+    from titan_dmuon.integration.components.hf_export import NoHFConfig, hf_config
 
     llama_config = th.tiny_llama3(dim=96)[0]
     llama = hf_config(llama_config, bos_token_id=1, eos_token_id=2)
@@ -134,7 +134,7 @@ def test_qwen3_moe_config_loads_in_transformers(tmp_path, route_norm):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from titan_dmuon.integration.adapters.hf_export import hf_config
+    from titan_dmuon.integration.components.hf_export import hf_config
 
     config, spec = th.tiny_qwen3_moe(experts=8)
     for layer in config.layers:

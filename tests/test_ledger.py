@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model, train
 from titan_dmuon import CommLedger, baseline_elements_per_rank
-from titan_dmuon.cost_model import design_elements_per_rank
+from titan_dmuon.plan.cost_model import design_elements_per_rank
 from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 

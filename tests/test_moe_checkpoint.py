@@ -19,7 +19,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import Counter, full_parameters, merge_rank_states  # noqa: E402
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
 
 STEPS = 4
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")

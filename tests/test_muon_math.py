@@ -15,15 +15,9 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from benchmarks.ns_deviation import scale_ulps
-from titan_dmuon.muon_math import (
-    NS_COEFFICIENTS,
-    adjusted_lr,
-    exact_mode_refusal,
-    muon_step,
-    newton_schulz,
-    ns_flops,
-    row_blocks,
-)
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, newton_schulz, ns_flops
+from titan_dmuon.math.muon_update import adjusted_lr, exact_mode_refusal, muon_step
+from titan_dmuon.math.matrix_blocks import row_blocks
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 
@@ -182,11 +176,11 @@ def test_ns_flops_symmetric_and_growing():
 def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
     """w1 (hidden, dim) and w2 (dim, hidden) are one batch of (dim, hidden) matrices; a fused q/k/v
     counts one Newton-Schulz matrix per block; the result stays torch.optim.Muon's, bit for bit."""
-    import titan_dmuon.muon_math as math
+    from titan_dmuon.math import muon_update
 
     batches = []
-    original = math._orthogonalise_wide_
-    monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(tuple(x.shape)) or original(x, **k))
+    original = muon_update.orthogonalise_wide_
+    monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(tuple(x.shape)) or original(x, **k))
     torch.manual_seed(0)
     params = [torch.randn(12, 8), torch.randn(8, 12), torch.randn(24, 8)]  # w1, w2, a fused (8; 8; 8) q/k/v
     reference = [torch.nn.Parameter(p.clone()) for p in params[:2]] + [torch.nn.Parameter(t.clone()) for t in params[2].split(8)]
@@ -203,21 +197,21 @@ def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
 
 
 def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
-    import titan_dmuon.muon_math as math
+    from titan_dmuon.math import muon_update, ns_methods
 
     torch.manual_seed(0)
     params = [torch.randn(8, 12) for _ in range(5)]
     grads = [torch.randn_like(p) for p in params]
 
     def run(cap):
-        monkeypatch.setattr(math, "MAX_STACK_BYTES", cap)
+        monkeypatch.setattr(ns_methods, "MAX_STACK_BYTES", cap)
         batches = []
-        original = math._orthogonalise_wide_
-        monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
+        original = muon_update.orthogonalise_wide_
+        monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
         out = [p.clone() for p in params]
         muon_step(out, grads, [torch.zeros_like(p) for p in params], [row_blocks(p.shape) for p in params],
                   lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
-        monkeypatch.setattr(math, "_orthogonalise_wide_", original)
+        monkeypatch.setattr(muon_update, "orthogonalise_wide_", original)
         return out, batches
 
     whole, whole_batches = run(2**30)
@@ -236,18 +230,18 @@ def test_capped_batches_are_smaller_for_a_method_with_a_larger_workspace(monkeyp
     value and six 8 x 8 products, 2*8*32 + 6*8*8 = 896: 4 * 640 // 896 = 2 a batch, 2 + 2 + 2.
     Regression: the cap test covered "torch" only, so Gram's batches were never checked against
     its larger workspace (memory only: the results are the same)."""
-    import titan_dmuon.muon_math as math
+    from titan_dmuon.math import muon_update, ns_methods
 
     short, long = 8, 32
-    monkeypatch.setattr(math, "MAX_STACK_BYTES", 4 * short * long * 2)
+    monkeypatch.setattr(ns_methods, "MAX_STACK_BYTES", 4 * short * long * 2)
     standard = 2 * short * long + 2 * short * short
     workspace = {"torch": standard, "polar_express": standard, "gram": 2 * short * long + 6 * short * short}
-    original = math._orthogonalise_wide_
+    original = muon_update.orthogonalise_wide_
     for method, expected in (("torch", [4, 2]), ("polar_express", [4, 2]), ("gram", [2, 2, 2])):
-        assert math.uses_gram(short, long) or method != "gram"
+        assert ns_methods.uses_gram(short, long) or method != "gram"
         batches = []
-        monkeypatch.setattr(math, "_orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
-        math.orthogonalise([torch.randn(short, long) for _ in range(6)], ns_method=method)
+        monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
+        muon_update.orthogonalise([torch.randn(short, long) for _ in range(6)], ns_method=method)
         assert batches == expected, (method, batches)
         assert max(batches) * workspace[method] <= 4 * standard  # within the standard iteration's at the cap
 
@@ -258,7 +252,7 @@ def test_orthogonalise_exact_is_torch_muon_newton_schulz_on_the_bf16_input():
     batched mode is within its stated bound (here: same shapes share one call)."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from titan_dmuon.muon_math import orthogonalise
+    from titan_dmuon.math.muon_update import orthogonalise
 
     g = torch.Generator().manual_seed(3)
     matrices = [torch.randn(shape, generator=g) for shape in [(24, 40), (40, 24), (24, 40), (16, 16)]]
@@ -273,7 +267,7 @@ def test_orthogonalise_exact_is_torch_muon_newton_schulz_on_the_bf16_input():
 def test_local_block_rows_of_tensor_parallel_shards():
     """A fused q/k/v block's rows of the full matrix, as each column-wise TP shard holds them (with
     where they sit in the block); a row-wise shard holds every row of every block."""
-    from titan_dmuon.muon_math import local_block_rows
+    from titan_dmuon.math.matrix_blocks import local_block_rows
 
     q = ((0, 32), (64, 96))  # 2 kv groups of 64 rows; each of 2 tp ranks holds one group
     assert local_block_rows(q, tp_dim=0, tp_rank=0, local_rows=64) == [(0, 32, 0)]

@@ -1,4 +1,4 @@
-"""The Newton–Schulz methods (``muon_math.NS_METHODS``) against what each one guarantees.
+"""The Newton–Schulz methods (``ns_methods.NS_METHODS``) against what each one guarantees.
 
 Three contracts, each with its own tolerance and reason:
 
@@ -20,8 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.ns_deviation import scale_ulps
 from tests.helpers import PAPER_POLAR_EXPRESS, PAPER_SAFETY, paper_schedule, reference_newton_schulz
-from titan_dmuon import muon_math
-from titan_dmuon.muon_math import NS_COEFFICIENTS, NS_METHODS, newton_schulz, ns_flops, ns_schedule, uses_gram
+from titan_dmuon.math import ns_methods
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_METHODS, newton_schulz, ns_flops, ns_schedule, uses_gram
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 
@@ -38,7 +38,7 @@ def test_the_schedules_are_torchs_and_the_papers():
         assert list(ns_schedule(method, 5)) == paper_schedule(5)
         assert list(ns_schedule(method, 10)) == paper_schedule(10) and ns_schedule(method, 10)[-3:] == (
             PAPER_POLAR_EXPRESS[-1],) * 3
-    assert muon_math.ns_input_scale("polar_express") == PAPER_SAFETY
+    assert ns_methods.ns_input_scale("polar_express") == PAPER_SAFETY
     with pytest.raises(ValueError, match="ns_method must be one of"):
         ns_schedule("newton", 5)
     with pytest.raises(ValueError, match="apply to ns_method 'torch' only"):
@@ -85,10 +85,10 @@ def test_the_bound_catches_a_wrong_schedule_or_restart():
         x = stack.bfloat16()
         x = x / (x.flatten(1).norm(dim=1) * PAPER_SAFETY)[:, None, None]
         if stack is gaussian:
-            wrong = [muon_math._iterate(x.clone(), PAPER_POLAR_EXPRESS[:STEPS]),
-                     muon_math._iterate(x.clone(), [NS_COEFFICIENTS] * STEPS)]
+            wrong = [ns_methods._iterate(x.clone(), PAPER_POLAR_EXPRESS[:STEPS]),
+                     ns_methods._iterate(x.clone(), [NS_COEFFICIENTS] * STEPS)]
         else:
-            wrong = [muon_math._gram_newton_schulz(x.clone(), paper_schedule(STEPS), restarts=r) for r in ((), (2,))]
+            wrong = [ns_methods._gram_newton_schulz(x.clone(), paper_schedule(STEPS), restarts=r) for r in ((), (2,))]
         for output in wrong:
             assert scale_ulps(output.float() - expected, expected) > 4 * BATCHED_ULPS
 
@@ -102,7 +102,7 @@ def test_ns_flops_are_the_flops_run(shape, method):
     short, long = sorted(shape)
     x = torch.empty(1, short, long, dtype=torch.bfloat16, device="meta")
     with FlopCounterMode(display=False) as counter:
-        muon_math._orthogonalise_wide_(x, ns_method=method, steps=STEPS, coefficients=NS_COEFFICIENTS, eps=1e-7)
+        ns_methods.orthogonalise_wide_(x, ns_method=method, steps=STEPS, coefficients=NS_COEFFICIENTS, eps=1e-7)
     assert counter.get_total_flops() == ns_flops(*shape, STEPS, ns_method=method)
 
 
@@ -114,7 +114,7 @@ def test_gram_runs_where_it_takes_fewer_flops():
         for long in sorted({short, short + 1, (3 * short) // 2, (3 * short) // 2 + 1, 2 * short, 4 * short}):
             assert uses_gram(short, long) == (short >= 1024 or 2 * long > 3 * short), (short, long)
             gram = ns_flops(short, long, ns_method="gram")
-            assert gram == min(ns_flops(short, long), muon_math.gram_flops(short, long))
+            assert gram == min(ns_flops(short, long), ns_methods.gram_flops(short, long))
     torch.manual_seed(0)
     stack = torch.randn(3, 24, 32)
     assert torch.equal(newton_schulz(stack, ns_method="gram"), newton_schulz(stack, ns_method="polar_express"))
@@ -128,12 +128,12 @@ def test_symmetric_products_in_blocks_are_the_product(levels):
     torch.manual_seed(0)
     x = torch.randn(1029, 1500, dtype=torch.float64) / 40
     gram = x @ x.T
-    blocked = muon_math._symmetric_matmul(x, x.T, levels)
+    blocked = ns_methods._symmetric_matmul(x, x.T, levels)
     assert (blocked - gram).abs().max() < 1e-12 and (blocked - blocked.T).abs().max() < 1e-12
     z = torch.addmm(gram, gram, gram, beta=-2.0, alpha=0.5)
-    fused = muon_math._symmetric_matmul(gram, z, levels, add=gram, beta=3.0, alpha=1.0)
+    fused = ns_methods._symmetric_matmul(gram, z, levels, add=gram, beta=3.0, alpha=1.0)
     assert (fused - torch.addmm(gram, gram, z, beta=3.0)).abs().max() < 1e-12
-    assert (muon_math._symmetric_matmul(gram, z, levels, alpha=0.5) - 0.5 * gram @ z).abs().max() < 1e-12
+    assert (ns_methods._symmetric_matmul(gram, z, levels, alpha=0.5) - 0.5 * gram @ z).abs().max() < 1e-12
 
 
 def _band(method: str, singular_values: torch.Tensor, per_step: float, steps: int = STEPS) -> tuple[float, float]:
@@ -141,7 +141,7 @@ def _band(method: str, singular_values: torch.Tensor, per_step: float, steps: in
     (float64) singular values, normalised as the method normalises its input, when round-off moves each
     singular value by at most ``per_step`` times the band's top in every step. Propagated step by step on
     a dense grid: the interval entering a step, widened by the round-off, mapped through its polynomial."""
-    x = singular_values / singular_values.norm() / muon_math.ns_input_scale(method)
+    x = singular_values / singular_values.norm() / ns_methods.ns_input_scale(method)
     low, high = x.min().item(), x.max().item()
     for a, b, c in ns_schedule(method, STEPS)[:steps]:
         slack = per_step * high
@@ -158,7 +158,7 @@ def _last_rounding(method: str, singular_values: torch.Tensor) -> float:
     is U max q / q(sigma) relative to it; max over the band entering the segment of max q / min q."""
     if method != "gram":
         return 3 * U
-    start = muon_math.gram_restarts(STEPS)[-1]
+    start = ns_methods.gram_restarts(STEPS)[-1]
     low, high = _band(method, singular_values, PER_STEP, steps=start)
     grid = torch.linspace(max(low - PER_STEP * high, high * 1e-6), high * (1 + PER_STEP), 100001, dtype=torch.float64)
     values = grid
@@ -203,13 +203,13 @@ def test_the_polynomials_absorb_the_round_off_of_a_step():
     def unsafe(method, steps):  # the paper's polynomials without the safety factor
         return PAPER_POLAR_EXPRESS[:steps] if method != "torch" else raw["torch"] * steps
 
-    real = muon_math.ns_schedule
+    real = ns_methods.ns_schedule
     try:
-        muon_math.ns_schedule = unsafe
+        ns_methods.ns_schedule = unsafe
         globals()["ns_schedule"] = unsafe
         assert _band("polar_express", torch.logspace(0, -3, 50, dtype=torch.float64), PER_STEP)[1] > 10
     finally:
-        muon_math.ns_schedule = real
+        ns_methods.ns_schedule = real
         globals()["ns_schedule"] = real
 
 

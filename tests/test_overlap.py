@@ -84,7 +84,8 @@ def test_z3_backward_prefetch_comes_before_the_reduce(pool2):
 def _step_events(rank, world, mode):
     """What step 3's optimizer step does, in order: ("ns", unit) for each Newton-Schulz call on a
     dedicated layer, ("send", label) for each launch."""
-    from titan_dmuon.runtime import comm, owner_update
+    from titan_dmuon.runtime import comm
+    from titan_dmuon.optim import whole_update as owner_update
 
     setup = distribute(toy_model(**DIMS), mode, world)
     data = batches(3)
@@ -118,7 +119,7 @@ def test_the_step_sends_each_layer_on_before_the_next_layers_newton_schulz(pool4
 def _pipelined_vs_deferred(rank, world, mode, ns_mode):
     """The same run twice: sends issued as each layer is updated (the product), and all sends
     deferred to the end of the step (as before the pipelining)."""
-    from titan_dmuon.optimizer import DMuon
+    from titan_dmuon.optim.optimizer import DMuon
     from titan_dmuon.runtime import DedicatedParams
 
     out = []
@@ -160,7 +161,7 @@ def test_an_update_sent_too_early_would_be_caught(pool2):
 
 
 def _sent_too_early(rank, world):
-    from titan_dmuon.optimizer import DMuon
+    from titan_dmuon.optim.optimizer import DMuon
     from titan_dmuon.runtime import DedicatedParams
 
     reference = distribute(toy_model(**DIMS), "z3", world)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from benchmarks.ns_deviation import scale_ulps
 from tests.test_group_math import BATCHED_ULPS, GROUP_RATIO, exact_iteration
-from titan_dmuon.group_math import block_bounds, group_newton_schulz
-from titan_dmuon.muon_math import NS_METHODS, newton_schulz
+from titan_dmuon.math.group_newton_schulz import block_bounds, group_newton_schulz
+from titan_dmuon.math.ns_methods import NS_METHODS, newton_schulz
 
 SHAPES = [(64, 64), (96, 32), (24, 500)]
 
@@ -62,7 +62,7 @@ from tests.helpers import (  # noqa: E402
     reference_train,
     train,
 )
-from titan_dmuon.group_plan import GroupOptions  # noqa: E402
+from titan_dmuon.plan.owner_groups import GroupOptions  # noqa: E402
 
 # Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
 # rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
@@ -202,7 +202,7 @@ def test_owner_groups_accumulate_and_reduce_once_as_pipelining_does(pool4, sync)
 def _ledger_of_groups(rank, world, mode):
     """DMuon's elements per step on this rank (2 steps recorded after 2 warm-up steps), by label."""
     from titan_dmuon import CommLedger
-    from titan_dmuon.cost_model import design_elements_per_rank, owner_group_elements_per_rank
+    from titan_dmuon.plan.cost_model import design_elements_per_rank, owner_group_elements_per_rank
     from titan_dmuon.runtime import CommLabel
 
     data = batches(4)
@@ -270,8 +270,8 @@ def test_torchtitan_settings_turn_groups_on_off_and_keep_attention_whole_under_q
     from titan_dmuon.integration import cpu
 
     cpu.enable()
-    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
-    from titan_dmuon.integration.training.parallelize import ATTENTION_PARAMS, DedicationSettings
+    from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.distributed.parallelize import ATTENTION_PARAMS, DedicationSettings
 
     def settings(**options):
         return DedicationSettings.of(DMuonOptimizersContainer.Config(name="dmuon", **options))
@@ -319,7 +319,7 @@ def test_whole_matrix_rules_refuse_owner_groups_on_every_rank(pool4):
 
 def _ring_sums(rank, world, members, rings):
     from titan_dmuon.runtime.comm import CommStats
-    from titan_dmuon.runtime.group_update import ring_all_reduce
+    from titan_dmuon.optim.grouped_update import ring_all_reduce
 
     torch.manual_seed(rank)
     tensor = torch.randn(37)

@@ -18,9 +18,9 @@ from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 from tests.helpers import ADAMW, MUON, Counter, baseline, distribute, full_state, make_mesh  # noqa: E402
 from tests.test_checkpoint import _train  # noqa: E402
 from tests.test_owner_groups import ADAMW_EPS, TINY_GROUPS, dominant_model, dominant_targets  # noqa: E402
-from titan_dmuon.group_plan import GroupOptions  # noqa: E402
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
-from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer  # noqa: E402
+from titan_dmuon.plan.owner_groups import GroupOptions  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.runtime.members import pieces_of  # noqa: E402
 
 STEPS = 4

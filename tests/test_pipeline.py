@@ -16,7 +16,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states  # noqa: E402
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 4
@@ -75,8 +75,8 @@ def _with_pipeline(rank, world, state, schedule, microbatch=1):
     losses = th.train_pp(dims, built, _data()[:1], norms=norms, inf_norms=inf_norms)
     for h in handles:
         h.pop_comm_stats()
-    from titan_dmuon.cost_model import design_elements_per_rank
-    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
+    from titan_dmuon.tools.ledger import CommLedger
 
     with CommLedger() as ledger:
         losses += th.train_pp(dims, built, _data()[1:], norms=norms, inf_norms=inf_norms)
@@ -165,8 +165,8 @@ def _reduce_order(rank, world, schedule):
     from torch.distributed.pipelining import schedules as pipelining_schedules
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
-    from titan_dmuon.cost_model import design_elements_per_rank
-    from titan_dmuon.ledger import CommLedger
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
+    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime.comm import InFlight
     from titan_dmuon.runtime.reducer import GradientReducer
 

@@ -10,7 +10,7 @@ momentum where the new plan puts it. docs/guides/checkpoints-plain-pytorch.md is
 Bug (issue 29): ``set_state_dict`` raised "Missing optimizer state for parameter ... use
 StateDictOptions(strict=False)" on every rank: a rank that is not a dedicated weight's owner keeps
 no momentum for it, and DMuon's state dict left the parameter out. It now lists it with no entries
-(``titan_dmuon.optimizer_state``), and a fresh optimizer lists the zeros its first step would create,
+(``titan_dmuon.optim.optimizer_state``), and a fresh optimizer lists the zeros its first step would create,
 so that ``opt.state_dict()`` names every tensor ``dcp.load`` must fill.
 """
 

@@ -6,8 +6,9 @@ import random
 import pytest
 
 from tests.plan_reference import reference_build_plan
-from titan_dmuon.muon_math import ns_flops
-from titan_dmuon.plan import MatrixSpec, build_plan
+from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.ownership import build_plan
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 

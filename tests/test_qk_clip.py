@@ -18,8 +18,8 @@ from torch import nn
 from tests.helpers import ADAMW, MUON, TOLERANCE, batches, distribute, full_state, global_loss, local_slice, max_diff, toy_model
 from titan_dmuon import DMuon, DMuonOptions
 from titan_dmuon.options import OptionError
-from titan_dmuon.qk_clip import QKClipAttention
-from titan_dmuon.qk_clip_math import clip_factors, max_logits, role_exponent, row_map, scale_rows
+from titan_dmuon.optim.qk_clip import QKClipAttention
+from titan_dmuon.math.qk_clip_factors import clip_factors, max_logits, role_exponent, row_map, scale_rows
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets, qk_clip_attention
 
 TAU = 1.0  # the toy model's initial per-head maxima are 0.68-1.35: some heads clip, some do not

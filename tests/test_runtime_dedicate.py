@@ -8,8 +8,9 @@ from torch import nn
 
 from tests.helpers import toy_model
 from tests.runtime_parts import fake_pg, runtime_parts
-from titan_dmuon.muon_math import ns_flops
-from titan_dmuon.plan import MatrixSpec, build_plan
+from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.ownership import build_plan
 from titan_dmuon.runtime.dedicate import assign_units, layout_unit, local_expert_load, make_members
 from titan_dmuon.runtime.members import LocalExperts
 from titan_dmuon.runtime.mode import MeshInfo

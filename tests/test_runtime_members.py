@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from titan_dmuon.muon_math import block_rows, ns_flops
-from titan_dmuon.plan import MatrixSpec, build_plan
+from titan_dmuon.math.matrix_blocks import block_rows
+from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.ownership import build_plan
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,8 @@ from torch import nn
 
 from tests.runtime_parts import RecordingDevice
 
-from titan_dmuon.plan import MatrixSpec, build_plan
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.ownership import build_plan
 from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
 

@@ -17,7 +17,8 @@ TP, RANK = 4, 2
 
 def _member(tp_dim, local_shape):
     """A dedicated weight held as a TP shard of ``local_shape`` split on ``tp_dim`` (None: replicated)."""
-    from titan_dmuon.plan import MatrixSpec, build_plan
+    from titan_dmuon.plan.specs import MatrixSpec
+    from titan_dmuon.plan.ownership import build_plan
     from titan_dmuon.runtime.members import Member
 
     rows = local_shape[0] * (TP if tp_dim == 0 else 1)

@@ -54,8 +54,8 @@ class _RecordingStreams:
 def _experts(count, *, rows=16, cols=64, homes=None):
     """A TP item: a stack of ``count`` experts split on their rows over the TP group (this rank's
     shards: ``rows`` x ``cols``), expert e homed on ``homes[e]`` (default: alternating)."""
-    from titan_dmuon.plan import TPMatrix
-    from titan_dmuon.runtime.tensor_parallel_step import TPItem
+    from titan_dmuon.plan.specs import TPMatrix
+    from titan_dmuon.optim.tensor_parallel_update import TPItem
 
     homes = homes if homes is not None else [e % TP for e in range(count)]
     weight = torch.randn(count, rows, cols)
@@ -70,10 +70,10 @@ def _tp_step(log=None):
 
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
-    from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
+    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
     from titan_dmuon.runtime.streams import Streams
     from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-    from titan_dmuon.runtime.tensor_parallel_step import TensorParallelStep
+    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep
 
     tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
     streams = _RecordingStreams(log) if log is not None else Streams(torch.device("cpu"))
@@ -86,7 +86,8 @@ def _recorded(log, *, ns=True, waits=False):
     """Each all-to-all's label (``("all_to_all", label)``), each Newton–Schulz call (``("newton_schulz",
     matrices)``) and, with ``waits``, each wait for collectives that moved data (``("wait",)``), into
     ``log`` as they are issued."""
-    from titan_dmuon.runtime import comm, owner_update
+    from titan_dmuon.runtime import comm
+    from titan_dmuon.optim import whole_update as owner_update
 
     real = comm.Launch.all_to_all, owner_update.orthogonalise, comm.InFlight.wait
 
@@ -182,8 +183,8 @@ def _step_peak(_rank, _world, cap_matrices, jobs, experts):
     stack of ``experts`` experts each, all homed on this rank (its worst case), with the cap at
     ``cap_matrices`` experts' exchange bytes; that cap; the jobs' exchange bytes; and the peak of
     Newton–Schulz alone on one capped batch (``muon_math.orthogonalise`` on its full matrices)."""
-    from titan_dmuon.muon_math import orthogonalise
-    from titan_dmuon.runtime import tensor_parallel_step
+    from titan_dmuon.math.muon_update import orthogonalise
+    from titan_dmuon.optim import tensor_parallel_update as tensor_parallel_step
 
     default = tensor_parallel_step.MAX_EXCHANGE_BYTES
     with fake_pg(TP):

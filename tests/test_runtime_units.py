@@ -346,7 +346,7 @@ class _Mode:
 
 @pytest.mark.parametrize("n, r, z3, kept", [(8, 1, False, 0), (8, 1, True, 10), (4, 2, True, 10)])
 def test_the_cost_model_is_the_designs_formula(n, r, z3, kept):
-    from titan_dmuon.cost_model import dmuon_elements_per_rank
+    from titan_dmuon.plan.cost_model import dmuon_elements_per_rank
 
     p = 1000
     expected = (3 if z3 else 2) * Fraction(n - 1, n) * p - Fraction(n - 1, n) * kept
@@ -358,7 +358,7 @@ def test_the_step_goes_in_chunks_of_one_one_two_four_and_so_on():
     """The pipelined step's chunks (``runtime/step_schedule.py``): the first layer alone (the next forward
     starts with it), then 1, 2, 4, ... layers; every layer once, in forward order. The issue-order
     test sees only the first three chunks of its 4-layer model."""
-    from titan_dmuon.runtime.step_schedule import pipeline_chunks
+    from titan_dmuon.optim.step_schedule import pipeline_chunks
 
     layers = list(range(10))
     assert [len(chunk) for chunk in pipeline_chunks(layers)] == [1, 1, 2, 4, 2]

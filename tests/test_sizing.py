@@ -18,8 +18,10 @@ import re
 import pytest
 import torch
 
-from titan_dmuon import cost_model, sizing
-from titan_dmuon.sizing import Layout, Precision, Weight, size_job
+from titan_dmuon.plan import cost_model
+from titan_dmuon.sizing import command, figures, render
+from titan_dmuon.sizing.figures import size_job
+from titan_dmuon.sizing.records import Layout, Precision, Weight
 
 DIMS = {  # tiny models, uneven on purpose: 3 layers over 2 or 4 owners, rows that 4 ranks do not divide
     "dense": dict(dim=64, n_layers=3, n_heads=8, n_kv_heads=4, hidden_dim=200, vocab_size=1002),
@@ -132,7 +134,7 @@ def test_traffic_is_the_cost_models(layout):
     """Elements come from ``cost_model`` (what the ledger tests hold the runtime to); the bytes split
     them by dtype, so with 1 byte per element they are the elements again (the TP exchange is bf16
     whatever the dtypes: Newton–Schulz's own)."""
-    from titan_dmuon.integration.model_shapes import from_table
+    from titan_dmuon.sizing.model_shapes import from_table
 
     weights = from_table("llama3", "debugmodel")
     one = size_job(weights, layout, precision=Precision(param=1, compute=1, reduce=1))
@@ -140,7 +142,7 @@ def test_traffic_is_the_cost_models(layout):
         for name in ("DMuon-Z2", "DMuon-Z3"):
             tp = stage.tp_exchange
             assert stage.traffic[name].bytes - tp.bytes + tp.elements == stage.traffic[name].elements
-        mode = sizing._dedication_mode(layout, reshard_after_forward=False)
+        mode = figures._dedication_mode(layout, reshard_after_forward=False)
         assert stage.traffic["DMuon-Z2"].elements == cost_model.dmuon_elements_per_rank(
             mode, numel=stage.dedicated_numel, deferred=layout.pp > 1)
         world = mode.mesh.world_size
@@ -157,23 +159,23 @@ def test_cluster_layouts_answer_from_the_tables(model, flavor, layout):
     """The scale the tool is for, from the shape tables alone (no TorchTitan, nothing built): every
     rank is accounted for, Newton–Schulz runs once per matrix in the job, and the report says which
     mode and why."""
-    from titan_dmuon.integration.model_shapes import from_table
+    from titan_dmuon.sizing.model_shapes import from_table
 
     weights = from_table(model, flavor)
     result = size_job(weights, layout)
     assert len(result.stages) == layout.pp
     assert all(len(s.ns_per_rank) == layout.world // layout.pp for s in result.stages)
     once = sum(e.ns_flops for s in result.stages for e in s.plan.entries)  # each dedicated weight on one owner
-    kept = sum(sizing._one_expert(w) * w.experts for w in weights if w.muon and w.experts and w not in
+    kept = sum(figures._one_expert(w) * w.experts for w in weights if w.muon and w.experts and w not in
                [w for s in result.stages for w in []]) if model == "deepseek_v3" and layout.ep > 1 else 0
     assert sum(sum(s.ns_per_rank) for s in result.stages) == pytest.approx(once + kept, rel=1e-9)
-    report = sizing.render(result, title=f"{model} {flavor}")
+    report = render.render(result, title=f"{model} {flavor}")
     assert "Recommendation: " in report and result.reasons
 
 
 @pytest.mark.unit
 def test_the_command_prints_the_table(capsys):
-    sizing.main(["--model", "llama3", "--flavor", "debugmodel", "--world", "2"])
+    command.main(["--model", "llama3", "--flavor", "debugmodel", "--world", "2"])
     out = capsys.readouterr().out
     for figure in ("DMuon buffers, peak", "| DMuon-Z3 |", "critical path", "Recommendation: DMuon-Z"):
         assert figure in out
@@ -187,7 +189,7 @@ def test_the_command_prints_the_table(capsys):
 def test_shape_tables_are_torchtitans_models(model, flavor):
     """Weight for weight (name, shape, order, Muon target, layer, tensor-parallel dim), and each fused
     q/k/v block with the row count of TorchTitan's own (grouped) block: the figures depend on nothing else."""
-    from titan_dmuon.integration.model_shapes import from_table, registry_weights
+    from titan_dmuon.sizing.model_shapes import from_table, registry_weights
 
     table, titan = from_table(model, flavor), registry_weights(model, flavor)
     assert [(w.fqn, w.shape, w.muon, w.layer, w.tp_dim) for w in table] == \

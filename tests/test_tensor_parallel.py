@@ -27,7 +27,7 @@ from tests.helpers import (  # noqa: E402
     reference_newton_schulz,
     torch_muon_newton_schulz,
 )
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402
 
 LAYERS = 2
@@ -50,7 +50,7 @@ def _handle(container):
 
 
 def _train(rank, world, state, tp, fuse_qkv=True, options=None):
-    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp)
     model, container = th.build(_model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact",
@@ -197,7 +197,7 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
 # ---- the owner's update under TP, compared directly -------------------------------------------------------
 def _with_exchange_cap(rank, world, cap, fn, *args):
     """``fn(rank, world, *args)`` with the TP step's MAX_EXCHANGE_BYTES at ``cap`` in this worker."""
-    from titan_dmuon.runtime import tensor_parallel_step
+    from titan_dmuon.optim import tensor_parallel_update as tensor_parallel_step
 
     default, tensor_parallel_step.MAX_EXCHANGE_BYTES = tensor_parallel_step.MAX_EXCHANGE_BYTES, cap
     try:
@@ -271,7 +271,7 @@ def test_tp_homes_run_the_newton_schulz_method(pool2, ns_method):
     tests.helpers), within TOLERANCE (the batched GEMMs' rounding: one step's update of lr 0.02 times
     the adjusted scale, off by a few bf16 ulps, is ~1e-4); the MLP matrices (128 x 64) run Gram
     Newton–Schulz under "gram". With "torch"'s Newton–Schulz in its place the weights are >= 1e-3 off."""
-    from titan_dmuon.muon_math import uses_gram
+    from titan_dmuon.math.ns_methods import uses_gram
 
     assert uses_gram(64, 128)
     for diff, sharded in pool2.run(_tp_update_vs_torch_muon, False, ns_method):
@@ -380,7 +380,8 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_dmuon.plan import MatrixSpec, build_plan
+    from titan_dmuon.plan.specs import MatrixSpec
+    from titan_dmuon.plan.ownership import build_plan
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
     from titan_dmuon.runtime.streams import Streams
@@ -488,14 +489,14 @@ def _capped_vs_one_exchange(rank, world):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_dmuon.plan import TPMatrix
-    from titan_dmuon.runtime import tensor_parallel_step
+    from titan_dmuon.plan.specs import TPMatrix
+    from titan_dmuon.optim import tensor_parallel_update as tensor_parallel_step
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
-    from titan_dmuon.runtime.owner_update import NSFigures, OwnerUpdate
+    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
     from titan_dmuon.runtime.streams import Streams
     from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-    from titan_dmuon.runtime.tensor_parallel_step import TensorParallelStep, TPItem, exchange_bytes
+    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem, exchange_bytes
 
     tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,

@@ -59,7 +59,7 @@ def _ns_per_step(family: str, experts: int) -> int:
 
 
 def _train(rank, world, family, experts, state, tp, ep=1, options=None, steps=STEPS, optimizer="dmuon", replicate=1):
-    from titan_dmuon.cost_model import design_elements_per_rank
+    from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp, ep=ep, replicate=replicate)
     kwargs = {"ns_mode": "exact", **(options or {})} if optimizer == "dmuon" else {}
@@ -283,7 +283,7 @@ class _Job:
         from torchtitan.components.optimizer import LRSchedulersContainer
 
         from tests.helpers import Counter
-        from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager
+        from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 
         self.dims = th.parallel_dims(world, tp=tp)
         model, self.container = th.build(_model("qwen3", CHECKPOINT_EXPERTS), self.dims, state=state, lr=0.02)

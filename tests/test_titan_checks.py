@@ -13,7 +13,7 @@ from titan_dmuon.integration import cpu
 cpu.enable()  # before TorchTitan's modules are imported
 
 from tests import titan_harness as th
-from titan_dmuon.integration.adapters.checkpoint import CheckpointError, _data_parallel_change, checked_state_dict
+from titan_dmuon.integration.components.checkpoint import CheckpointError, _data_parallel_change, checked_state_dict
 
 OPTION = "--checkpoint.exclude_from_loading dataloader"
 
@@ -85,7 +85,7 @@ def test_trainer_finishes_dmuon_collectives_after_training(monkeypatch):
     handle's collectives after TorchTitan's loop, once per handle, while the process groups are up."""
     from torchtitan.trainer import Trainer
 
-    from titan_dmuon.integration.training.trainer import DMuonTrainer
+    from titan_dmuon.integration.trainer import DMuonTrainer
 
     calls = []
     monkeypatch.setattr(Trainer, "train", lambda self: calls.append("loop"))

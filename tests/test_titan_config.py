@@ -6,7 +6,7 @@ from titan_dmuon.integration import cpu
 
 cpu.enable()  # before anything imports TorchTitan's trainer
 
-from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.config.toml_file import ConfigError, load_config  # noqa: E402
 
 CONFIGS = "train_configs"
 

@@ -19,7 +19,7 @@ def test_fused_wqkv_blocks_are_torchtitans_q_k_v(family):
 
     from torchtitan.models.common.attention import FusedQKVLinear
 
-    from titan_dmuon.integration.training.parallelize import fused_qkv_blocks
+    from titan_dmuon.integration.distributed.parallelize import fused_qkv_blocks
 
     registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def _param_groups(rank, world):
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
 
-    from titan_dmuon.integration.prepare.trainer_config import dmuon_trainer_config
+    from titan_dmuon.integration.config.trainer_config import dmuon_trainer_config
 
     titan_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
     converted = dmuon_trainer_config(qwen3_debugmodel_moe_param_groups()).optimizer
@@ -323,7 +323,7 @@ def _meta_moe(experts):
 def _dims(*, shard, replicate=1, ep=1):
     from torchtitan.distributed import ParallelDims
 
-    from titan_dmuon.integration.training.parallelize import ParallelDegrees
+    from titan_dmuon.integration.distributed.parallelize import ParallelDegrees
 
     return ParallelDegrees.of(ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep,
                                            world_size=shard * replicate, spmd_backend="partial_dtensor"))
@@ -338,7 +338,7 @@ def test_expert_parallel_limit():
     the limit and the error must not advise it (it did: "... or raise expert_parallel_degree").
     Within the limit experts stay local; under DDP every rank holds every expert, so each is
     dedicated; plain FSDP leaves the choice to dedicate_params ("auto")."""
-    from titan_dmuon.integration.training.parallelize import expert_sharding
+    from titan_dmuon.integration.distributed.parallelize import expert_sharding
 
     model = _meta_moe(experts=2)
     for ep in (2, 4):
@@ -396,7 +396,7 @@ def _naive_muon_through_its_container(rank, world):
     import re
 
     from benchmarks.naive_muon_job import NaiveMuonContainer
-    from titan_dmuon.integration.training.parallelize import DEFAULT_MUON_PARAMS
+    from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
     from titan_dmuon.testing.baselines import NaiveFSDPMuon
 
     data = th.batches(2, world)

@@ -12,19 +12,15 @@ import types
 
 import pytest
 
-from titan_dmuon.group_plan import GroupOptions
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.integration import cpu
 
 cpu.enable()  # TorchTitan's device choice, before anything builds a trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
-from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
-from titan_dmuon.integration.prepare.finalize import prepare_for_build  # noqa: E402
-from titan_dmuon.integration.training.parallelize import (  # noqa: E402
-    DEFAULT_MUON_PARAMS,
-    DedicationSettings,
-    DMuonParallelize,
-)
+from titan_dmuon.integration.config.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.config.finalize import prepare_for_build  # noqa: E402
+from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, DedicationSettings, DMuonParallelize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -250,7 +246,7 @@ class _Loader:
 def test_data_parallel_degree_change_is_named(saved, now):
     """TorchTitan keeps one dataloader state per dp rank and cannot reshard it: 2 -> 4 ranks failed
     with a missing ``dataloader.dp_rank_3``, 4 -> 2 with an assertion. The check says what to do."""
-    from titan_dmuon.integration.adapters.checkpoint import _data_parallel_change
+    from titan_dmuon.integration.components.checkpoint import _data_parallel_change
 
     metadata = types.SimpleNamespace(
         state_dict_metadata={**{f"dataloader.dp_rank_{r}": None for r in range(saved)}, "dataloader.world_size": None}

@@ -12,14 +12,14 @@ from tests.test_config_errors import MOE, _one_line_error, _parse, _toml, in_rep
 from tests.test_titan_checkpoint_e2e import CKPT, _assert_same, _checkpoint, _losses
 from tests.test_titan_e2e import STEP, run_train
 from titan_dmuon.integration.names import Metric
-from titan_dmuon.optimizer import StepStat
+from titan_dmuon.optim.optimizer import StepStat
 
 QK = r"QK-clip: max logit ([\d.]+) before clipping, (\d+) heads clipped"
 
 
 # ---- config ------------------------------------------------------------------------------------------
 def test_keys_reach_the_container_from_toml_and_the_command_line(tmp_path):
-    from titan_dmuon.integration.doors.toml_file import load_config
+    from titan_dmuon.integration.config.toml_file import load_config
 
     body = '[model]\nname = "llama3"\nflavor = "debugmodel"\n[optimizer]\nname = "dmuon"\nqk_clip_threshold = 50.0\n'
     opt = load_config(_toml(tmp_path, body), ["--optimizer.qk_clip_alpha", "0.25"], world_size=2).optimizer
@@ -29,7 +29,7 @@ def test_keys_reach_the_container_from_toml_and_the_command_line(tmp_path):
 
 
 def test_bad_values_and_qwen3_and_compile_are_refused(tmp_path):
-    from titan_dmuon.integration.doors.toml_file import load_config
+    from titan_dmuon.integration.config.toml_file import load_config
 
     llama = '[model]\nname = "llama3"\nflavor = "debugmodel"\n[optimizer]\nname = "dmuon"\n'
     message = _one_line_error(load_config, _toml(tmp_path, llama + "qk_clip_threshold = -1.0\n"), world_size=2)
@@ -351,7 +351,7 @@ def test_log_figure_shows_a_stage_s_nan():
     behind the other stage's figure (Interleaved1F1B's first rank logged 0.5953, a NaN stage unseen)."""
     import math
 
-    from titan_dmuon.integration.training.trainer import qk_clip_figures
+    from titan_dmuon.integration.trainer import qk_clip_figures
 
     logit, heads = StepStat.QK_MAX_LOGIT, StepStat.QK_CLIPPED_HEADS
     for stats in ([{logit: 0.6, heads: 2}, {logit: math.nan, heads: 0}],

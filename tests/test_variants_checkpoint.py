@@ -3,7 +3,6 @@ resumed bit for bit in new processes, resharded onto another world size and plan
 parallelism onto plain FSDP, and loadable across jobs with and without NorMuon (the other state loads;
 second moments the checkpoint does not hold start at zero, as in a new job)."""
 
-import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -13,8 +12,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 
 from tests.helpers import ADAMW, MUON, Counter, distribute, merge_rank_states, toy_model  # noqa: E402
 from tests.test_checkpoint import STEPS, _state, _train  # noqa: E402
-from titan_dmuon.integration.adapters.checkpoint import DMuonCheckpointManager  # noqa: E402
-from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer  # noqa: E402
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
+from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 
 SECOND = "normuon_second_moment"
 NORMUON = {"normuon_beta2": 0.95}

@@ -11,8 +11,8 @@ from titan_dmuon.integration import cpu
 cpu.enable()  # before anything imports TorchTitan's trainer
 
 from titan_dmuon import with_dmuon  # noqa: E402
-from titan_dmuon.integration.check import main  # noqa: E402
-from titan_dmuon.integration.doors.toml_file import ConfigError, load_config  # noqa: E402
+from titan_dmuon.integration.config.check import main  # noqa: E402
+from titan_dmuon.integration.config.toml_file import ConfigError, load_config  # noqa: E402
 from titan_dmuon.options import DMuonOptions, OptionError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def test_dmuon_takes_them_as_keywords_not_per_group():
     param group; their ranges are DMuonOptions' checks."""
     import torch
 
-    from titan_dmuon.optimizer import DMuon
+    from titan_dmuon.optim.optimizer import DMuon
 
     p = torch.nn.Parameter(torch.randn(4, 4))
     DMuon([p], normuon_beta2=0.95, ns_dtype="float16")
@@ -95,7 +95,7 @@ def test_refusals_are_one_line_in_both_doors(capsys, monkeypatch, args, line):
 
 def test_heads_on_attention_of_an_unknown_layout_is_refused(monkeypatch):
     """A model whose attention per-head Newton–Schulz does not know: the description's reason, by name."""
-    from titan_dmuon.integration.training import attention_heads
+    from titan_dmuon.integration.models import attention_heads
 
     def unknown(model, tp_size=1):
         raise attention_heads.HeadBlocksNotSupported("attention 'layers.0.attention' (x.Y) has a layout per-head "

@@ -1,5 +1,5 @@
 """The Muon variants' pure math (NorMuon, blocks of columns, float16 iteration) against references
-written here, independently of ``titan_dmuon.muon_math``.
+written here, independently of ``titan_dmuon.math``.
 
 Tolerances and why:
 
@@ -20,19 +20,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from benchmarks.ns_deviation import scale_ulps
 from tests.helpers import reference_newton_schulz, reference_normuon
-from titan_dmuon import muon_math
-from titan_dmuon.muon_math import (
-    NS_COEFFICIENTS,
-    NS_METHODS,
-    adjusted_lr,
-    column_blocks,
-    muon_step,
-    newton_schulz,
-    normuon,
-    orthogonalise,
-    row_blocks,
-    second_moment_shape,
-)
+from titan_dmuon.math import ns_methods
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_METHODS, newton_schulz
+from titan_dmuon.math.muon_update import adjusted_lr, muon_step, normuon, orthogonalise, second_moment_shape
+from titan_dmuon.math.matrix_blocks import column_blocks, row_blocks
 
 pytestmark = pytest.mark.unit  # the fast tier: single-process, this module only
 
@@ -284,8 +275,8 @@ def test_float16_rounds_less_than_bf16(method):
     u, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(160, 48, generator=g, dtype=torch.float64))
     m = ((u * torch.logspace(0, -2, 48, dtype=torch.float64)) @ v.T)[None]
-    x = m / (m.norm() * muon_math.ns_input_scale(method))
-    for a, b, c in muon_math.ns_schedule(method, 5):
+    x = m / (m.norm() * ns_methods.ns_input_scale(method))
+    for a, b, c in ns_methods.ns_schedule(method, 5):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     errors = {dtype: (newton_schulz(m.float(), ns_method=method, ns_dtype=dtype).double() - x).norm() / x.norm()

@@ -133,8 +133,8 @@ def build(
     config class, default DMuon's)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
-    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
-    from titan_dmuon.integration.training.parallelize import (
+    from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.distributed.parallelize import (
         DedicationSettings,
         parallelize_with_dmuon,
         parallelize_without_dmuon,
@@ -200,7 +200,7 @@ def train(model, container, dims, data, *, clip=None, norms: list | None = None,
     default DMuon's; each step's norm is appended to ``norms`` if given, and its max-norm, by DMuon's
     clip with norm_type inf before the clip, to ``inf_norms``)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.training.trainer import dmuon_handles, finish_pipeline_reduces
+    from titan_dmuon.integration.trainer import dmuon_handles
 
     from torchtitan.distributed import utils as dist_utils
 
@@ -316,8 +316,8 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
-    from titan_dmuon.integration.training.optimizer_container import DMuonOptimizersContainer
-    from titan_dmuon.integration.training.parallelize import DMuonParallelize
+    from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.distributed.parallelize import DMuonParallelize
 
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)
@@ -358,7 +358,7 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
                 if isinstance(current[k], DTensor) else state[k] for k in current
             })
     container = opt_config.build(model_parts=parts)
-    from titan_dmuon.integration.training.trainer import prepare_pipeline_schedule
+    from titan_dmuon.integration.trainer import prepare_pipeline_schedule
 
     prepare_pipeline_schedule(schedule_obj, container)  # as DMuonTrainer does
     return schedule_obj, parts, has_first, has_last, container
@@ -369,7 +369,7 @@ def train_pp(dims, built, data, *, norms: list | None = None, inf_norms: list | 
     gradient sync deferred to one reduce per step as DMuonTrainer does; global mean loss per step on
     the last stage's ranks, None elsewhere (the loss lives there)."""
     from titan_dmuon import clip_grad_norm_
-    from titan_dmuon.integration.training.trainer import dmuon_handles, finish_pipeline_reduces
+    from titan_dmuon.integration.trainer import dmuon_handles, finish_pipeline_reduces
 
     from torchtitan.distributed import utils as dist_utils
 

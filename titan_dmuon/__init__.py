@@ -10,22 +10,22 @@ The TorchTitan-free core:
 * :func:`clip_grad_norm_` clips over FSDP2 shards and owner-held gradients;
 * :func:`set_requires_gradient_sync` switches FSDP2's (or DDP's) and DMuon's gradient sync together;
 * :class:`CommLedger` counts every collective in the design's units, and
-  ``titan_dmuon.cost_model`` gives the figures the design promises.
+  ``titan_dmuon.plan.cost_model`` gives the figures the design promises.
 
 ``titan_dmuon.with_dmuon(config, lr=...)`` turns a TorchTitan 0.3.0
-``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.doors.python_config``); it is
+``Trainer.Config`` into a DMuon one (``titan_dmuon.integration.config.python_config``); it is
 imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 """
 
-from titan_dmuon.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
-from titan_dmuon.ddp import wrap_ddp
-from titan_dmuon.grad_clip import clip_grad_norm_
-from titan_dmuon.group_plan import GroupOptions
-from titan_dmuon.gradient_sync import set_requires_gradient_sync
-from titan_dmuon.ledger import CommLedger
-from titan_dmuon.optimizer import DMuon
+from titan_dmuon.plan.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
+from titan_dmuon.runtime.ddp import wrap_ddp
+from titan_dmuon.optim.grad_clip import clip_grad_norm_
+from titan_dmuon.plan.owner_groups import GroupOptions
+from titan_dmuon.runtime.gradient_sync import set_requires_gradient_sync
+from titan_dmuon.tools.ledger import CommLedger
+from titan_dmuon.optim.optimizer import DMuon
 from titan_dmuon.options import DMuonOptions
-from titan_dmuon.plan import OwnershipPlan
+from titan_dmuon.plan.ownership import OwnershipPlan
 from titan_dmuon.runtime import DedicatedParams, DedicationMode, UnitOrderError, dedicate_params
 
 __all__ = [
@@ -49,7 +49,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "with_dmuon":  # the TorchTitan plugin, loaded only when asked for
-        from titan_dmuon.integration.doors.python_config import with_dmuon
+        from titan_dmuon.integration.config.python_config import with_dmuon
 
         return with_dmuon
     raise AttributeError(f"module 'titan_dmuon' has no attribute {name!r}")

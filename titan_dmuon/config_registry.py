@@ -30,7 +30,7 @@ from torchtitan.models.llama3.config_registry import llama3_70b as _llama3_70b  
 from torchtitan.models.llama3.config_registry import llama3_debugmodel as _llama3_debugmodel  # noqa: E402
 
 from titan_dmuon.integration.assets import ensure_debug_assets as _ensure_debug_assets  # noqa: E402
-from titan_dmuon.integration.doors.python_config import with_dmuon as _with_dmuon  # noqa: E402
+from titan_dmuon.integration.config.python_config import with_dmuon as _with_dmuon  # noqa: E402
 
 _DEBUG_ASSETS = "./assets/debug"
 _DEBUG_DMUON = dict(  # train_configs/debug_model*.toml [optimizer]

@@ -14,16 +14,8 @@ from typing import Literal
 
 import torch
 
-from titan_dmuon.muon_math import (
-    ADJUST_LR_FNS,
-    NS_COEFFICIENTS,
-    NS_DTYPES,
-    NS_EPS,
-    NS_METHODS,
-    NS_MODES,
-    NS_STEPS,
-    exact_mode_refusal,
-)
+from titan_dmuon.math.muon_update import ADJUST_LR_FNS, NS_MODES, exact_mode_refusal
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_METHODS, NS_STEPS
 
 ADJUST_LR_FN_NAMES = tuple(f for f in ADJUST_LR_FNS if f is not None)  # (unset: None)
 LR_KEYS = ("lr", "adamw_lr")  # may be a 1-element tensor, as torch.optim.Muon's and AdamW's lr
@@ -77,7 +69,7 @@ class DMuonOptions:
     ns_method: Literal[NS_METHODS] = "torch"
     """Newton–Schulz method: "torch" (torch.optim.Muon's coefficients), "polar_express" (the Polar Express
     per-step schedule) or "gram" (the same, by Gram Newton–Schulz where that takes fewer FLOPs); see
-    ``titan_dmuon.muon_math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
+    ``titan_dmuon.math``. ns_mode "exact" runs "torch" only. Job-wide (not a param-group option, not
     in checkpoints)."""
     ns_dtype: Literal[NS_DTYPES] = "bfloat16"
     """The Newton–Schulz iteration's dtype: "bfloat16" (torch.optim.Muon's) or "float16" (3 more mantissa

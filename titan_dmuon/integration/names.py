@@ -5,7 +5,7 @@
   ``_resolve_optimizer_factory`` is asked for);
 * ``[optimizer] muon_params``' default (``DEFAULT_MUON_PARAMS``);
 * the figures ``DMuonMetricsProcessor`` logs each step (TensorBoard/W&B tags), and the keys of
-  ``DMuon.last_step_stats`` they are made from (declared by the core: ``titan_dmuon.optimizer.StepStat``).
+  ``DMuon.last_step_stats`` they are made from (declared by the core: ``titan_dmuon.optim.optimizer.StepStat``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
-    from titan_dmuon.integration.doors.toml_file import ConfigError, load_config
+    from titan_dmuon.integration.config.toml_file import ConfigError, load_config
 
     init_logger()
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None

@@ -24,12 +24,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from titan_dmuon.group_plan import GroupOptions
-from titan_dmuon.muon_math import Block, column_blocks, row_blocks
-from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
+from titan_dmuon.plan.owner_groups import GroupOptions
+from titan_dmuon.math.matrix_blocks import Block, column_blocks, row_blocks
+from titan_dmuon.plan.specs import MatrixSpec, full_shape
+from titan_dmuon.plan.ownership import OwnershipPlan, build_plan, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
-from titan_dmuon.runtime.group_update import OwnerGroups
+from titan_dmuon.optim.grouped_update import OwnerGroups
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
@@ -146,7 +147,7 @@ def dedicate_params(
             group of each data-parallel rank that holds them.
         owner_groups: let the plan split a dominant weight's Newton–Schulz and storage over k ranks of
             its shard group where its cost model says that shortens the busiest rank's step
-            (``titan_dmuon.group_plan.GroupOptions``: the rates it uses, the node size;
+            (``titan_dmuon.plan.owner_groups.GroupOptions``: the rates it uses, the node size;
             ``docs/owner-groups.md``; default: an H200 node's); None: one owner per weight (required
             by ``ns_mode="exact"``).
         keep_whole: weights that keep one owner whatever ``owner_groups`` says (a rule reads the

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from titan_dmuon.plan import OwnershipPlan
+from titan_dmuon.plan.ownership import OwnershipPlan
 from titan_dmuon.runtime.comm import CommLabel
 from titan_dmuon.runtime.context import RuntimeContext
 from titan_dmuon.runtime.handle_figures import HandleFigures

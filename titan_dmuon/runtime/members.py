@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_dmuon.muon_math import Block, block_rows, ns_flops, whole_columns
-from titan_dmuon.plan import OwnerGroup, OwnershipPlan, PlanEntry
+from titan_dmuon.math.matrix_blocks import Block, block_rows, whole_columns
+from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.plan.specs import OwnerGroup, PlanEntry
+from titan_dmuon.plan.ownership import OwnershipPlan
 
 
 @dataclass(eq=False)

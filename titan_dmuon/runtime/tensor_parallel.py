@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_dmuon.muon_math import _put_tile, _take_tile
-from titan_dmuon.plan import TPMatrix
+from titan_dmuon.math.matrix_blocks import put_tile, take_tile
+from titan_dmuon.plan.specs import TPMatrix
 from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch, comm_source
 from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.mode import TensorParallelInfo
@@ -156,7 +156,7 @@ class TensorParallelNewtonSchulz:
         sent.sent = sent.received = None
         sent.own = {}
         tiles = [(k, t, rows, cols) for k, i in enumerate(homed) for t, (rows, cols) in enumerate(matrices[i].tiles())]
-        inputs = [_take_tile(full[k], rows, cols).contiguous() for k, _, rows, cols in tiles]
+        inputs = [take_tile(full[k], rows, cols).contiguous() for k, _, rows, cols in tiles]
         results = orthogonalise_fn(inputs) if tiles else []
         out: list[torch.Tensor | None] = [None] * len(full)
         for (k, t, rows, cols), result in zip(tiles, results):
@@ -167,7 +167,7 @@ class TensorParallelNewtonSchulz:
                 continue
             if out[k] is None:  # (the assembled matrix itself where it has the dtype: every input was taken)
                 out[k] = full[k] if full[k].dtype == dtype else torch.empty(full[k].shape, dtype=dtype, device=full[k].device)
-            _put_tile(out[k], rows, cols, result)
+            put_tile(out[k], rows, cols, result)
         parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(out, homed)]
         send = torch.cat(parts) if parts else self._empty(dtype)
         received = send.new_empty(sum(m.numel for m in matrices), dtype=dtype)

@@ -14,8 +14,9 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_dmuon.muon_math import adjusted_lr, momentum_update, newton_schulz, scalar
-from titan_dmuon.optimizer import DMuon
+from titan_dmuon.math.muon_update import adjusted_lr, momentum_update, scalar
+from titan_dmuon.math.ns_methods import newton_schulz
+from titan_dmuon.optim.optimizer import DMuon
 
 
 class NaiveFSDPMuon(DMuon):

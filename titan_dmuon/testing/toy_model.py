@@ -148,7 +148,7 @@ def qkv_splits(model: ToyTransformer) -> dict[nn.Parameter, tuple[int, ...]]:
 
 def qk_clip_attention(model: ToyTransformer) -> list:
     """QK-clip's description of every attention layer (``DMuon(..., qk_clip_attention=...)``)."""
-    from titan_dmuon.qk_clip import QKClipAttention
+    from titan_dmuon.optim.qk_clip import QKClipAttention
 
     out = []
     for i, layer in enumerate(model.layers):

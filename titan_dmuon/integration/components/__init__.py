@@ -1,0 +1,1 @@
+"""DMuon's versions of TorchTitan's components: the optimizer container, the checkpoint manager, the HF export."""

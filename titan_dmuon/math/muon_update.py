@@ -1,0 +1,344 @@
+"""The Muon update as pure functions, pinned to ``torch.optim.Muon`` (torch 2.14): momentum, Newton–Schulz
+by blocks, NorMuon, the learning-rate adjustment and the decoupled weight decay.
+
+Nothing here communicates: the runtime decides *where* this runs. Two modes: ``"exact"`` runs every
+matrix through ``torch.optim.Muon``'s own functional update (bitwise a single-process step on any
+kernel); ``"batched"`` (the default) orthogonalises equally shaped matrices in one call, equal up to GEMM
+rounding (``benchmarks/ns_deviation.py``).
+"""
+
+from __future__ import annotations
+import math
+from collections.abc import Sequence
+import torch
+
+from titan_dmuon.math.matrix_blocks import (
+    Block,
+    block_rows,
+    contiguous_tile,
+    matrix_at,
+    put_rows,
+    put_tile,
+    take_rows,
+    take_tile,
+    tile_ranges,
+    whole_columns,
+)
+from titan_dmuon.math.ns_methods import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    NS_STEPS,
+    check_method,
+    normalised,
+    ns_input_scale,
+    ns_torch_dtype,
+    orthogonalise_wide_,
+    stack_batches,
+)
+
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+
+
+NS_MODES = ("batched", "exact")
+
+
+# NorMuon (Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491, Algorithm 1):
+# Ô = O / (sqrt(v) + eps) row by row.
+NORMUON_EPS = 1e-8
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Learning rate scaled for a (rows, cols) matrix, as ``torch.optim.Muon`` does."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def exact_mode_refusal(adjust_lr_fn: str | None) -> str | None:
+    """Why ``ns_mode="exact"`` cannot run ``adjust_lr_fn`` on this torch, or None. The exact mode is
+    ``torch.optim.Muon``'s own update, whose learning-rate rule must be ``adjusted_lr``'s:
+    "spectral_unclamped" came in torch 2.14, and torch 2.11-2.13's functional update silently
+    scales by 1 for a name it does not know (checked by behaviour, not by version)."""
+    from torch.optim._muon import _adjust_lr
+
+    if _adjust_lr(1.0, adjust_lr_fn, torch.Size((4, 1))) == adjusted_lr(1.0, adjust_lr_fn, (4, 1)):
+        return None
+    return (f"one that torch {torch.__version__}'s torch.optim.Muon knows with ns_mode 'exact' "
+            f"({adjust_lr_fn!r} needs torch >= 2.14), or ns_mode 'batched'")
+
+
+def momentum_update(
+    grad: torch.Tensor, momentum_buffer: torch.Tensor, *, momentum: float, nesterov: bool
+) -> torch.Tensor:
+    """Advance the momentum buffer in place and return the matrix to orthogonalise."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def second_moment_shape(shape: Sequence[int], col_blocks: Sequence[Block] | None = None) -> tuple[int, ...]:
+    """NorMuon's second moment of a weight of ``shape`` (a matrix or a stack of experts): one value per
+    row of each Newton–Schulz matrix, i.e. per row and column block (``(..., rows, column blocks)``)."""
+    return (*shape[:-1], len(col_blocks) if col_blocks else 1)
+
+
+def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
+            eps: float = NORMUON_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon's rule on an orthogonalised update O ``(..., rows, cols)`` and its second moment v
+    ``(..., rows)``: ``v' = beta2 v + (1 - beta2) mean_cols(O²)``; ``Ô = O / (sqrt(v') + eps)`` row by
+    row, rescaled to O's Frobenius norm (a zero O gives a zero Ô). Returns (Ô, v'), in float32; the
+    caller keeps v'. Over whole rows of the matrix Newton–Schulz orthogonalised, never a shard's part of
+    one (which is what makes it exact: dion computes it per local shard)."""
+    o = orthogonal.float()
+    moment = beta2 * second_moment.float() + (1 - beta2) * (o * o).mean(-1)
+    scaled = o / (moment.sqrt() + eps).unsqueeze(-1)
+    ratio = (torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
+             / torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny))
+    return scaled * ratio, moment
+
+
+def muon_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    blocks: Sequence[Sequence[Block]],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    adjust_lr_fn: str | None = None,
+    ns_mode: str = "batched",
+    ns_method: str = "torch",
+    col_blocks: Sequence[Sequence[Block] | None] | None = None,
+    ns_dtype: str = "bfloat16",
+    normuon_beta2: float | None = None,
+    second_moments: Sequence[torch.Tensor] | None = None,
+) -> int:
+    """Apply one Muon step in place; returns the number of matrices orthogonalised.
+
+    A parameter is a ``(rows, cols)`` matrix or a stack ``(E, rows, cols)`` of
+    E independent matrices (MoE experts). ``blocks[i]`` lists the row blocks of
+    each of ``params[i]``'s matrices, ``col_blocks[i]`` its column blocks (None:
+    whole columns), orthogonalised separately: every (row block, column block)
+    pair of every matrix is one Newton–Schulz matrix, its learning rate scaled
+    for its own shape (``adjusted_lr``), as if it were a separate weight.
+    ``ns_mode="exact"`` runs each through ``torch.optim.Muon``'s functional
+    update (bitwise torch.optim.Muon); ``"batched"`` lets blocks with the same
+    shape up to transposition share one batched call, one shape group at a
+    time, stacked straight into ``ns_dtype``, so at most one group's stack is
+    alive at once, orthogonalised by ``ns_method``. ``normuon_beta2``: NorMuon
+    (``normuon``) on each Newton–Schulz matrix's output, its second moment in
+    ``second_moments[i]`` (``second_moment_shape``, updated in place); the exact
+    mode applies it to torch.optim.Muon's own Newton–Schulz output.
+    ``lr`` may be a 0-dim tensor, as torch.optim.Muon's (read as its value).
+    """
+    check_method(ns_method, ns_coefficients)
+    dtype = ns_torch_dtype(ns_dtype)
+    cols_of = [tuple(col_blocks[i]) if col_blocks is not None and col_blocks[i] else whole_columns(p.shape)
+               for i, p in enumerate(params)]
+    if normuon_beta2 is not None:
+        _check_second_moments(params, cols_of, second_moments)
+    variant = dict(col_blocks=cols_of, normuon_beta2=normuon_beta2, second_moments=second_moments)
+    if ns_mode == "exact":
+        if ns_method != "torch":
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
+                             f"got {ns_method!r}")
+        if dtype is not torch.bfloat16:
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update, in bf16: ns_dtype must be "
+                             f"'bfloat16', got {ns_dtype!r}")
+        return _exact_step(
+            params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
+            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
+            **variant,
+        )
+    if ns_mode != "batched":
+        raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
+    if not params:
+        return 0
+    lr = scalar(lr)
+    torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - momentum)
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (short, long) -> (param, matrix, block, column block)
+    for i, (param, param_blocks) in enumerate(zip(params, blocks)):
+        for e in range(param.shape[0] if param.ndim == 3 else 1):
+            for b, block in enumerate(param_blocks):
+                rows = block_rows(block)
+                for c, col_block in enumerate(cols_of[i]):
+                    cols = block_rows(col_block)
+                    groups.setdefault((min(rows, cols), max(rows, cols)), []).append((i, e, b, c))
+    torch._foreach_mul_(list(params), 1 - lr * weight_decay)
+    for (short, long), group in groups.items():
+        for batch in stack_batches(group, short, long, ns_method, ns_steps):
+            _orthogonalise_batch(
+                batch, short, long, params, grads, momentum_buffers, blocks,
+                lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, **variant,
+            )
+    return sum(len(group) for group in groups.values())
+
+
+def _check_second_moments(params, cols_of, second_moments) -> None:
+    """NorMuon needs one second moment per parameter, shaped by ``second_moment_shape``."""
+    if second_moments is None or len(second_moments) != len(params):
+        raise ValueError("normuon_beta2 needs second_moments: one tensor per parameter (second_moment_shape)")
+    for p, moment, cols in zip(params, second_moments, cols_of):
+        expected = second_moment_shape(p.shape, cols)
+        if tuple(moment.shape) != expected:
+            raise ValueError(f"a NorMuon second moment of shape {tuple(moment.shape)} for a weight of shape "
+                             f"{tuple(p.shape)} with {len(cols)} column block(s): expected {expected}")
+
+
+def apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
+                   beta2: float) -> torch.Tensor:
+    """NorMuon on one Newton–Schulz matrix's output: its rows' second moments (matrix ``e``, column
+    block ``c`` of ``second_moment``) read, advanced and written back; returns Ô."""
+    column = matrix_at(second_moment, e)[:, c]
+    update, moment = normuon(update, take_rows(column, rows), beta2)
+    put_rows(column, rows, moment)
+    return update
+
+
+def scalar(value):
+    """A hyperparameter as a Python number (a 0-dim tensor's value)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
+                ns_coefficients, eps, adjust_lr_fn, col_blocks, normuon_beta2, second_moments) -> int:
+    """torch.optim.Muon's own functional update, one 2-D matrix at a time.
+
+    A block that is one contiguous range of rows (of every column) is a view of
+    the weight (contiguous, like a separate weight); an interleaved block
+    (TorchTitan's fused wqkv) or a block of columns is gathered into a
+    contiguous matrix and written back. Either way ``torch.optim._muon.muon``
+    sees exactly the 2-D weight, gradient and momentum a model with separate
+    weights would give it. With NorMuon, torch.optim.Muon's own steps around
+    its Newton–Schulz (``_exact_normuon``)."""
+    from torch.optim._muon import muon as torch_muon
+
+    refusal = exact_mode_refusal(adjust_lr_fn)
+    if refusal is not None:
+        raise ValueError(f"adjust_lr_fn = {adjust_lr_fn!r}: expected {refusal}")
+    count = 0
+    for i, (param, grad, buffer, param_blocks) in enumerate(zip(params, grads, momentum_buffers, blocks)):
+        for e in range(param.shape[0] if param.ndim == 3 else 1):
+            matrices = (matrix_at(param, e), matrix_at(grad, e), matrix_at(buffer, e))
+            for block in param_blocks:
+                for c, col_block in enumerate(col_blocks[i]):
+                    weight, gradient, momentum_buffer = (contiguous_tile(m, block, col_block) for m in matrices)
+                    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                 ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
+                                 adjust_lr_fn=adjust_lr_fn)
+                    if normuon_beta2 is None:
+                        torch_muon([weight], [gradient], [momentum_buffer], has_complex=False, **hyper)
+                    else:
+                        _exact_normuon(weight, gradient, momentum_buffer, second_moments[i], e, block, c,
+                                       beta2=normuon_beta2, **hyper)
+                    for target, updated in ((matrices[0], weight), (matrices[2], momentum_buffer)):
+                        if not _shares_memory(target, updated):  # (a copy: written back; a view already is)
+                            put_tile(target, block, col_block, updated)
+                    count += 1
+    return count
+
+
+def _exact_normuon(weight, gradient, momentum_buffer, second_moment, e, block, c, *, beta2, lr, weight_decay,
+                   momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn) -> None:
+    """torch.optim.Muon's single-tensor step (torch 2.14's ``_single_tensor_muon``) with NorMuon between
+    its Newton–Schulz (torch's own ``_zeropower_via_newtonschulz``) and the update."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    lr = scalar(lr)
+    momentum_buffer.lerp_(gradient, 1 - momentum)
+    update = gradient.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    orthogonal = _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+    orthogonal = apply_normuon(orthogonal, second_moment, e, block, c, beta2)
+    weight.mul_(1 - lr * weight_decay)
+    weight.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr_fn, weight.shape))
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _orthogonalise_batch(
+    members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
+    ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments,
+) -> None:
+    """One batch of equally shaped blocks: Nesterov input, stack in the iteration dtype (float16:
+    each block normalised in float32 first), Newton–Schulz, NorMuon, update."""
+    stack = torch.empty((len(members), short, long), dtype=dtype, device=params[members[0][0]].device)
+    scale = ns_input_scale(ns_method)
+    for k, (i, e, b, c) in enumerate(members):
+        grad = take_tile(matrix_at(grads[i], e), blocks[i][b], col_blocks[i][c])
+        buffer = take_tile(matrix_at(momentum_buffers[i], e), blocks[i][b], col_blocks[i][c])
+        update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
+        wide = update.mT if update.shape[0] > update.shape[1] else update
+        stack[k].copy_(wide if dtype is torch.bfloat16 else normalised(wide, eps, scale))
+    orthogonal = orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps,
+                                      normalise=dtype is torch.bfloat16)
+    del stack
+    for k, (i, e, b, c) in enumerate(members):
+        param, block, col_block = matrix_at(params[i], e), blocks[i][b], col_blocks[i][c]
+        rows, cols = block_rows(block), block_rows(col_block)
+        update = orthogonal[k].mT if rows > cols else orthogonal[k]
+        if normuon_beta2 is not None:
+            update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2)
+        step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
+        for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(block, col_block):
+            param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)
+
+
+def orthogonalise(
+    matrices: Sequence[torch.Tensor],
+    *,
+    ns_mode: str = "batched",
+    steps: int = NS_STEPS,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    ns_method: str = "torch",
+    ns_dtype: str = "bfloat16",
+) -> list[torch.Tensor]:
+    """Newton–Schulz of whole 2-D matrices (e.g. assembled from tensor-parallel shards), in ``ns_dtype``.
+
+    ``"exact"``: each through ``torch.optim.Muon``'s own Newton–Schulz, which casts its input to bf16
+    first, so a matrix given as the bf16 of Muon's input gets bitwise Muon's result. ``"batched"``:
+    equally shaped matrices (up to transposition) share batched calls, by ``ns_method`` (float16: each
+    normalised in float32 before it is rounded). The inputs may be overwritten."""
+    check_method(ns_method, coefficients)
+    dtype = ns_torch_dtype(ns_dtype)
+    if ns_mode == "exact":
+        if ns_method != "torch" or dtype is not torch.bfloat16:
+            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch' and "
+                             f"ns_dtype 'bfloat16', got {ns_method!r}, {ns_dtype!r}")
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]
+    if ns_mode != "batched":
+        raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
+    scale = ns_input_scale(ns_method)
+    for (short, long), group in groups.items():
+        for chosen in stack_batches(group, short, long, ns_method, steps):
+            wide = [matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i] for i in chosen]
+            if dtype is torch.bfloat16:
+                stack = torch.stack(wide).bfloat16()
+            else:
+                stack = torch.empty((len(chosen), short, long), dtype=dtype, device=wide[0].device)
+                for k, matrix in enumerate(wide):
+                    stack[k].copy_(normalised(matrix, eps, scale))
+            result = orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
+                                          normalise=dtype is torch.bfloat16)
+            for k, i in enumerate(chosen):
+                out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
+    return out

@@ -1,0 +1,30 @@
+"""Sizing a DMuon job before it runs: memory, traffic and Newton–Schulz per rank, and whether to run Z2 or Z3.
+
+For a model (its weights' names and shapes) and a layout (replicate R x shard N x tensor T x
+pipeline P, expert parallelism E), per rank:
+
+* memory of FSDP2 + AdamW, DMuon-Z2 and DMuon-Z3: parameters, gradients, optimizer state, DMuon's
+  packed buffers (between steps and at their peak), FSDP2's gathered weights (an estimate), and the
+  total without activations;
+* communication per step of the Muon targets against the floor (an all-reduce of their gradients
+  over the data-parallel ranks), from ``titan_dmuon.plan.cost_model``;
+* Newton–Schulz work per rank from the ownership plan ``build_plan`` makes (max, mean, max/mean)
+  and its critical path at a given TFLOP/s;
+* which of Z2/Z3 to run, and why.
+
+    python -m titan_dmuon.sizing --model llama3 --flavor 8B --world 64
+    python -m titan_dmuon.sizing --model deepseek_v3 --flavor 671B --shard 64 --ep 64 --pp 8
+    python -m titan_dmuon.sizing --config train_configs/llama3_8b.toml
+
+The figures follow the runtime: a dedicated weight lives whole (parameter dtype) on its shard
+owner in every replica group; its gradient and momentum on its one global owner; each layer's
+weights are broadcast into one packed buffer in the compute dtype, which Z2 keeps from forward to
+backward (every layer: P_M per rank at the end of forward) and Z3 frees (two layers at a time,
+the running one and the prefetched one); between steps the first layer's buffer is alive (its
+broadcast for the next forward starts at the end of the step). FSDP2's weights are dim-0 shards
+padded to ceil(rows / N) rows; AdamW keeps two moments and a step count. ``tests/test_sizing.py``
+holds these figures to what ``benchmarks/memory_table.py`` measures on the CPU-sized cases.
+
+Model weights come from ``sizing/model_shapes.py`` (shape tables without TorchTitan,
+or TorchTitan's model on the meta device), imported only by ``main``; the rest is TorchTitan-free.
+"""

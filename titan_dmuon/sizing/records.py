@@ -1,0 +1,150 @@
+"""What a sizing is asked about and what it answers: the model's weights, the layout, the precision,
+and the figures per stage (memory, traffic, Newton–Schulz). Plain records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from titan_dmuon.math.matrix_blocks import Block
+from titan_dmuon.plan.ownership import OwnershipPlan
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+CONFIGURATIONS = ("FSDP2 + AdamW, Z2", "FSDP2 + AdamW, Z3", "DMuon-Z2", "DMuon-Z3")
+
+
+STEP_COUNT_BYTES = 4  # AdamW's per-parameter step count: a float32 scalar tensor (torch.optim.AdamW's and DMuon's)
+
+
+NS_BYTES = 2  # Newton–Schulz runs in bf16: what the TP exchange sends to the homes and back
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weight:
+    """One parameter of the model, as the sizing needs it."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    muon: bool  # a Muon target (dedicated, or a routed-expert stack updated where it lives)
+    layer: int | None  # its transformer layer (one DMuon unit per layer); None: embeddings, final norm, head
+    blocks: tuple[Block, ...] | None = None  # Newton–Schulz row blocks (fused q/k/v); None: the whole matrix
+    tp_dim: int | None = None  # the dim tensor parallelism splits; None: every TP rank holds it whole
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def experts(self) -> int:
+        """Experts in a 3-D stack (0 for any other weight)."""
+        return self.shape[0] if len(self.shape) == 3 else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Data-parallel replicate R x shard N (HSDP when both > 1, DDP when N = 1 < R), tensor
+    parallelism T, pipeline stages P, expert parallelism E (inside the shard x tensor ranks)."""
+
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard * self.tp * self.pp
+
+    @property
+    def ddp(self) -> bool:
+        return self.shard == 1 and self.replicate > 1
+
+    def describe(self) -> str:
+        kind = "DDP" if self.ddp else "HSDP" if self.replicate > 1 else "FSDP"
+        parts = [f"replicate {self.replicate} x shard {self.shard} ({kind})"]
+        parts += [f"{name} {n}" for name, n in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep)) if n > 1]
+        return ", ".join(parts) + f": {self.world} ranks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element: master weights, gradients and optimizer state (``param``), forward and
+    backward weights (``compute``: FSDP2's ``mp_policy.param_dtype``), gradient reduction (``reduce``)."""
+
+    param: int = 4
+    compute: int = 2
+    reduce: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes per rank (the largest rank of each figure)."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    buffers_between_steps: int = 0  # DMuon's packed buffers alive between steps (the first layer's)
+    buffers_peak: int = 0  # DMuon's packed buffers at their peak (the counter ``peak_buffer_bytes``)
+    unreduced_grads: int = 0  # pipelining: the stage's dedicated gradients held unreduced over the micro-batches
+    gathered_peak: int = 0  # FSDP2's all-gathered weights and one layer's reduce buffers (estimate)
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.buffers_between_steps
+
+    @property
+    def peak(self) -> int:
+        """Everything above at once, activations and Newton–Schulz workspace not included."""
+        return (self.params + self.grads + self.optimizer_state + self.buffers_peak + self.unreduced_grads
+                + self.gathered_peak)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traffic:
+    """Elements (the design's unit) and bytes per rank per step for the dedicated Muon targets."""
+
+    elements: Fraction
+    bytes: Fraction
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One pipeline stage's figures (the whole model without pipelining)."""
+
+    index: int
+    memory: dict[str, Memory]
+    traffic: dict[str, Traffic]
+    floor: Traffic
+    tp_exchange: Traffic
+    plan: OwnershipPlan
+    ns_per_rank: list[int]  # Newton–Schulz FLOPs of each rank of the stage (R x N x T)
+    largest_ns: int  # the largest Newton–Schulz job one rank runs whole (a matrix, a dedicated stack)
+    dedicated_numel: int
+    local_expert_numel: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizing:
+    layout: Layout
+    precision: Precision
+    stages: list[Stage]
+    muon_numel: int
+    other_numel: int
+    recommendation: str
+    reasons: list[str] = field(default_factory=list)
+
+    def heaviest(self, configuration: str) -> Stage:
+        """The stage whose ranks need the most memory under ``configuration``."""
+        return max(self.stages, key=lambda s: s.memory[configuration].peak)
+
+    @property
+    def ns_max(self) -> int:
+        return max(max(s.ns_per_rank) for s in self.stages)
+
+    @property
+    def ns_mean(self) -> float:
+        return sum(sum(s.ns_per_rank) for s in self.stages) / sum(len(s.ns_per_rank) for s in self.stages)
