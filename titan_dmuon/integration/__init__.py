@@ -1,19 +1,18 @@
-"""TorchTitan 0.3.0 with DMuon, laid out in the order a job passes through it.
+"""TorchTitan 0.3.0 with DMuon, in TorchTitan's own nouns. May import every layer of the core; the core never
+imports it (``import titan_dmuon`` stays TorchTitan-free).
 
-1. ``doors/``: how a job's config comes in: a TOML file (``toml_file``: ``run_train.sh``'s
-   ``CONFIG_FILE``), a Python config (``python_config``: ``with_dmuon``, for TorchTitan's
-   ``--module/--config``), and the typed values both doors and the command line convert with (``values``).
-2. ``prepare/``: what every door does next, before any process group: the config as DMuon's
-   (``trainer_config``), every check (``validation``, ``fault_tolerance_checks``), the last steps
-   (``finalize``).
-3. ``training/``: what TorchTitan builds and runs: ``trainer`` (DMuonTrainer, metrics, clipping),
-   ``parallelize`` (dedication at the family's first ``fully_shard``), ``models`` (the supported
-   families), ``optimizer_container`` (``[optimizer] name``), ``attention_clip`` (QK-clip's attention
-   descriptions), ``fault_tolerance`` (TorchFT).
-4. ``adapters/``: TorchTitan's checkpoint (``checkpoint``: checks before a DCP load) and HF export
-   (``hf_export``).
-
-Here: the commands ``run_train.sh`` runs (``train``: the TOML entry point; ``check``: the pre-launch
-check; ``assets``: the debug tokenizer and dataset), ``names`` (optimizer names and metric keys) and
-``cpu`` (every accommodation for a machine without an accelerator).
+* ``config/``: how a job's config comes in and is checked before launch: ``toml_file`` (``run_train.sh``'s
+  ``CONFIG_FILE``), ``python_config`` (``with_dmuon``), ``values`` (typed values for both doors and the command
+  line), ``trainer_config`` (a ``Trainer.Config`` as DMuon's), ``validation/`` (one module per config section,
+  ``validate.validate_dmuon`` runs them all), ``finalize`` (the last steps before a build), ``check`` (the
+  pre-launch check ``run_train.sh`` runs).
+* ``components/``: ``optimizer_container`` (``[optimizer] name``), ``checkpoint`` (checks before a DCP load),
+  ``hf_export`` (an export ``transformers`` loads).
+* ``distributed/``: ``parallelize`` (dedication at the family's first ``fully_shard``), ``context_parallel``
+  (CP's CPU attention), ``fault_tolerance`` (TorchFT).
+* ``models/``: ``families`` (the supported model families), ``attention_clip`` (QK-clip's attention
+  descriptions), ``attention_heads`` (per-head Newton–Schulz layouts).
+* here: ``trainer`` (DMuonTrainer, metrics, clipping), ``train`` (the TOML entry point), ``assets`` (the debug
+  tokenizer and dataset), ``names`` (optimizer names and metric keys), ``cpu`` (every accommodation for a
+  machine without an accelerator).
 """

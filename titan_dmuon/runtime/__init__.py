@@ -1,5 +1,8 @@
 """The runtime: hooks, packed buffers and collectives that move dedicated weights.
 
+May import: ``titan_dmuon.math``, ``options`` and ``plan``. The optimizer's step (``titan_dmuon.optim``) drives
+it through the handle; it never imports the optimizer, TorchTitan or the measuring tools.
+
 Laid out as FSDP2 lays out its own runtime, one concern per file:
 
 * ``mode.py``: ``DedicationMode``/``MeshInfo``: the layout, decided once;
@@ -12,15 +15,13 @@ Laid out as FSDP2 lays out its own runtime, one concern per file:
   ``remove()``), as FSDP2's ``FSDPModule``; with its methods of ``handle_figures.py`` (figures),
   ``handle_weights.py`` (``full_tensors``, TP conversions, initialisation) and
   ``handle_gradient_sync.py`` (gradient sync, the all-reduce hook) mixed in;
-* ``step_schedule.py``: ``StepSchedule``, the order of the optimizer's Muon step (chunks of units,
-  each sent on once updated; the TP exchange pipelined); ``owner_update.py``: ``OwnerUpdate``, what
-  runs on an owner for a list of weights (momentum, Newton–Schulz, update), and the same rule split
-  over TP shards; ``tensor_parallel_step.py``: ``TensorParallelStep``, that split rule's three stages;
 * ``reducer.py``: backward gradient reduces to owners, off the compute stream (HSDP: two stages);
 * ``replica_sync.py``: HSDP's post-update broadcasts from global owners to replicas;
 * ``tensor_parallel.py``: the step's TP exchange, and a TP shard to and from its full matrix;
 * ``initialise.py``: dedicated weights initialised as the same model without DMuon would;
 * ``state_dict.py``: state-dict hooks for DCP checkpoints;
+* ``ddp.py``, ``gradient_sync.py``, ``gloo_exit.py``: dedicated weights under DDP; one gradient-sync switch for
+  FSDP2, DDP and DMuon; gloo's exit guard;
 * ``comm.py``: labels (``CommLabel``), counts and launches (coalesced groups); ``streams.py``: streams and events;
 * ``request.py``: the parameters given to ``dedicate_params`` found in the model and checked;
 * ``dedicate.py``: ``dedicate_params``: the plan, this rank's members, the units' layout, the handle.
