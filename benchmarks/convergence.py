@@ -6,7 +6,7 @@
 
 TorchTitan's llama3 debug model trains through run_train.sh on the bundled dataset (local batch 2 x 256
 tokens per rank, ``[debug] seed = 0``, the same data order for every run) with FSDP2 + AdamW and with
-DMuon-Z3 for each ``muon_math.NS_METHODS`` method, plus DMuon with the default method from another seed
+DMuon-Z3 for each ``ns_methods.NS_METHODS`` method, plus DMuon with the default method from another seed
 (``seed = 1``: other initial weights), so the table shows how far two runs of one method land apart
 beside how far the methods do. The variants (``--runs variants``, or ``all``, the default): DMuon with
 NorMuon (``normuon_beta2 = 0.95``), with per-head Newton–Schulz (``ns_blocks = "heads"``) and with float16

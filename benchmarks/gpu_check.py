@@ -102,17 +102,17 @@ def time_ms(fn, device, reps: int = 3) -> float:
 
 
 def ns_methods() -> tuple[str, ...]:
-    """The Newton–Schulz methods of ``muon_math`` ("torch" first); ("torch",) where it names none."""
+    """The Newton–Schulz methods of ``math/ns_methods.py`` ("torch" first); ("torch",) where it names none."""
     return tuple(getattr(ns_math, "NS_METHODS", ("torch",)))
 
 
 def with_method(fn, method: str):
     """``fn`` with ``ns_method=method`` where it takes that keyword, else ``fn`` itself (which is
-    the "torch" method: muon_math before it had methods)."""
+    the "torch" method: the math before it had methods)."""
     if "ns_method" in inspect.signature(fn).parameters:
         return functools.partial(fn, ns_method=method)
     if method != "torch":
-        raise TypeError(f"muon_math.{fn.__name__} takes no ns_method, so {method!r} cannot run")
+        raise TypeError(f"ns_methods.{fn.__name__} takes no ns_method, so {method!r} cannot run")
     return fn
 
 

@@ -191,21 +191,21 @@ def _normalise_group_(x: torch.Tensor, eps: float, scale: float, all_reduce: All
 
 
 def _group_iterate(x: torch.Tensor, schedule, all_reduce: AllReduce, *, reassociate: bool) -> torch.Tensor:
-    """``muon_math._iterate`` on this member's block: X_i <- a X_i + (b A + c A²) X_i with A the
+    """``ns_methods._iterate`` on this member's block: X_i <- a X_i + (b A + c A²) X_i with A the
     group's Gram matrix; ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i) (no s³ product)."""
     for a, b, c in schedule:
         gram = summed_gram(x, all_reduce)
         if reassociate:
             inner = torch.baddbmm(x, gram, x, beta=b, alpha=c)  # b X_i + c A X_i, rounded once
             x = torch.baddbmm(x, gram, inner, beta=a)
-        else:  # muon_math._iterate's step
+        else:  # ns_methods._iterate's step
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.baddbmm(x, poly, x, beta=a)
     return x
 
 
 def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce) -> torch.Tensor:
-    """``muon_math._gram_newton_schulz`` on this member's block: the short-space iteration (R, Q) on the
+    """``ns_methods._gram_newton_schulz`` on this member's block: the short-space iteration (R, Q) on the
     group's summed Gram matrix, repeated by every member; Q X_i at each restart and at the end.
     Large matrices go one at a time (2-D symmetric products), as there."""
     restarts = set(gram_restarts(len(schedule)))

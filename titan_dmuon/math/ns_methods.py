@@ -215,7 +215,7 @@ def gram_segments(x: torch.Tensor, schedule, restarts, *, gram_of, symmetric) ->
     """Gram Newton–Schulz's short-space loop (``_gram_newton_schulz``'s notes): R = ``gram_of(X)`` at the
     start and at each restart, Q and R updated by ``symmetric(a, b, add=, beta=, alpha=)`` (beta add +
     alpha a @ b, known symmetric), Q X at each restart and at the end. An owner group passes its summed
-    Gram matrix (``group_math``): the rest of the loop is the same on one owner and on a member."""
+    Gram matrix (``math/group_newton_schulz.py``): the rest of the loop is the same on one owner and on a member."""
     gram = gram_of(x)
     product = None  # Q
     for step, (a, b, c) in enumerate(schedule):

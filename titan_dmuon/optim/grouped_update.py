@@ -7,7 +7,7 @@ group this rank is in, the sum over its members (a ring of point-to-point sends 
 ``ring_all_reduce``) and the 1-D device mesh DCP sees the weight on.
 
 The update (``update_grouped``, what ``OwnerUpdate`` runs for such weights): momentum on this
-member's block, Newton–Schulz of the whole matrix by ``group_math.group_newton_schulz`` with the
+member's block, Newton–Schulz of the whole matrix by ``group_newton_schulz.group_newton_schulz`` with the
 group's all-reduces, then weight decay and the update scaled for the whole matrix (``adjusted_lr``).
 Equally shaped matrices of the same group share one call (one all-reduce per step for all of them).
 
@@ -113,7 +113,7 @@ class OwnerGroups:
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
     def all_reduce(self, member: Member) -> AllReduce:
-        """The sum over ``member``'s group, as ``group_math`` calls it."""
+        """The sum over ``member``'s group, as ``math/group_newton_schulz.py`` calls it."""
         members = slot_of(member, self.mesh.shard_size)
         me, group, stats = members.index(self.mesh.shard_rank), self.mesh.shard_group, self.stats
         rings = self.options.rings(len(members))

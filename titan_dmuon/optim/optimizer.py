@@ -8,9 +8,9 @@ DDP-replicated tensors) gets AdamW with ``torch.optim.AdamW`` semantics.
 This module is the optimizer's API: param groups, options, state dicts, the
 figures of the last step, AdamW. The Muon step's order (pipelined with the
 communication: each layer sent on as soon as it is updated) is
-``runtime/step_schedule.py``'s; what runs on an owner for a list of weights
-(momentum, Newton–Schulz, update) is ``runtime/owner_update.py``'s, and the
-tensor-parallel exchange's stages ``runtime/tensor_parallel_step.py``'s.
+``optim/step_schedule.py``'s; what runs on an owner for a list of weights
+(momentum, Newton–Schulz, update) is ``optim/whole_update.py``'s, and the
+tensor-parallel exchange's stages ``optim/tensor_parallel_update.py``'s.
 
 Each user param group is split into a Muon group and an AdamW group, both
 carrying their learning rate under ``"lr"``, so LR schedulers scale both.
@@ -213,7 +213,7 @@ class DMuon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, groups: list[dict]) -> None:
-        """The Muon groups' step: ``runtime/step_schedule.py`` orders it, ``runtime/owner_update.py``
+        """The Muon groups' step: ``optim/step_schedule.py`` orders it, ``optim/whole_update.py``
         is the rule it runs on each owner (a subclass may replace the whole, as the naive baseline)."""
         self._schedule.run(groups)
 

@@ -20,7 +20,7 @@ list to ``DMuon(..., qk_clip_threshold=tau, qk_clip_attention=[...])``.
   [layers x heads] maxima over the handle's data-parallel ranks (HSDP: the shard group, then the
   replicate group; pipelining: each stage's own handle), waited before the first rescale;
 * rescale: after a unit's Muon update and before the handle sends it on, the owner of each q/k
-  weight (``member.runs_ns``) multiplies its rows by gamma_h ** e (``qk_clip_math``), computed on
+  weight (``member.runs_ns``) multiplies its rows by gamma_h ** e (``math/qk_clip_factors.py``), computed on
   the device: no host sync, unclipped heads multiplied by exactly 1.
 """
 
@@ -44,7 +44,7 @@ Ranges = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True, eq=False)
 class QKRows:
-    """The rows of ``param`` that hold one role (``qk_clip_math.ROLES``) of each query head:
+    """The rows of ``param`` that hold one role (``qk_clip_factors.ROLES``) of each query head:
     ``heads[h]`` is a tuple of ``(start, stop)`` row ranges."""
 
     param: nn.Parameter

@@ -1,7 +1,7 @@
 """The order of DMuon's Muon step: which weights are updated together, and when each is sent on.
 
 As FSDP2 keeps a unit's lifecycle out of ``FSDPModule``, the step's schedule lives here, out of the
-optimizer's API (``optimizer.py``) and out of the update rule (``owner_update.py``: what runs on an
+optimizer's API (``optimizer.py``) and out of the update rule (``optim/whole_update.py``: what runs on an
 owner for a list of weights). Per handle, the dedicated weights are updated unit by unit in forward
 order, in chunks of 1, 1, 2, 4, ... units (``pipeline_chunks``); after each chunk the handle sends its
 units on (HSDP's broadcast to replicas; the first unit's broadcast for the next forward), so those

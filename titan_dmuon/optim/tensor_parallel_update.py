@@ -30,7 +30,7 @@ their way back (at most 1 + 1/T caps). So the step's transient memory is at most
 ``MAX_EXCHANGE_BYTES`` whatever the chunk of layers (no more while batch k+1's inputs are made: its
 fp32 momentum of at most 2/T caps, its inputs and send buffer 2/T), plus what Newton–Schulz itself
 holds on one batch (its bf16 stack, X Xᵀ, the polynomial and the next X: about 4 copies of the batch,
-of its ``muon_math.MAX_STACK_BYTES`` stacks one at a time). Uncapped, a chunk of up to a third of
+of its ``ns_methods.MAX_STACK_BYTES`` stacks one at a time). Uncapped, a chunk of up to a third of
 the layers went through as one exchange, about five bf16 copies of its TP matrices alive at once.
 """
 

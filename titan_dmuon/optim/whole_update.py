@@ -1,12 +1,12 @@
 """What runs on an owner for a list of weights: Muon's momentum, then Newton–Schulz, then the update.
 
 ``OwnerUpdate.update`` is the rule for weights this rank holds whole (a dedicated weight on its
-owner, the experts a rank keeps): one ``muon_math.muon_step`` per list, which runs the three stages
+owner, the experts a rank keeps): one ``muon_update.muon_step`` per list, which runs the three stages
 in batches of equally shaped matrices. Under tensor parallelism a matrix is held in shards, and the
-same rule runs split where the matrix is split (``tensor_parallel_step.py`` moves the data between
+same rule runs split where the matrix is split (``tensor_parallel_update.py`` moves the data between
 the parts): ``momentum_inputs`` on each TP rank's shards, ``orthogonalise`` on the matrix's NS home,
 ``apply_shards`` on the shards again. Nothing here communicates, and nothing here decides the
-order of the step (``step_schedule.py`` does).
+order of the step (``optim/step_schedule.py`` does).
 
 A variant of the rule extends this class and leaves the schedule alone: a weight's optimizer state
 is ``state_of(param)``, the momentum and, with NorMuon (``normuon_beta2``), its per-row second moment
@@ -145,7 +145,7 @@ class OwnerUpdate:
             )
 
     def update_grouped(self, group: dict, weights: list, owner_groups) -> None:
-        """The rule on this member's blocks of owner groups' weights (``group_update.update_grouped``:
+        """The rule on this member's blocks of owner groups' weights (``grouped_update.update_grouped``:
         Newton–Schulz of each whole matrix over its group)."""
         update_grouped(self, group, weights, owner_groups)
 

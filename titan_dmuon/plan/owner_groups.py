@@ -2,7 +2,7 @@
 
 A weight whose Newton–Schulz alone would exceed the mean per-rank load by ``margin`` (or any weight
 when the shard ranks outnumber the weights) may be owned by k ranks of its shard group, each keeping
-one block along its long side (``group_math``). k is chosen by a cost model: a member's time is its
+one block along its long side (``math/group_newton_schulz.py``). k is chosen by a cost model: a member's time is its
 FLOPs (``group_ns_flops``) at ``ns_tflops`` plus the group's all-reduces (``gram_all_reduces`` of the
 packed fp32 Gram matrix, and the norm) at the bus bandwidth of the link the group spans. Groups sit on
 aligned slots of consecutive shard indices (k divides N), inside a node when k divides the node size.
@@ -74,7 +74,7 @@ class GroupOptions:
         return self.ns_tflops * 1e12
 
     def all_reduce_seconds(self, nbytes: float, group_size: int) -> float:
-        """A sum of ``nbytes`` over an aligned group of ``group_size`` ranks as ``group_update.ring_all_reduce``
+        """A sum of ``nbytes`` over an aligned group of ``group_size`` ranks as ``grouped_update.ring_all_reduce``
         runs it, 2 (k - 1) / k of it per rank: inside a node, one ring on the node's links; over whole nodes,
         one ring per rank of a node, each crossing between nodes at a different rank (its own NIC), so the
         node's NICs carry the crossings together, at most as fast as the node's links."""

@@ -184,7 +184,7 @@ def build_plan(
     (ceil(E/N) whole experts per shard index, in every replica): each data-parallel rank's experts
     get NS homes in its TP group, balanced with the dedicated matrices that rank owns.
 
-    ``groups`` (enabled): owner groups where they pay (``group_plan.choose_sizes``), placed first on
+    ``groups`` (enabled): owner groups where they pay (``owner_groups.choose_sizes``), placed first on
     aligned slots (``place_groups``); the other weights then go as above, every load counted in
     FLOP-equivalents (a member's FLOPs plus its all-reduces' time). None, or disabled: one owner each.
     """
@@ -250,7 +250,7 @@ def _least_loaded_owners(costs: Sequence[int], indices: Sequence[int], load: lis
 
 def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int], replicate_size: int,
                   shard_size: int, ns_steps: int, options: GroupOptions) -> dict[int, OwnerGroup]:
-    """The owner groups of the sizing (``group_plan.sizings``) whose busiest rank is least loaded once
+    """The owner groups of the sizing (``owner_groups.sizings``) whose busiest rank is least loaded once
     placed, groups first and then the other weights (tried with no groups first, then the sizings with the
     fewest all-reduces; the first on a tie; one whose mean or largest member cannot beat the best so far
     is not placed); ``load`` (per

@@ -120,7 +120,7 @@ class OwnerGroup:
     """The k ranks that own one matrix: member i (global rank ``ranks[i]``; one replicate row,
     consecutive shard indices) keeps the block ``bounds[i]:bounds[i + 1]`` along ``long_dim`` (0: rows
     of a tall matrix, 1: columns of a wide or square one) with its momentum, and runs its part of the
-    matrix's Newton–Schulz (``group_math``); ``member_flops`` are those parts' FLOPs."""
+    matrix's Newton–Schulz (``math/group_newton_schulz.py``); ``member_flops`` are those parts' FLOPs."""
 
     ranks: tuple[int, ...]
     bounds: tuple[int, ...]

@@ -5,7 +5,7 @@ ranks of its TP group hold its T shards (``PlanEntry.tp_dim``), or T copies of a
 replicates (a router, MLA's ``wkv_a``); experts FSDP2 keeps in place are held the same way by the
 TP group of each data-parallel rank. Newton–Schulz needs the whole matrix, and each matrix (each
 expert of a stack: ``TPMatrix``) has one home in the TP group (``PlanEntry.tp_homes``), so per batch
-of matrices (of at most ``tensor_parallel_step.MAX_EXCHANGE_BYTES``):
+of matrices (of at most ``tensor_parallel_update.MAX_EXCHANGE_BYTES``):
 
 1. ``send_to_homes``: every TP rank sends the bf16 Newton–Schulz input of its shards to each
    matrix's home (one all-to-all on the TP group; a replicated matrix's home has its input already);
@@ -16,7 +16,7 @@ of matrices (of at most ``tensor_parallel_step.MAX_EXCHANGE_BYTES``):
    matrix), in the Newton–Schulz dtype: one all-to-all back;
 3. ``received``: this rank's shards of the results.
 
-The step runs these for consecutive batches of matrices as a pipeline (``tensor_parallel_step.py``:
+The step runs these for consecutive batches of matrices as a pipeline (``tensor_parallel_update.py``:
 batch k+1's shards are sent before batch k's Newton–Schulz, batch k's results applied after batch
 k+1's), so the TP transfers overlap Newton–Schulz. On an accelerator the all-to-alls run on the
 handle's reduce stream (idle during the step), each after an event recorded once the compute stream
@@ -207,7 +207,7 @@ class TensorParallelNewtonSchulz:
         stream (after its writes of ``input`` and the allocation of ``output``), not for what that
         stream queues later; the returned InFlight is what a reader of ``output`` waits for. The
         reduce stream runs its all-to-alls in issue order: the step issues a batch's send to the homes
-        before the previous batch's Newton–Schulz (``tensor_parallel_step.py``), so it does not queue
+        before the previous batch's Newton–Schulz (``tensor_parallel_update.py``), so it does not queue
         behind that batch's results."""
         stream = self.streams.reduce
         if stream is not None:

@@ -1,6 +1,6 @@
 """TorchTitan's DCP CheckpointManager, checking a checkpoint before loading it.
 
-Saving needs nothing extra (an HF export also gets its config.json: integration/adapters/hf_export.py):
+Saving needs nothing extra (an HF export also gets its config.json: integration/components/hf_export.py):
 DMuon's state-dict hooks (runtime.py) make every
 dedicated weight appear once per holder under its normal name, and its
 momentum lives in the optimizer state of its one global owner. Loading gets
@@ -58,7 +58,7 @@ class DMuonCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         """TorchTitan's save; an HF export (synchronous: TorchTitan's last save) then gets what
-        ``transformers`` needs to load it as is (integration/adapters/hf_export.py), written by rank 0."""
+        ``transformers`` needs to load it as is (integration/components/hf_export.py), written by rank 0."""
         result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         if to_hf and async_mode == "disabled" and (not dist.is_initialized() or dist.get_rank() == 0):
             from titan_dmuon.integration.components.hf_export import complete_hf_export

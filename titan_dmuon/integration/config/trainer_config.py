@@ -27,7 +27,7 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
 
     A config with a ``fault_tolerance`` section (TorchTitan's FaultTolerantTrainer.Config, e.g. its
     ``torchft.llama3`` registry), or ``fault_tolerant=True``, becomes DMuon's fault-tolerant one
-    (``integration/training/fault_tolerance.py``, imported only then)."""
+    (``integration/distributed/fault_tolerance.py``, imported only then)."""
     names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
     fault_tolerant = fault_tolerant or "fault_tolerance" in names
     trainer, optimizer, checkpoint = DMuonTrainer.Config, DMuonOptimizersContainer.Config, DMuonCheckpointManager.Config

@@ -1,6 +1,6 @@
 """What DMuon checks before a fault-tolerant (TorchFT) job starts: settings, torchft, the lighthouse.
 
-Apart from ``integration/training/fault_tolerance.py`` (the trainer side) so that validation can run these
+Apart from ``integration/distributed/fault_tolerance.py`` (the trainer side) so that validation can run these
 without importing the trainer: every check returns the problem as one line (or None) and
 ``validation.validate_dmuon`` raises it as its ConfigError.
 """
