@@ -1,7 +1,8 @@
 """The TorchTitan-free core where the GPU machine this project can be lent runs it: torch 2.11,
 no TorchTitan (nor tyro, datasets, torchdata, spmd_types), nothing installable.
 
-The core (``titan_dmuon`` outside ``integration/`` and ``config_registry.py``) and the GPU check
+The core (``titan_dmuon`` outside ``integration/`` and ``config_registry.py``; ``sizing`` reads TorchTitan's
+models only when asked to) and the GPU check
 run there; its tests pass on torch 2.11 (docs/guides/gpus.md). What torch 2.11 lacks that the
 core used is refused by name here, on any torch, by standing in 2.11's behaviour.
 """
@@ -56,10 +57,13 @@ def test_the_core_and_the_gpu_check_import_without_torchtitan():
     TorchTitan and its dependencies unimportable, and the check then names TorchTitan as the
     reason its TorchTitan rows are skipped (a module-level TorchTitan import anywhere in them
     would stop the whole check on the lent machine)."""
-    core = [f"titan_dmuon.{name[:-3]}" for name in sorted(os.listdir(os.path.join(ROOT, "titan_dmuon")))
-            if name.endswith(".py") and name not in ("__init__.py", "config_registry.py")]
-    core += [f"titan_dmuon.{package}.{name[:-3]}" for package in ("runtime", "testing")
-             for name in sorted(os.listdir(os.path.join(ROOT, "titan_dmuon", package))) if name.endswith(".py")]
+    core = []
+    for directory, _, files in os.walk(os.path.join(ROOT, "titan_dmuon")):
+        package = os.path.relpath(directory, ROOT).replace(os.sep, ".")
+        if ".integration" in package or "__pycache__" in package:
+            continue
+        core += [f"{package}.{name[:-3]}" for name in sorted(files)
+                 if name.endswith(".py") and name not in ("__init__.py", "__main__.py", "config_registry.py")]
     script = (
         f"import importlib, sys\nsys.modules.update(dict.fromkeys({BLOCKED!r}))\n"
         f"for name in {[*core, 'tests.helpers', 'benchmarks.gpu_runtime', 'benchmarks.gpu_check']!r}:\n"
@@ -70,4 +74,5 @@ def test_the_core_and_the_gpu_check_import_without_torchtitan():
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("TorchTitan is not installed for this python"), result.stdout
-    assert len(core) > 20 and "titan_dmuon.runtime.unit" in core
+    assert len(core) > 40 and {"titan_dmuon.runtime.unit", "titan_dmuon.math.ns_methods", "titan_dmuon.optim.optimizer",
+                                "titan_dmuon.plan.ownership", "titan_dmuon.sizing.figures"} <= set(core)
