@@ -54,20 +54,11 @@ POLAR_EXPRESS_COEFFICIENTS = (
 POLAR_EXPRESS_SAFETY = 1.01
 
 
-# Gram Newton–Schulz (Zhang, Amsel, Chen, Dao, Dao-AILab/gram-newton-schulz, 2026) restarts its Gram
-# iteration (X <- Q X, R <- X Xᵀ, Q <- I) to stay stable in half precision; its default, one restart before
-# step 2 of 5 (counting from 0), is tuned for float16. In bf16 (3 mantissa bits fewer) that left singular
-# values up to 2 on ill-conditioned and low-rank inputs (benchmarks/ns_accuracy.py, the "restarts" rows);
-# restarts before every odd step (``gram_restarts``: segments [0], [1, 2], [3, 4], ...; a segment's product
-# of polynomials is rounded to bf16 relative to its largest entries, and the first polynomial alone spans a
-# factor ~8 between singular values) keep them within a few bf16 ulps of the polynomials' band, closer
-# than restarts before steps 2 and 4, which cost the same FLOPs.
-# A symmetric product (X Xᵀ, or two polynomials in the same Gram matrix) computes its upper-left,
-# upper-right and lower-right blocks, the first and last recursively, while the blocks keep at least this
-# many rows: 3/4 of the GEMM FLOPs at one level, 5/8 at two; small matrices keep one GEMM.
+# Gram Newton–Schulz restarts before every odd step (``gram_restarts``): in bf16 its authors' single restart
+# (tuned for float16) let singular values reach 2 (docs/newton-schulz.md; benchmarks/ns_accuracy.py).
+# A symmetric product is computed by blocks while they keep at least this many rows, at most this many levels
+# deep: 3/4 of the GEMM FLOPs at one level, 5/8 at two; small matrices keep one GEMM.
 SYMMETRIC_MIN_BLOCK = 512
-
-
 SYMMETRIC_MAX_LEVELS = 2
 
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.streams import DeviceTimer, Streams
+
+if TYPE_CHECKING:
+    from titan_dmuon.runtime.reducer import GradientReducer
+    from titan_dmuon.runtime.replica_sync import ReplicaSync
 
 
 class Phase(enum.Enum):
@@ -35,8 +40,8 @@ class RuntimeContext:
     mode: DedicationMode
     stats: CommStats
     streams: Streams
-    reducer: object = None  # GradientReducer
-    replicas: object = None  # ReplicaSync
+    reducer: GradientReducer | None = None
+    replicas: ReplicaSync | None = None  # HSDP only
     owner_groups: object = None  # OwnerGroups: the process groups of the owner groups this rank is in (None: none)
     units: list = field(default_factory=list)
     forward_order: list = field(default_factory=list)

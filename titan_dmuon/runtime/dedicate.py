@@ -132,19 +132,11 @@ def dedicate_params(
             mesh already have from other handles, e.g. the other pipeline stages a rank holds
             (``handle.plan.ns_flops_per_rank``): the plan balances the total.
         tp_mesh: tensor parallelism: the 1-D mesh of the tensor-parallel ranks (see ``tp_shard_dims``).
-        tp_shard_dims: tensor parallelism. ``params`` are then this rank's TP-local shards
-            of the full weights, ``tp_shard_dims[p]`` the tensor dim the ``tp_mesh`` ranks split (a
-            matrix: 0 column-wise parallel, 1 row-wise; an expert stack ``(E, rows, cols)``: 1 or 2,
-            each expert split alike), or None for a weight every tp rank holds whole (replicated,
-            e.g. a router) and of whose gradient each tp rank computes a partial sum (TorchTitan's
-            spmd_types: a weight typed R, its gradient P; DMuon sums it over the TP group on the
-            weight's NS home at the end of backward), given for every dedicated weight
-            (3-D weights left to FSDP2: only when TP splits their experts); ``split_rows`` and
-            ``split_cols`` then name rows and columns of the full matrix. Each weight has one data-parallel owner coordinate, whose
-            T tp ranks hold its T shards (or copies); in the Muon step each matrix (each expert) is
-            assembled on one of them (its NS home) with an all-to-all on the TP group, orthogonalised
-            there, and the result sent back. Experts left to FSDP2 are assembled likewise in the TP
-            group of each data-parallel rank that holds them.
+        tp_shard_dims: with ``tp_mesh``, ``params`` are this rank's TP-local shards and ``tp_shard_dims[p]``
+            the dim the ``tp_mesh`` ranks split (a matrix: 0 column-wise, 1 row-wise; an expert stack: 1 or 2),
+            or None for a weight every tp rank holds whole (its gradient a partial sum); given for every
+            dedicated weight. ``split_rows``/``split_cols`` then name rows and columns of the full matrix. How
+            each matrix meets its Newton–Schulz home: docs/guides/tensor-parallel.md.
         owner_groups: let the plan split a dominant weight's Newton–Schulz and storage over k ranks of
             its shard group where its cost model says that shortens the busiest rank's step
             (``titan_dmuon.plan.owner_groups.GroupOptions``: the rates it uses, the node size;

@@ -181,7 +181,7 @@ def parallelize_with_dmuon(
     was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds).
     ``earlier_parts``: handles of the other model parts (pipeline stages) this rank holds."""
     degrees = ParallelDegrees.of(parallel_dims)
-    dedication = _Dedication(model, parallel_dims=parallel_dims, degrees=degrees, training=training,
+    dedication = PendingDedication(model, parallel_dims=parallel_dims, degrees=degrees, training=training,
                              parallelism=parallelism, settings=settings, earlier_parts=list(earlier_parts))
     with _ignoring_dedicated_weights(dedication):
         model = base_fn(
@@ -202,7 +202,7 @@ def parallelize_with_dmuon(
     return model
 
 
-class _Dedication:
+class PendingDedication:
     """Dedicates the Muon targets once, when TorchTitan is about to shard the model."""
 
     def __init__(
@@ -301,7 +301,7 @@ def tensor_parallel_dim(fqn: str, param) -> int | None:
 
 
 @contextlib.contextmanager
-def _ignoring_dedicated_weights(dedication: _Dedication):
+def _ignoring_dedicated_weights(dedication: PendingDedication):
     """Every ``fully_shard`` TorchTitan's modules call dedicates first (once), then ignores the
     dedicated weights. (TorchTitan's ``apply_fsdp_to_decoder`` cannot exclude parameters.)"""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
