@@ -406,9 +406,9 @@ def test_what_cannot_run_under_torchft_is_refused_by_name(change, expected):
 
 def test_without_torchft_enabling_fault_tolerance_names_the_extra(monkeypatch):
     from titan_dmuon import with_dmuon
-    from titan_dmuon.integration.config.validation import fault_tolerance as fault_tolerance_checks
+    from titan_dmuon.integration.config.validation import fault_tolerance_section
 
-    monkeypatch.setattr(fault_tolerance_checks, "torchft_missing", lambda: True)
+    monkeypatch.setattr(fault_tolerance_section, "torchft_missing", lambda: True)
     assert "needs TorchFT, which is not installed: pip install -e '.[ft]'" in _problem(with_dmuon, _ft_job())
 
 

@@ -456,7 +456,7 @@ def _checkpointed_capture(rank, world, ac):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    import titan_dmuon.qk_clip as qk_clip_module
+    import titan_dmuon.optim.qk_clip as qk_clip_module
 
     forward_ops = []  # (pass, op) the selective policy was asked about in the checkpointed forwards
     saved = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}

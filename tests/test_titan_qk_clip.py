@@ -201,7 +201,7 @@ def _clip_job(rank, world, state, schedule=None, ac="none", steps=3):
     from tests.test_pipeline import _pp_weights
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-    import titan_dmuon.qk_clip as qk_clip_module
+    import titan_dmuon.optim.qk_clip as qk_clip_module
 
     ac_config = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[ac]
     kwargs = {"state": state, "lr": 0.02, "param_dtype": "float32", "qk_clip_threshold": PP_TAU, "ac_config": ac_config}
