@@ -29,6 +29,8 @@ def _read(path: str) -> str:
 def _markdown_files() -> list[str]:
     out = [os.path.join(ROOT, "README.md")]
     for folder, _, files in os.walk(DOCS):
+        if os.path.relpath(folder, DOCS).split(os.sep)[0] == "includes":
+            continue  # snippets appended to pages (abbreviations), not pages
         out += [os.path.join(folder, name) for name in sorted(files) if name.endswith(".md")]
     return out
 
