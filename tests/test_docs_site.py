@@ -140,3 +140,16 @@ def test_nothing_is_loaded_from_the_network(site):
     remote = [f"{os.path.relpath(page, site)}: {url}" for page in _pages(site) for url in _refs(page).loads
               if re.match(r"(https?:)?//", url)]
     assert not remote, "loaded from the network:\n" + "\n".join(sorted(set(remote)))
+
+
+def test_long_signatures_are_formatted(site):
+    """The API reference sets a long signature one parameter a line (mkdocstrings formats it with ruff,
+    the docs extra's formatter; without one it would be one overflowing line)."""
+    with open(os.path.join(site, "reference", "api", "index.html"), encoding="utf-8") as f:
+        html = f.read()
+    signatures = re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', html, flags=re.S)
+    text = [re.sub(r"<[^>]+>", "", s) for s in signatures]
+    dedicate = [t for t in text if t.lstrip().startswith("dedicate_params(")]
+    assert dedicate, "no signature of dedicate_params in the API reference"
+    lines = dedicate[0].strip().splitlines()
+    assert len(lines) > 5 and all(len(line) <= 100 for line in lines), dedicate[0]
