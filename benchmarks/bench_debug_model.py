@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,8 +394,8 @@ def markdown_table(summary: dict, ranks: int, steps: int) -> str:
 
 
 def plot(summary: dict, path: str, ranks: int) -> None:
-    """One row of bars per configuration and batch: step time relative to AdamW, optimizer share,
-    communication, and the time to AdamW's final loss relative to AdamW's run."""
+    """One bar per configuration and batch in each of four stacked charts: step time relative to AdamW,
+    optimizer share, communication, and the time to AdamW's final loss relative to AdamW's run."""
     flat = {}
     for batch, by_name in summary.items():
         share = 100 * Batch.parse(batch).ns_share(ranks)
@@ -411,28 +412,32 @@ def plot(summary: dict, path: str, ranks: int) -> None:
         ("optimizer step share (%)", "opt_share", 100),
         ("communication per rank per step (MB)", "comm_mb", 1),
         ("time to AdamW's final loss\n(vs AdamW's run)", "reach_vs_adamw", 1),
-    ], path, f"llama3 debug model per batch (tokens/rank, ~5d/B): {compared}", height=1.5 + 0.32 * len(flat))
+    ], path, f"llama3 debug model per batch (tokens/rank, ~5d/B):\n{compared}", height=0.8 + 0.26 * len(flat))
 
 
 def bar_panels(summary: dict, panels: list[tuple[str, str, float]], path: str, title: str, *, height: float) -> None:
-    """One horizontal bar chart per (title, summary key, scale), configurations coloured by kind."""
+    """One horizontal bar chart per (title, summary key, scale), configurations coloured by kind, the
+    charts stacked in one column 7.5 inches wide (825 px at 110 dpi): shown at a docs page's width
+    (~700 px) its labels keep ~10 px; ``height`` is one chart's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    fig, axes = plt.subplots(1, len(panels), figsize=(19, height))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.6 + height * len(panels)), squeeze=False,
+                             layout="constrained")  # keeps the suptitle clear of the first chart
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
-    for ax, (panel, key, scale) in zip(axes, panels):
+    for ax, (panel, key, scale) in zip(axes[:, 0], panels):
         values = [scale * summary[n][key] for n in names]
         ax.barh(names, values, color=colors)
-        ax.set_title(panel)
+        ax.set_title(panel.replace("\n", " "), fontsize=11)
+        ax.tick_params(labelsize=9)
         ax.invert_yaxis()
+        ax.margins(x=0.12)  # room for the value printed after the longest bar
         for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=9)
+    fig.suptitle("\n".join(textwrap.fill(line, 80) for line in title.splitlines()), fontsize=11)
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 

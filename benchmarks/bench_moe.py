@@ -241,7 +241,7 @@ def plot(summary: dict, path: str, title: str) -> None:
         ("optimizer step share (%)", "opt_share", 100),
         ("communication per rank per step (MB)", "comm_mb", 1),
         (f"loss at step {len(next(iter(summary.values()))['losses'])}", "loss", 1),
-    ], path, title, height=3.8)
+    ], path, title, height=1.6)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def _read(path: str) -> str:
 def _markdown_files() -> list[str]:
     out = [os.path.join(ROOT, "README.md")]
     for folder, _, files in os.walk(DOCS):
+        if os.path.relpath(folder, DOCS).split(os.sep)[0] == "includes":
+            continue  # snippets appended to pages (abbreviations), not pages
         out += [os.path.join(folder, name) for name in sorted(files) if name.endswith(".md")]
     return out
 
@@ -149,3 +151,56 @@ def test_the_readme_is_a_front_page():
     lines = _read(os.path.join(ROOT, "README.md")).count("\n")
     assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; move detail into docs/ "
                                        f"(at most {README_MAX_LINES})")
+
+
+# ---- what a reader meets first: a TL;DR, formulas as math, diagrams as drawn -----------------------------
+def test_every_page_opens_with_a_tldr():
+    """Each page's first paragraph after its title is a ``> **TL;DR**`` of at most three lines (the
+    README's comes after its one-line tagline; docs/index.md is only a stand-in for the README)."""
+    missing = []
+    for path in _markdown_files():
+        if os.path.relpath(path, DOCS) == "index.md":
+            continue
+        paragraphs = _read(path).split("\n", 1)[1].strip("\n").split("\n\n")
+        quote = paragraphs[1 if path.endswith("README.md") else 0].splitlines()  # the README: under its tagline
+        if not (quote and quote[0].startswith("> **TL;DR**") and len(quote) <= 3 and all(q.startswith(">") for q in quote)):
+            missing.append(os.path.relpath(path, ROOT))
+    assert not missing, f"pages without a TL;DR of 1-3 lines right under the title: {missing}"
+
+
+# Plain-text formulas a page must write as $...$ math; lines printed by a command (pasted tables and their
+# captions, code blocks) are left as printed.
+PLAIN_FORMULA = re.compile(r"P_M|P_E|\([NRTG]\s*[−-]\s*1\)\s*/|X_i|A_jj|2⁻|[a-z][²³]|·\s*P\b")
+PRINTED = {  # (page, a piece of the line): printed by the command beside it, pasted as printed
+    ("docs/performance.md", "in units of P_M, measured by the CommLedger"),  # benchmarks/comm_table.py
+    ("docs/performance.md", "(P_M = 3.146M Muon-target elements"),  # benchmarks/memory_table.py
+}
+
+
+def test_formulas_are_written_as_math():
+    """A formula in prose is LaTeX between dollars (rendered to MathML by docs/hooks.py), not plain text
+    such as ``2(N−1)/N · P_M``; tables and lines a command printed stay as printed."""
+    plain = []
+    for path in _markdown_files():
+        rel = os.path.relpath(path, ROOT)
+        text = re.sub(r"\$\$.*?\$\$", "", re.sub(r"```.*?```", "", _read(path), flags=re.S), flags=re.S)
+        for line in text.splitlines():
+            bare = re.sub(r"\$[^$]+\$", "", re.sub(r"`[^`]*`", "", line))
+            if (PLAIN_FORMULA.search(bare) and not (line.lstrip().startswith("|") and rel == "docs/performance.md")
+                    and not any(rel == page and piece in line for page, piece in PRINTED)):
+                plain.append(f"{rel}: {line.strip()[:100]}")
+    assert not plain, "formulas in plain text (write them as $...$):\n" + "\n".join(plain)
+
+
+def test_the_diagrams_are_what_their_script_draws():
+    """docs/diagrams/*.svg are generated: a hand edit, or a script change without rerunning it
+    (``python docs/diagrams/make_diagrams.py``), fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_diagrams", os.path.join(DOCS, "diagrams", "make_diagrams.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    drawn = module.render_all(write=False)
+    stale = [name for name, svg in drawn.items() if _read(os.path.join(DOCS, "diagrams", name)) != svg]
+    assert not stale, f"rerun python docs/diagrams/make_diagrams.py: {stale} differ from what it draws"
+    assert len(drawn) == 3
