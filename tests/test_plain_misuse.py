@@ -5,7 +5,9 @@ Without these checks every case below trains on silently: AdamW only (no dedicat
 model's 21 parameters stepped (DMuon built before dedicate_params or fully_shard), the dedicated weights
 stepped twice (a second optimizer, two DMuon), never (DMuon over a subset), or clipped by a norm that counts
 each dedicated gradient on its owner only (torch's clip under DDP; under FSDP2 torch's own error, which
-names no fix). Two orders that look wrong but are right are checked to train as the right order does.
+names no fix); an mp_policy given to fully_shard only failed in the first matmul, naming neither setting.
+Orders that look wrong but are right are checked to train as the right order does; a hand-built
+DistributedDataParallel(model), which hung, now trains as wrap_ddp does.
 """
 
 import warnings
@@ -13,7 +15,8 @@ import warnings
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.helpers import batches, local_slice, toy_model
 from titan_dmuon import DMuon, clip_grad_norm_, dedicate_params, wrap_ddp
@@ -90,6 +93,13 @@ def _run_case(case, model, mesh, rank, world):
         _shard(model, mesh)
         _steps(model, opt, rank, world)
         return
+    if case == "mp_policy_on_fully_shard_only":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _steps(model, DMuon(model, lr=0.02), rank, world)
+        return
     _shard(model, mesh)
     if case == "dmuon_over_a_subset":
         DMuon([p for name, p in model.named_parameters() if ".feed_forward." not in name], lr=0.02)
@@ -120,6 +130,8 @@ MISUSE = {  # case: (error type, phrases) or ("warning", phrases)
     "torch_optimizer_instead": ("RuntimeError", ["SGD would step the dedicated weight", REFUSED]),
     "two_dmuon": ("RuntimeError", ["is held by two DMuon optimizers", "keep one DMuon"]),
     "dmuon_over_a_subset": ("ValueError", ["DMuon was given 8 of the 14 weights", "'layers.0.feed_forward.w1.weight'"]),
+    "mp_policy_on_fully_shard_only": ("ValueError", ["layer 'layers.0' computes in torch.bfloat16 under fully_shard's",
+                                                     "pass the same mp_policy to dedicate_params"]),
     "torch_clip_fsdp": ("RuntimeError", ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight",
                                          "use titan_dmuon.clip_grad_norm_"]),
     "torch_clip_ddp": ("RuntimeError", ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight"]),
@@ -168,19 +180,26 @@ def _right_and_alike(rank, world, case):
                 dedicate_params(model, mesh, predicate=r"\.attention\.w")
                 dedicate_params(model, mesh, predicate=r"\.feed_forward\.w")
             else:
-                dedicate_params(model, mesh, predicate=MUON_WEIGHTS)
-        _shard(model, mesh)
-        losses.append(_steps(model, DMuon(model, lr=0.02), rank, world))
+                dedicate_params(model, mesh, predicate=MUON_WEIGHTS, reshard_after_forward="ddp" not in case)
+        if "ddp" in case:
+            handle = model.__dict__["_dmuon_handles"][0]
+            forward = DistributedDataParallel(model) if variant == case else wrap_ddp(model, handle)
+        else:
+            _shard(model, mesh)
+            forward = model
+        losses.append(_steps(model, DMuon(model, lr=0.02), rank, world, forward=forward))
     return losses
 
 
-@pytest.mark.parametrize("case", ["two_handles_on_one_model", "to_dtype_after_dedicate_params"])
+@pytest.mark.parametrize("case", ["two_handles_on_one_model", "to_dtype_after_dedicate_params", "plain_ddp"])
 def test_legitimate_orders_train_as_the_right_one(pool2, case):
     """Two dedicate_params calls on disjoint weights of one model are one dedication split in two (a buffer per
     layer and handle): the same sums, but Newton–Schulz batches other sets of matrices (a GEMM of another batch
     may round its last bits differently): 1e-5 (DMuon that leaves the MLP weights unstepped is 1e-3 off after
     2 steps). model.to(dtype) after dedicate_params converts the same tensors in place (the handle follows
-    them): the same operations, bit for bit."""
+    them): the same operations, bit for bit. DistributedDataParallel(model) built by hand, against wrap_ddp:
+    dedicate_params put the dedicated weights on DDP's ignore list (before, DDP's shape check across ranks
+    met a 0-element placeholder: one rank raised, the other hung): the same DDP, bit for bit."""
     for right, alike in pool2.run(_right_and_alike, case):
         if case == "two_handles_on_one_model":
             assert abs(right - alike) <= 1e-5, (right, alike)

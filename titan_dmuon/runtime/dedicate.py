@@ -49,7 +49,7 @@ from titan_dmuon.runtime.request import (
 )
 from titan_dmuon.runtime.streams import Streams
 from titan_dmuon.runtime.unit import Unit
-from titan_dmuon.runtime.usage_checks import check_no_dmuon_yet, install_foreign_step_checks
+from titan_dmuon.runtime.usage_checks import check_no_dmuon_yet, install_foreign_step_checks, let_ddp_skip_dedicated
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -170,6 +170,7 @@ def dedicate_params(
                              mp_policy=mp_policy, local_experts=dedication.local_experts)
     ignore_dedicated_in_fully_shard()
     install_foreign_step_checks()
+    let_ddp_skip_dedicated(module, handle)
     return handle
 
 

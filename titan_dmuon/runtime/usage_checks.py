@@ -108,6 +108,23 @@ def check_sole_dmuon(optimizer, dedicated) -> None:
             )
 
 
+# ---- the first forward ---------------------------------------------------------------------------------------
+def check_compute_dtype(unit, dtype: torch.dtype) -> None:
+    """A layer that ``fully_shard`` gave an ``mp_policy`` computes its dedicated weights in the same dtype:
+    FSDP2 casts the layer's other weights (and its inputs) to its ``param_dtype``, so a dedicated weight in
+    another dtype fails in the first matmul with a message that names neither setting."""
+    from torch.distributed.fsdp import FSDPModule
+
+    state = getattr(unit.module, "_get_fsdp_state", None) if isinstance(unit.module, FSDPModule) else None
+    policy = getattr(state(), "_mp_policy", None) if state is not None else None  # (FSDP2's; absent: no check)
+    fsdp_dtype = policy.param_dtype if policy is not None else None
+    if fsdp_dtype is not None and fsdp_dtype != dtype:
+        raise ValueError(
+            f"layer {unit.name!r} computes in {fsdp_dtype} under fully_shard's mp_policy, but its dedicated "
+            f"weights in {dtype}: pass the same mp_policy to dedicate_params(..., mp_policy=...) as to fully_shard"
+        )
+
+
 # ---- dedicate_params ---------------------------------------------------------------------------------------
 def check_no_dmuon_yet(module: nn.Module) -> None:
     """No DMuon was built over the model before ``dedicate_params``: it would step AdamW on the
@@ -118,6 +135,22 @@ def check_no_dmuon_yet(module: nn.Module) -> None:
                 f"parameter {name!r} is already held by a DMuon optimizer, built before dedicate_params: call "
                 "dedicate_params first, then fully_shard, and build DMuon last"
             )
+
+
+def let_ddp_skip_dedicated(module: nn.Module, handle) -> None:
+    """Put the dedicated weights on DDP's ignore list of ``module``, as ``wrap_ddp`` does, so that a
+    ``DistributedDataParallel(model)`` built by hand leaves them alone too: DDP compares every parameter's
+    shape across ranks when it is built, and a non-owner's 0-element placeholder made one rank raise while
+    the others waited (a hang). Only where ``wrap_ddp`` would accept the handle (a 1-D mesh, no experts left
+    in place); the names are the module's, as DDP matches them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if handle.mode.mesh.hsdp or handle.local_experts:
+        return
+    dedicated = {id(p) for p in handle.params}
+    names = [name for name, p in module.named_parameters() if id(p) in dedicated]
+    known = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, known + names)
 
 
 def install_foreign_step_checks() -> None:
