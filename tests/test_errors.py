@@ -162,7 +162,8 @@ def _optimizer_built_before_to_empty(rank, world):
 
 def test_optimizer_built_before_materialisation(pool2):
     for error in pool2.run(_optimizer_built_before_to_empty):
-        assert error[0] == "RuntimeError" and "Build DMuon after the model is materialised" in error[1]
+        assert error[0] == "RuntimeError" and "was replaced in the model after DMuon was built" in error[1], error
+        assert "build DMuon last, after dedicate_params, fully_shard and materialising the model" in error[1]
 
 
 def _ddp_on_hsdp_handle(rank, world):

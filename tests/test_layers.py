@@ -20,8 +20,8 @@ LAYERS = (
     ("optim",),
     ("tools", "testing"),
     ("integration",),
-    ("sizing", "env"),
-    ("__init__", "config_registry"),
+    ("sizing",),
+    ("__init__", "config_registry", "env"),  # the API, TorchTitan's registry, the report on the whole package
 )
 TOP_LEVEL_MODULES = {"__init__", "options", "config_registry"}  # the API, the options, TorchTitan's registry
 

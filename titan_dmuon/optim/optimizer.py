@@ -37,6 +37,14 @@ from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.optim.whole_update import SECOND_MOMENT, NSFigures, OwnerUpdate
 from titan_dmuon.optim.step_schedule import StepSchedule
 from titan_dmuon.optim.tensor_parallel_update import merged_second_moments
+from titan_dmuon.runtime.usage_checks import (
+    check_every_member_given,
+    check_sole_dmuon,
+    check_still_registered,
+    mark_held_by,
+    registered_params,
+    warn_if_nothing_dedicated,
+)
 
 
 class StepStat:
@@ -65,7 +73,12 @@ class DMuon(torch.optim.Optimizer):
     :class:`titan_dmuon.optim.qk_clip.QKClipAttention` per attention layer (its q/k weights
     dedicated); after each step every head whose largest logit S exceeded tau has its
     q/k rows rescaled on their owner (``titan_dmuon.optim.qk_clip``).
+
+    Build it last (after ``dedicate_params``, ``fully_shard`` and materialising the model), as the one
+    optimizer of the dedicated weights: ``runtime/usage_checks.py`` refuses the other orders.
     """
+
+    steps_dedicated_weights = True  # (other optimizers over dedicated weights are refused at their first step)
 
     def __init__(self, params: Iterable | nn.Module, *, dedicated=None, qk_clip_attention=None, **options) -> None:
         _check_known(options, "DMuon")
@@ -79,8 +92,10 @@ class DMuon(torch.optim.Optimizer):
         for user_group in user_groups:
             ps = user_group["params"]
             user_group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        self._handles = handles_for([p for g in user_groups for p in g["params"]], dedicated, module=module)
+        every_param = [p for g in user_groups for p in g["params"]]
+        self._handles = handles_for(every_param, dedicated, module=module)
         check_left_alone([m for handle in self._handles for m in handle.members])
+        check_every_member_given(self._handles, every_param)
         self._dedicated_ids: set[int] = set()
         groups = []
         for user_group in user_groups:
@@ -101,6 +116,11 @@ class DMuon(torch.optim.Optimizer):
                 group.update(merged.muon() if use_muon else merged.adamw())
                 groups.append(group)
         super().__init__(groups, {})
+        if dedicated is None:
+            warn_if_nothing_dedicated(any(g["use_muon"] for g in groups))
+        mark_held_by(self, every_param)
+        roots = ([module] if module is not None else []) + [h.module for h in self._handles]
+        self._first_step_checks = registered_params(roots, every_param)  # (cleared by the first step)
         # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
         self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
         check_whole_matrix_rules(self.param_groups, self._handles, ns_dtype=self.ns_dtype,
@@ -202,6 +222,10 @@ class DMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
+        if self._first_step_checks is not None:
+            check_still_registered(self._first_step_checks)
+            check_sole_dmuon(self, [(h, m.param) for h in self._handles for m in h.members])
+            self._first_step_checks = None
         self._ns.matrices = 0
         if self.qk_clip is not None:
             self.qk_clip.start()  # the MAX all-reduce of the step's logits, waited at the first rescale

@@ -50,6 +50,7 @@ from titan_dmuon.runtime.request import (
 )
 from titan_dmuon.runtime.streams import Streams
 from titan_dmuon.runtime.unit import Unit
+from titan_dmuon.runtime.usage_checks import check_no_dmuon_yet, install_foreign_step_checks, let_ddp_skip_dedicated
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -88,7 +89,8 @@ def dedicate_params(
     (``runtime/fsdp_ignore.py``; ``ignored_params=handle.ignored_params`` still works),
     ``DMuon(model)`` and ``clip_grad_norm_`` find the handle from the parameters, and
     ``titan_dmuon.set_requires_gradient_sync(model, flag)`` switches FSDP2's and DMuon's gradient
-    sync together.
+    sync together. Build DMuon last; a DMuon built earlier, a torch optimizer or torch's clip over the
+    dedicated weights are refused before the first step (``runtime/usage_checks.py``).
 
     Args:
         module: the model (or the part of it that contains the weights).
@@ -150,6 +152,7 @@ def dedicate_params(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"dedicate_params needs a DeviceMesh (dedicate_params(model, mesh, predicate=...) or "
                         f"dedicate_params(model, params, mesh)), got {type(mesh).__name__}")
+    check_no_dmuon_yet(module)
     mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
                                 tp_mesh=tp_mesh)
     dedication = plan_dedication(module, params, mode, predicate=predicate, units=units, split_rows=split_rows,
@@ -159,6 +162,8 @@ def dedicate_params(
     handle = DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
                              mp_policy=mp_policy, local_experts=dedication.local_experts)
     ignore_dedicated_in_fully_shard()
+    install_foreign_step_checks()
+    let_ddp_skip_dedicated(module, handle)
     return handle
 
 

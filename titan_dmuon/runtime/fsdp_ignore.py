@@ -1,6 +1,6 @@
 """``fully_shard`` leaves dedicated weights alone without being told: the user passes nothing.
 
-What FSDP2 (torch 2.11-2.14) offers for parameters it must not manage is one argument of each
+What FSDP2 (torch 2.11-2.15) offers for parameters it must not manage is one argument of each
 call, ``fully_shard(..., ignored_params=...)``; it has no module-level ignore. Its walk over a
 module stops only at submodules that carry a ``fully_shard`` state of their own, or that the
 composable ``replicate`` registered. An empty nested ``fully_shard(linear, ignored_params={w})``
@@ -12,7 +12,7 @@ all-gather) of its own.
 
 So DMuon passes FSDP2's own argument for the user. ``fully_shard`` reads ``ignored_params``
 through one function, ``_get_modules_and_states(module, device, ignored_params, ...)`` of
-``torch.distributed.fsdp._fully_shard._fully_shard`` (the same name and arguments in 2.11-2.14);
+``torch.distributed.fsdp._fully_shard._fully_shard`` (the same name and arguments in 2.11-2.15);
 ``ignore_dedicated_in_fully_shard`` wraps it, once per process, to add the dedicated weights under
 the module being sharded (parameters stamped by a live handle) to that set. Every call then does
 exactly what ``fully_shard(..., ignored_params=handle.ignored_params)`` does, which keeps working

@@ -39,6 +39,7 @@ from titan_dmuon.runtime.context import Phase, RuntimeContext, UnitOrderError
 from titan_dmuon.runtime.fsdp_ignore import check_left_alone
 from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.unit import BufferState, Unit
+from titan_dmuon.runtime.usage_checks import check_compute_dtype
 
 
 def _hook(label: str):
@@ -121,6 +122,8 @@ class StepHooks:
                     "call model.to_empty(device=...) and initialise the weights first"
                 )
         ctx = self.ctx
+        for unit in ctx.units:
+            check_compute_dtype(unit, self._param_dtype or unit.members[0].param.dtype)
         for unit in ctx.units:
             unit.allocate_compute_params(self._param_dtype or unit.members[0].param.dtype, ctx.mode.mesh.device)
             self._removables.append(unit.module.register_forward_pre_hook(
