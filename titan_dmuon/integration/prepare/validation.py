@@ -162,6 +162,7 @@ def validate_dmuon(
     elif opt.name in ADAMW_NAMES:
         _validate_adamw_switch(opt, names)
     _validate_training(config.training, names)
+    _validate_validator(config.validator, world_size, names)
     _validate_checkpoint(config.checkpoint, names)
     _validate_parallelism(config.parallelism, world_size, names)
     _validate_context_parallel(config, names, this_machine=this_machine)
@@ -276,6 +277,17 @@ def _validate_training(training, names: Naming) -> None:
             raise ConfigError(f"{names.key('training', key)} = {getattr(training, key)}: expected a positive integer")
     if training.max_norm <= 0:
         raise ConfigError(f"{names.key('training', 'max_norm')} = {training.max_norm}: expected a positive number")
+
+
+def _validate_validator(validator, world_size: int | None, names: Naming) -> None:
+    """TorchTitan's validation reading all its data (``steps = -1``) runs as many batches on each rank
+    as its share of the rows makes, and a rank with one more waits forever in a collective."""
+    if validator.enable and validator.steps == -1 and world_size != 1:
+        raise ConfigError(
+            f"{names.key('validator', 'steps')} = -1 (all the held-out data) can hang with several ranks: "
+            "each reads its own share of the rows, and a rank with one batch more waits forever in a collective; "
+            f"set a count every rank can read, e.g. {names.how_to_set('validator', 'steps', 4)}"
+        )
 
 
 def _validate_checkpoint(checkpoint, names: Naming) -> None:
