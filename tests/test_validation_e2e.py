@@ -55,3 +55,19 @@ def test_adamw_job_logs_held_out_loss(tmp_path):
     assert sorted(steps) == [1, 2, 3, 4] and not comm
     validations = _validations(result)
     assert sorted(validations) == [1, 2, 4] and validations[4] < validations[1]
+
+
+def test_pipeline_job_logs_the_last_stage_held_out_loss_on_every_rank(tmp_path):
+    """Under pipelining (debug_model_pp.toml: PP 2 x FSDP 2, 4 ranks) TorchTitan's validator runs its
+    schedule's eval and has the loss on the last stage's ranks only; rank 0 (the first stage, the one
+    run_train.sh shows) logs it too, and the steps still move exactly the design's DMuon traffic.
+
+    Before DMuonMetricsProcessor.log_validation, rank 0 logged TorchTitan's placeholder of the
+    stages without the loss, ``validate step:  1  loss: -0.0020``."""
+    result = run_train(tmp_path, *STEPS, *VALIDATION, config="debug_model_pp.toml", ngpu=4)
+    steps, comm = parse(result)
+    assert sorted(steps) == [1, 2, 3, 4]
+    validations = _validations(result)
+    assert sorted(validations) == [1, 2, 4] and all(loss > 0 for loss in validations.values())
+    assert "loss: -" not in result.stdout + result.stderr
+    assert len(comm) == 4 and all(elements == design for elements, _, design in comm[1:]), comm

@@ -296,6 +296,13 @@ class DMuonMetricsProcessor(MetricsProcessor):
         parts += [source.describe(figures) for source in self.figure_sources]
         logger.info("titan_dmuon: " + "  ".join(parts))
 
+    def log_validation(self, loss, step, extra_metrics=None):
+        """Under pipelining TorchTitan's validator has the loss on the last stage's ranks only (the others
+        log a negative placeholder, ``loss: -0.0020``): every rank takes it, as for the training loss."""
+        if self.parallel_dims.pp_enabled:
+            (loss,) = self._last_stage_loss(loss)
+        super().log_validation(loss, step, extra_metrics)
+
     def _last_stage_loss(self, *losses: float) -> list[float]:
         """Under pipelining the loss is computed on the last stage's ranks (TorchTitan's trainer gives
         the others -1 per data-parallel rank), and only their log showed it: ``loss: -2.00000`` with
