@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from titan_dmuon.integration import assets, shakespeare_corpus as corpus
+from titan_dmuon.integration import assets, corpus_files, shakespeare_corpus as corpus
 
 pytestmark = pytest.mark.unit
 needs_package = pytest.mark.skipif(
@@ -67,8 +67,8 @@ def test_slice_is_split_by_work_deterministic_and_loadable(tmp_path):
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     for path, rows in ((corpus.train_file(roots[0]), train), (corpus.validation_file(roots[0]), held)):
         assert load_dataset(os.path.dirname(path), split="train")["text"] == rows  # TorchTitan's c4_test loader
-    tokenizer = Tokenizer.from_file(os.path.join(assets.tokenizer_dir(roots[0]), "tokenizer.json"))
-    assert tokenizer.get_vocab_size() <= assets.VOCAB_SIZE
+    tokenizer = Tokenizer.from_file(os.path.join(corpus_files.tokenizer_dir(roots[0]), "tokenizer.json"))
+    assert tokenizer.get_vocab_size() <= corpus_files.VOCAB_SIZE
     assert tokenizer.decode(tokenizer.encode(held[0]).ids) == held[0]  # byte-level: held-out text round-trips
 
 

