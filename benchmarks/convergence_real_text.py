@@ -89,7 +89,7 @@ disable_color_printing = true
 [debug]
 seed = {seed}
 """
-LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)")
+LOSS = re.compile(r"(?<!validate )step:\s+(\d+)\s+loss:\s+([\d.]+)")  # (not "validate step: ...")
 STEP_TIME = re.compile(r"titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms")
 VALIDATION = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([\d.]+)")
 
@@ -116,15 +116,24 @@ def train(name: str, optimizer: str, seed: int, args, workdir: str) -> dict:
     log = out.stdout + out.stderr
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{log[-4000:]}")
+    try:
+        curves = parse_log(log, args.steps)
+    except ValueError as e:
+        sys.exit(f"{name}: {e}")
+    return {"name": name, "seed": seed, **curves, "run_s": time.perf_counter() - started}
+
+
+def parse_log(log: str, steps: int) -> dict:
+    """A job's training loss, step time and optimizer time per step and held-out loss per validated step,
+    read off its log; ValueError unless every step logged them and the last step validated."""
     losses = {int(s): float(v) for s, v in LOSS.findall(log)}
     held_out = {int(s): float(v) for s, v in VALIDATION.findall(log)}
-    seconds = [float(s) for s, _ in STEP_TIME.findall(log)]
-    if sorted(losses) != list(range(1, args.steps + 1)) or len(seconds) != args.steps or args.steps not in held_out:
-        sys.exit(f"{name}: expected a loss and a step time for each of steps 1..{args.steps} and a held-out loss "
-                 f"at step {args.steps}; got {len(losses)} losses, {len(seconds)} times, validations at {sorted(held_out)}")
-    return {"name": name, "seed": seed, "loss": [losses[s] for s in range(1, args.steps + 1)], "step_s": seconds,
-            "optimizer_ms": [float(ms) for _, ms in STEP_TIME.findall(log)],
-            "held_out": sorted(held_out.items()), "run_s": time.perf_counter() - started}
+    times = STEP_TIME.findall(log)
+    if sorted(losses) != list(range(1, steps + 1)) or len(times) != steps or steps not in held_out:
+        raise ValueError(f"expected a loss and a step time for each of steps 1..{steps} and a held-out loss at "
+                         f"step {steps}; got {len(losses)} losses, {len(times)} times, validations at {sorted(held_out)}")
+    return {"loss": [losses[s] for s in range(1, steps + 1)], "step_s": [float(s) for s, _ in times],
+            "optimizer_ms": [float(ms) for _, ms in times], "held_out": sorted(held_out.items())}
 
 
 def study(args) -> dict:
