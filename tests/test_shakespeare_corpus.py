@@ -46,7 +46,7 @@ def test_passages_cut_at_blank_lines_and_keep_every_paragraph():
 
 
 @needs_package
-def test_slice_is_split_by_work_deterministic_and_loadable(tmp_path):
+def test_slice_is_split_by_work_deterministic_and_loadable(tmp_path, monkeypatch):
     roots = [corpus.ensure_shakespeare_assets(str(tmp_path / name), works=SLICE) for name in ("a", "b")]
     for name in ("train/text.jsonl", "validation/text.jsonl", "tokenizer/tokenizer.json"):  # the same bytes twice
         with open(os.path.join(roots[0], name), "rb") as a, open(os.path.join(roots[1], name), "rb") as b:
@@ -64,7 +64,7 @@ def test_slice_is_split_by_work_deterministic_and_loadable(tmp_path):
     from datasets import load_dataset
     from tokenizers import Tokenizer
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # (a local folder: nothing to look up)
     for path, rows in ((corpus.train_file(roots[0]), train), (corpus.validation_file(roots[0]), held)):
         assert load_dataset(os.path.dirname(path), split="train")["text"] == rows  # TorchTitan's c4_test loader
     tokenizer = Tokenizer.from_file(os.path.join(corpus_files.tokenizer_dir(roots[0]), "tokenizer.json"))
