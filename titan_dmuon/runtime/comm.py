@@ -101,8 +101,20 @@ class CommStats:
 
     _sizes: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (label, n) -> [S, bytes]
     _launches: dict[str, int] = field(default_factory=dict)
+    _counting: bool = True
+
+    @contextlib.contextmanager
+    def left_out(self):
+        """Collectives issued inside are not counted (forwards between training steps: an evaluation)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
 
     def add(self, source: str, group_size: int, numel: int, nbytes: int) -> None:
+        if not self._counting:
+            return
         row = self._sizes.get((source, group_size))
         if row is None:
             row = self._sizes[(source, group_size)] = [0, 0]
@@ -110,6 +122,8 @@ class CommStats:
         row[1] += nbytes
 
     def add_launch(self, source: str) -> None:
+        if not self._counting:
+            return
         self._launches[source] = self._launches.get(source, 0) + 1
 
     def pop(self) -> dict[str, tuple[Fraction, Fraction, int]]:

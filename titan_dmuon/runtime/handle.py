@@ -252,7 +252,7 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         ctx = self._ctx
         unit.weights_event = ctx.streams.record()
         ctx.replicas.broadcast(unit, source=CommLabel.REPLICATE_BROADCAST)
-        if self._step_hooks.initialized and not ctx.recording and ctx.forward_order and unit is ctx.forward_order[0]:
+        if unit is self.first_of_next_forward():
             if not unit.swapped_in:
                 unit.free()  # (a buffer gathered before this step holds the old weights)
             unit.gather(CommLabel.FORWARD_BROADCAST)

@@ -6,7 +6,10 @@ runtime keeps) and ``mode`` it reads; the methods are the handle's own public na
 
 from __future__ import annotations
 
+import contextlib
 from fractions import Fraction
+
+from titan_dmuon.runtime.comm import CommLabel
 
 
 class HandleFigures:
@@ -50,3 +53,25 @@ class HandleFigures:
         if not self.mode.reshard_after_forward or ctx.recording or not ctx.forward_order:
             return 0
         return ctx.forward_order[-1].numel
+
+    @contextlib.contextmanager
+    def outside_steps(self):
+        """Forwards between training steps (an evaluation) inside, kept out of the step figures: their
+        collectives and host time are not counted. They use the first layer's broadcast that each step
+        starts for the next forward, so on the way out (the same program point on every rank) it is
+        started again: the next step runs, and is counted, as after a step."""
+        ctx, host = self._ctx, self._ctx.host_seconds
+        try:
+            with ctx.stats.left_out():
+                yield
+                first = self.first_of_next_forward()
+                if first is not None:
+                    first.gather(CommLabel.FORWARD_BROADCAST)
+        finally:
+            ctx.host_seconds = host
+
+    def first_of_next_forward(self):
+        """The unit whose broadcast each step starts for the next forward (None until the order is known)."""
+        ctx = self._ctx
+        known = self._step_hooks.initialized and not ctx.recording and ctx.forward_order
+        return ctx.forward_order[0] if known else None

@@ -7,6 +7,7 @@ A file in the classic TorchTitan layout::
     [optimizer]  name = "dmuon" | "AdamW" | "Adam", and its settings
     [training] [parallelism] [checkpoint] [metrics] [lr_scheduler] [dataloader]
     [activation_checkpoint] (mode = "selective" | "full" | "none") [validator] [compile] [comm] [debug] [profiler]
+    [validator.dataloader]  the held-out data (a nested config is a sub-table; ``--validator.dataloader.key``)
     [fault_tolerance]  TorchFT (TorchTitan's keys: enable, replica_id, group_size, semi_sync_method, ...)
 
 starts from TorchTitan's own config for the model (``<name>_<flavor>`` in its
@@ -251,12 +252,22 @@ def _apply_activation_checkpoint(config, settings: dict[str, _Setting]) -> None:
 
 
 def _apply(target, section: str, key: str, setting: _Setting) -> None:
+    """``target.key`` from ``setting``; a nested config (e.g. ``[validator.dataloader]``, or
+    ``--validator.dataloader.dataset_path`` on the command line) key by key."""
+    dotted, (key, nested, rest) = key, key.partition(".")
     fields = {f.name: f for f in dataclasses.fields(target) if not f.name.startswith("_")}
-    if key not in fields:
+    inner = getattr(target, key, None)
+    is_config = dataclasses.is_dataclass(inner) and not isinstance(inner, type)
+    if key not in fields or (nested and not is_config):
         raise ConfigError(
-            f"{setting.source}: unknown key [{section}] {key}{_suggest(key, fields)}; "
+            f"{setting.source}: unknown key [{section}] {dotted}{_suggest(key, fields)}; "
             f"valid keys: {', '.join(sorted(fields))}"
         )
+    if is_config and (nested or isinstance(setting.value, dict)):
+        table = {rest: setting} if nested else {k: _Setting(v, setting.source, False) for k, v in setting.value.items()}
+        for inner_key, inner_setting in table.items():
+            _apply(inner, f"{section}.{key}", inner_key, inner_setting)
+        return
     annotation = typing.get_type_hints(type(target))[key]
     setattr(target, key, _coerce(setting, section, key, annotation))
 

@@ -1,4 +1,4 @@
-"""Checks of ``[training]``, ``[checkpoint]`` and every section's own ``__post_init__``, before launch.
+"""Checks of ``[training]``, ``[validator]``, ``[checkpoint]`` and every section's own ``__post_init__``, before launch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,17 @@ def validate_training(training, names: Naming) -> None:
             raise ConfigError(f"{names.key('training', key)} = {getattr(training, key)}: expected a positive integer")
     if training.max_norm <= 0:
         raise ConfigError(f"{names.key('training', 'max_norm')} = {training.max_norm}: expected a positive number")
+
+
+def validate_validator(validator, world_size: int | None, names: Naming) -> None:
+    """TorchTitan's validation reading all its data (``steps = -1``) runs as many batches on each rank
+    as its share of the rows makes, and a rank with one more waits forever in a collective."""
+    if validator.enable and validator.steps == -1 and world_size != 1:
+        raise ConfigError(
+            f"{names.key('validator', 'steps')} = -1 (all the held-out data) can hang with several ranks: "
+            "each reads its own share of the rows, and a rank with one batch more waits forever in a collective; "
+            f"set a count every rank can read, e.g. {names.how_to_set('validator', 'steps', 4)}"
+        )
 
 
 def validate_checkpoint(checkpoint, names: Naming) -> None:

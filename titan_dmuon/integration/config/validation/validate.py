@@ -12,7 +12,12 @@ from titan_dmuon.integration.config.validation.model_checks import validate_agai
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, PYTHON_NAMES
 from titan_dmuon.integration.config.validation.optimizer_section import validate_optimizer
 from titan_dmuon.integration.config.validation.parallelism_section import validate_context_parallel, validate_parallelism, validate_pipeline
-from titan_dmuon.integration.config.validation.other_sections import validate_checkpoint, validate_sections, validate_training
+from titan_dmuon.integration.config.validation.other_sections import (
+    validate_checkpoint,
+    validate_sections,
+    validate_training,
+    validate_validator,
+)
 
 
 def validate_dmuon(
@@ -27,6 +32,7 @@ def validate_dmuon(
     """
     validate_optimizer(config, names)
     validate_training(config.training, names)
+    validate_validator(config.validator, world_size, names)
     validate_checkpoint(config.checkpoint, names)
     validate_parallelism(config.parallelism, world_size, names)
     validate_context_parallel(config, names, this_machine=this_machine)
