@@ -37,7 +37,7 @@ class RuntimeContext:
     streams: Streams
     reducer: object = None  # GradientReducer
     replicas: object = None  # ReplicaSync
-    owner_groups: object = None  # OwnerGroups: the process groups of the owner groups this rank is in (None: none)
+    owner_groups: object = None  # OwnerGroupComm: the process groups of the owner groups this rank is in (None: none)
     units: list = field(default_factory=list)
     forward_order: list = field(default_factory=list)
     recording: bool = True  # the first forward+backward records the order of the units

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -29,7 +30,7 @@ from titan_dmuon.muon_math import Block, column_blocks, row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
-from titan_dmuon.runtime.group_update import OwnerGroups
+from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, plan_group_sizes
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
@@ -217,8 +218,9 @@ def build_context(
         divide_factor=float(gradient_divide_factor or dedication.plan.world_size),
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
-    if any(e.group is not None for e in dedication.plan.entries):
-        ctx.owner_groups = OwnerGroups(mode.mesh, stats, dedication.plan.groups)
+    sizes = plan_group_sizes(dedication.plan.entries)
+    if dedication.plan.groups is not None and (sizes or mode.mesh.world_size < dist.get_world_size()):
+        ctx.owner_groups = OwnerGroupComm(mode.mesh, stats, sizes)  # (another copy's plan may have groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
         layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,

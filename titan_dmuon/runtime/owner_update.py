@@ -37,7 +37,6 @@ from titan_dmuon.muon_math import (
     scalar,
     second_moment_shape,
 )
-from titan_dmuon.runtime.group_update import update_grouped
 from titan_dmuon.runtime.streams import DeviceTimer
 
 SECOND_MOMENT = "normuon_second_moment"  # NorMuon's v in a weight's optimizer state (beside "momentum_buffer")
@@ -145,11 +144,6 @@ class OwnerUpdate:
                 ns_method=self.ns_method, col_blocks=col_blocks, ns_dtype=self.ns_dtype, normuon_beta2=beta2,
                 second_moments=moments if beta2 is not None else None,
             )
-
-    def update_grouped(self, group: dict, weights: list, owner_groups) -> None:
-        """The rule on this member's blocks of owner groups' weights (``group_update.update_grouped``:
-        Newton–Schulz of each whole matrix over its group)."""
-        update_grouped(self, group, weights, owner_groups)
 
     # ---- the same rule, split where tensor parallelism splits the matrix --------------------------------
     def momentum_inputs(self, group: dict, param: torch.Tensor, grad: torch.Tensor, matrices: slice,

@@ -39,6 +39,7 @@ from titan_dmuon.integration import cpu
 from titan_dmuon.group_plan import GroupOptions
 from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.integration.training.attention_clip import record_sequence_shards
+from titan_dmuon.options import whole_matrix_rules
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 
 
@@ -61,9 +62,9 @@ class DedicationSettings:
         per-row statistics; float16 iteration, which the group's Newton–Schulz does not run), attention
         weights kept whole under QK-clip, the Newton–Schulz blocks of the attention projections."""
         groups = None
-        whole_matrix_rules = (optimizer_config.ns_mode == "exact" or optimizer_config.normuon_beta2 is not None
-                              or optimizer_config.ns_dtype != "bfloat16")
-        if optimizer_config.owner_groups and not whole_matrix_rules:
+        needs_whole = whole_matrix_rules(ns_mode=optimizer_config.ns_mode, ns_dtype=optimizer_config.ns_dtype,
+                                         normuon_beta2=optimizer_config.normuon_beta2)
+        if optimizer_config.owner_groups and not needs_whole:
             groups = GroupOptions(node_size=optimizer_config.owner_group_node_size,
                                   ns_tflops=optimizer_config.owner_group_ns_tflops)
         return DedicationSettings(

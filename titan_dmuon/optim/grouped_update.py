@@ -1,0 +1,82 @@
+"""The Muon update of an owner group's weights on one member: its blocks, the group's sums between.
+
+A weight the plan gives an owner group (``plan.OwnerGroup``) is kept in blocks along its long side; the
+member that runs Newton–Schulz for a block holds its gradient and momentum. The update: momentum on the
+block, Newton–Schulz of the whole matrix by ``group_math.group_newton_schulz`` with the group's all-reduces
+(``runtime/owner_group_comm.py``), then weight decay and the update scaled for the whole matrix
+(``adjusted_lr``). Equally shaped matrices of the same group share one call (one all-reduce per step of
+the iteration for all of them), in batches under the one-owner path's memory cap (``member_batches``).
+
+NCCL: the step calls ``update_grouped`` job by job and, in a job, param group by param group in the
+optimizer's order (``step_schedule``); here the batches go in the order of their first weight's name.
+Every member of two groups therefore issues their sums in one order that does not depend on what it owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_dmuon.group_math import group_newton_schulz, member_workspace_elements, widest_block
+from titan_dmuon.muon_math import MAX_STACK_BYTES, adjusted_lr, scalar, workspace_elements
+from titan_dmuon.runtime.members import Member
+
+
+@dataclass(eq=False)
+class GroupedWeight:
+    """A weight of an owner group on a member that runs Newton–Schulz: its registered parameter (this
+    member's block: its optimizer state's key), the block's gradient, and its record."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    member: Member
+
+
+def batch_order(weights: list[GroupedWeight]) -> list[list[GroupedWeight]]:
+    """``weights`` (of one param group, in one job) by (group, shape), each batch by name, the batches by
+    their first weight's name: the same batches in the same order on every member of each group."""
+    batches: dict[tuple, list[GroupedWeight]] = {}
+    for weight in sorted(weights, key=lambda w: w.member.fqn):
+        batches.setdefault((weight.member.group.ranks, weight.member.shape), []).append(weight)
+    return list(batches.values())
+
+
+def member_batches(batch: list[GroupedWeight], ns_method: str, steps: int) -> list[list[GroupedWeight]]:
+    """``batch`` in pieces whose workspace on this member (its bf16 stack, its iterates and each matrix's
+    short x short Gram workspace: ``member_workspace_elements``) stays within what the one-owner path
+    allows a batch at ``MAX_STACK_BYTES`` (``workspace_elements`` of the matrices it stacks)."""
+    member = batch[0].member
+    short, long = min(member.shape), max(member.shape)
+    width = widest_block(long, member.group.size)  # (every member cuts alike: the same all-reduces on each)
+    one_owner = max(1, MAX_STACK_BYTES // (2 * short * long)) * workspace_elements(short, long, "torch", steps)
+    per_batch = max(1, one_owner // member_workspace_elements(short, width, ns_method, steps))
+    return [batch[first : first + per_batch] for first in range(0, len(batch), per_batch)]
+
+
+def update_grouped(rule, group: dict, weights: list[GroupedWeight], comm) -> None:
+    """Muon on this member's blocks of ``weights`` with ``group``'s options (``rule``: the ``OwnerUpdate``
+    whose state, method and figures they use; ``comm``: the ``OwnerGroupComm``), batch by batch."""
+    lr = scalar(group["lr"])
+    momentum, nesterov = group["momentum"], group["nesterov"]
+    for whole in batch_order(weights):
+        member = whole[0].member
+        for batch in member_batches(whole, rule.ns_method, group["ns_steps"]):
+            param = batch[0].param
+            stack = torch.empty((len(batch), *param.shape), dtype=torch.bfloat16, device=param.device)
+            for k, weight in enumerate(batch):  # one block's fp32 temporary at a time
+                buffer = rule.momentum_buffer(weight.param)
+                buffer.lerp_(weight.grad, 1 - momentum)
+                stack[k].copy_(weight.grad.lerp(buffer, momentum) if nesterov else buffer)
+            with rule.figures.timing(param.device):
+                orthogonal = group_newton_schulz(
+                    stack, shape=member.shape, group_size=member.group.size, all_reduce=comm.all_reduce(member),
+                    steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
+                    ns_method=rule.ns_method, overwrite=True)
+                rule.figures.matrices += len(batch)
+            del stack
+            scale = adjusted_lr(lr, group["adjust_lr_fn"], member.shape)
+            params = [w.param for w in batch]
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            for target, update in zip(params, orthogonal):
+                target.add_(update, alpha=-scale)
