@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from titan_dmuon.group_math import GRAM_REDUCE_BYTES, block_bounds, group_ns_flops
-from titan_dmuon.group_plan import Candidate, GroupOptions, gram_elements, place_groups, sizings
+from titan_dmuon.group_plan import Candidate, GroupOptions, gram_elements, member_comm_seconds, place_groups, sizings
 from titan_dmuon.muon_math import NS_STEPS, Block, block_rows, ns_flops, whole_columns
 
 
@@ -270,10 +270,8 @@ class OwnershipPlan:
         seconds = [f / options.flops_per_second() for f in self.ns_flops_per_rank]
         for e in self.entries:
             if e.group is not None:
-                k = e.group.size
-                data = gram_elements(min(e.shape), max(e.shape), k, ns_steps) * GRAM_REDUCE_BYTES
                 for rank in e.group.ranks:
-                    seconds[rank] += options.all_reduce_seconds(data, k)
+                    seconds[rank] += member_comm_seconds(min(e.shape), max(e.shape), e.group.size, options, ns_steps)
         return seconds
 
     @property
@@ -366,7 +364,7 @@ def build_plan(
     load = list(initial_load) if initial_load is not None else [0] * (replicate_size * shard_size)
     if len(load) != replicate_size * shard_size:
         raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
-    groups = groups if groups is not None and groups.enabled else None
+    groups = groups.stated() if groups is not None and groups.enabled else None
     owner_groups = _owner_groups(specs, costs, load, replicate_size, shard_size, ns_steps, groups) if groups else {}
     owners = [0] * len(specs)
     for i, group in owner_groups.items():
@@ -433,8 +431,7 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     shapes = {c.index: c for c in candidates}
     best = None
     world = replicate_size * shard_size
-    options_tried = sizings(candidates, costs, world_size=world, shard_size=shard_size, base_load=sum(load),
-                            options=options, steps=ns_steps)
+    options_tried = sizings(candidates, costs, shard_size=shard_size, options=options, steps=ns_steps)
     if not options_tried:
         return {}
     for sizes, loads in [({}, {})] + options_tried[::-1]:  # fewest all-reduces first
