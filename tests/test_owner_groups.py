@@ -65,9 +65,11 @@ from tests.helpers import (  # noqa: E402
 from titan_dmuon.group_plan import GroupOptions  # noqa: E402
 
 # Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
-# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
-# nodes of 2 ranks, so that a group of 4 spans two "nodes" and sums on two rings.
-TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2)
+# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner), every
+# figure given (none measured: the plan is the same on every machine); nodes of 2 ranks, so that a group
+# of 4 spans two "nodes".
+TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2, latency_us=0.0, nic_latency_us=0.0, intra_node_gbps=360.0,
+                           nic_gbps=45.0)
 STEPS = 4
 # The group's Newton–Schulz may be GROUP_RATIO times as far from exact arithmetic as the one owner's, on
 # top of the one owner's own distance (tests/test_group_math.py): the update's deviation from the

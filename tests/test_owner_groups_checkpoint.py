@@ -5,6 +5,8 @@ whole matrix (``Shard`` along its long side on the group), so DCP sees the full 
 bitwise, and a checkpoint loads into another group size, one owner, or from TorchTitan's AdamW.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from titan_dmuon.integration.training.optimizer_container import DMuonOptimizers
 from titan_dmuon.runtime.members import pieces_of  # noqa: E402
 
 STEPS = 4
-PAIRS = GroupOptions(ns_tflops=TINY_GROUPS.ns_tflops, max_size=2)  # the same job with groups of at most 2
+PAIRS = dataclasses.replace(TINY_GROUPS, node_size=8, max_size=2)  # the same job with groups of at most 2
 
 
 def _job(rank, world, mode, folder, groups, *, optimizer="dmuon", tall=True):

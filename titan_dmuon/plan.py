@@ -323,6 +323,8 @@ class OwnershipPlan:
         grouped = [e for e in self.entries if e.group is not None]
         if grouped:
             lines[0] += f", {len(grouped)} in owner groups"
+        if self.groups is not None:
+            lines.append(f"  {self.groups.describe()}")
         for rank in range(self.world_size):
             lines.append(f"  rank {rank}: {owned[rank]} matrices, {load[rank]:.3e} NS FLOPs")
         for e in grouped:

@@ -30,6 +30,7 @@ from titan_dmuon.muon_math import Block, column_blocks, row_blocks
 from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
+from titan_dmuon.runtime.device_profile import free_communication, measured
 from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, plan_group_sizes
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
@@ -303,9 +304,18 @@ def plan_ownership(
         if len(initial_load) != mesh.world_size:
             raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh.world_size} ranks")
         load = [a + int(b) for a, b in zip(load, initial_load)]
-    plan = build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
-                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs,
-                      groups=owner_groups)
+    def plan_with(groups: GroupOptions | None) -> OwnershipPlan:
+        return build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
+                          initial_load=load if (local or initial_load is not None) else None,
+                          local_tp_specs=local_tp_specs, groups=groups)
+
+    if owner_groups is not None and owner_groups.enabled and owner_groups.unmeasured():
+        # (measured only where a group could pay with free communication; else nothing to measure)
+        trial = [e for e in plan_with(free_communication(owner_groups.stated())).entries if e.group is not None]
+        if trial:
+            largest = max(trial, key=lambda e: (e.ns_flops, e.fqn))
+            owner_groups = measured(owner_groups, mesh, (min(largest.shape), max(largest.shape)))
+    plan = plan_with(owner_groups)
     validate_across_ranks(plan, mesh.groups + ([mode.tp.group] if mode.tp else []), mesh.device)
     return plan
 
