@@ -68,7 +68,8 @@ from titan_dmuon.group_plan import GroupOptions  # noqa: E402
 # rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner), every
 # figure given (none measured: the plan is the same on every machine); nodes of 2 ranks, so that a group
 # of 4 spans two "nodes".
-TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2, latency_us=0.0, nic_latency_us=0.0, intra_node_gbps=360.0,
+# An all-reduce's latency of 200 us keeps the 32 x 32 matrices (1 ms of NS at these rates) whole.
+TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2, latency_us=200.0, nic_latency_us=200.0, intra_node_gbps=360.0,
                            nic_gbps=45.0)
 STEPS = 4
 # The group's Newton–Schulz may be GROUP_RATIO times as far from exact arithmetic as the one owner's, on
@@ -223,7 +224,9 @@ def _ledger_of_groups(rank, world, mode):
             "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half, "kinds": {r.kind for r in sums},
             "groups": {r.group_ranks for r in sums}, "mine": {e.group.ranks for e in mine},
             "launches": ledger.launches(source=CommLabel.GROUP_GRAM) * half,
-            "design_launches": sum(gram_all_reduces(*e.shape, e.group.size) for e in mine),
+            # (one call per batch: a unit's equally shaped weights of one group; each unit is its own chunk here)
+            "design_launches": sum(gram_all_reduces(*shape, len(ranks)) for _, ranks, shape in
+                                   {(e.unit, e.group.ranks, e.shape) for e in mine}),
             "design": design_elements_per_rank(setup.handle),
             "design_gram": owner_group_elements_per_rank(setup.handle.plan)}
 
