@@ -11,11 +11,13 @@ job in turn on the fake process group (one process; collectives move no data) an
 * no cycle across communicators: the operations, linked by each communicator's order and each rank's
   order, can be run one after another (a topological order exists), so no two ranks wait on each other.
 
-The layouts: Z2, Z3 and HSDP at 32 and 64 ranks, one and two Muon param groups (attention
+The layouts: Z2 and Z3 at 32 ranks, HSDP 2 x 32, one and two Muon param groups (attention
 and MLP at different learning rates: ``[{"params": ..., "lr": ...}, ...]``), owner groups of different
-sizes that share ranks in one step chunk, and a dedication mesh that is one slice of a larger world
-(pipeline-stage-like copies, each with its own model and plan). A planted crossing (a job's param
-groups in a rank-dependent order) must fail the check.
+sizes that share ranks, and a dedication mesh that is one slice of a larger world (pipeline-stage-like
+copies, each with its own model and plan, no pipeline schedule). A planted crossing (a job's param groups
+in a rank-dependent order) must fail the check. Not in the matrix yet: tensor, expert and context
+parallelism and a real pipeline schedule (TorchTitan's harness builds those; under a tp mesh no weight
+gets an owner group, TP weights keeping one NS home).
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def check_issue_order(sequences: list[list[tuple]]) -> None:
         assert set(per_rank) == set(ranks), f"communicator {ranks}: only ranks {sorted(per_rank)} used it"
         first = per_rank[ranks[0]]
         for rank in ranks:
-            assert per_rank[rank] == first, f"communicator {ranks}: rank {rank} issues another sequence than rank {ranks[0]}"
+            assert per_rank[rank] == first, (
+                f"communicator {ranks}: rank {rank} issues another sequence than rank {ranks[0]}")
     # nodes: (communicator, index); edges: each rank's consecutive operations (a communicator's order is
     # implied: the rank's own sequence on it is its index order)
     after: dict[tuple, set] = {}
@@ -185,7 +188,7 @@ def _overlapping_groups(groups: list) -> bool:
 
 
 # (at 16 ranks this model's plan keeps one group size; at 32 it mixes groups of 2 and 8, at 64 of 4 and 16)
-LAYOUTS = [("z3", 32, 2), ("z2", 32, 2), ("hsdp", 64, 2), ("z3", 32, 1), ("stages", 64, 2), ("z3", 64, 2)]
+LAYOUTS = [("z3", 32, 2), ("z2", 32, 2), ("hsdp", 64, 2), ("z3", 32, 1), ("stages", 64, 2)]
 
 
 @pytest.mark.parametrize("layout, world, param_groups", LAYOUTS)
@@ -209,8 +212,8 @@ def test_a_planted_crossing_fails_the_check(solo):
 def test_the_check_catches_a_crossing_and_a_mismatch():
     """The checker itself, on hand-written sequences: crosswise on two communicators; sizes that differ."""
     a, b = (0, 1), (0, 1, 2, 3)
-    fine = [[("all_reduce", a, 1, "f"), ("all_reduce", b, 2, "f")], [("all_reduce", a, 1, "f"), ("all_reduce", b, 2, "f")],
-            [("all_reduce", b, 2, "f")], [("all_reduce", b, 2, "f")]]
+    both = [("all_reduce", a, 1, "f"), ("all_reduce", b, 2, "f")]
+    fine = [both, both, [("all_reduce", b, 2, "f")], [("all_reduce", b, 2, "f")]]
     check_issue_order(fine)
     crossed = [fine[0], [("all_reduce", b, 2, "f"), ("all_reduce", a, 1, "f")], *fine[2:]]
     with pytest.raises(AssertionError, match="cross"):
