@@ -365,3 +365,34 @@ def test_each_group_size_gets_its_process_groups_once_and_warms_them_up(pool4, m
         assert r["warm"] == [("all_reduce", ranks, 1) for ranks in sorted(expected, key=lambda t: (len(t), t))]
 
 
+
+
+def _stages_make_the_same_groups(rank, world):
+    """Two copies of a 2-rank dedication mesh in a 4-rank world (as two pipeline stages): the first copy's
+    plan has a group of 2, the second dedicates nothing and joins."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_dmuon.runtime.comm import CommStats
+    from titan_dmuon.runtime.mode import MeshInfo
+    from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, join_owner_groups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    if rank < 2:
+        comm = OwnerGroupComm(MeshInfo.from_mesh(mesh), CommStats(), {2})
+        made = {ranks: tuple(dist.get_process_group_ranks(g)) for ranks, g in comm.groups.items()}
+    else:
+        join_owner_groups(mesh, GroupOptions())
+        made = None
+    after = dist.new_group(ranks=[0, 1, 2, 3])  # (a group every rank makes later gets one name everywhere)
+    probe = torch.ones(1)
+    dist.all_reduce(probe, group=after)
+    return made, float(probe), after.group_name
+
+
+def test_pipeline_stages_make_the_union_of_their_sizes(pool4):
+    """The sizes are agreed over the world and every rank makes every copy's groups in one order, the stage
+    that dedicates nothing too: no hang, and a group made after them by every rank has one name."""
+    results = pool4.run(_stages_make_the_same_groups)
+    assert results[0][0] == {(0, 1): (0, 1)} and results[1][0] == {(0, 1): (0, 1)}
+    assert all(probe == 4.0 for _, probe, _ in results)
+    assert len({name for _, _, name in results}) == 1

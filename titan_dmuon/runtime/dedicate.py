@@ -20,7 +20,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -31,7 +30,7 @@ from titan_dmuon.plan import MatrixSpec, OwnershipPlan, build_plan, full_shape, 
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
 from titan_dmuon.runtime.device_profile import free_communication, measured
-from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, plan_group_sizes
+from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, needs_comm, plan_group_sizes
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
@@ -220,7 +219,7 @@ def build_context(
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
     sizes = plan_group_sizes(dedication.plan.entries)
-    if dedication.plan.groups is not None and (sizes or mode.mesh.world_size < dist.get_world_size()):
+    if needs_comm(dedication.plan.groups, sizes, mode.mesh):
         ctx.owner_groups = OwnerGroupComm(mode.mesh, stats, sizes)  # (another copy's plan may have groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [

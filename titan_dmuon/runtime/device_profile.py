@@ -14,7 +14,8 @@ the fastest of TIMED_RUNS runs after a warm-up: a busy machine (other processes 
 runs by whole scheduler slices, and the fastest is the device's own speed. Only when the
 plan could use a group at all: ``needs_measuring`` builds it first with free communication, and a plan
 with no group then (communication only makes groups dearer) measures nothing. A resume may measure other
-figures and plan other groups: checkpoints hold whole matrices (DTensors), so it still loads.
+figures and plan other groups: checkpoints hold whole matrices (DTensors), so it still loads. On the fake
+process group (tests, host-time benchmarks) nothing is timed: the H200's stated figures stand in.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def measured(options: GroupOptions, mesh: MeshInfo, shape: tuple[int, int]) -> G
     missing = options.unmeasured()
     if not missing:
         return options
+    if dist.get_backend(mesh.shard_group) == "fake":  # (collectives that move nothing: no figure to measure)
+        return options.stated()
     device = mesh.device
     short = min(shape[0], NS_SHORT_CAP)
     long = min(shape[1], 4 * short)

@@ -7,7 +7,9 @@ the copies as the device mesh's layout lists them, rows, slots (``slot_groups``)
 of the whole world that numbers groups by a counter; a group made by its members alone would advance the
 counter on them only, and every later group made by all ranks would get different names (a hang). When
 the dedication mesh is a slice of the world, the sizes are the union over the world (one all-reduce of a
-flag per size at build time): another copy's plan (another pipeline stage's) may use sizes this one does not.
+flag per size at build time): another copy's plan (another pipeline stage's) may use sizes this one does not;
+then every rank of the world takes part, once per model part: ``dedicate_params``, or ``join_owner_groups``
+for a part that dedicates nothing (TorchTitan's pipeline stage with only the token embedding).
 
 The warm-up: right after they are made, every rank issues one all-reduce of one number on each group it is
 in, sizes ascending (the order every rank follows), so that each communicator exists before the first sum
@@ -136,6 +138,22 @@ class OwnerGroupComm:
             self._meshes[slot] = DeviceMesh(self.mesh.device.type, torch.tensor([int(row[s]) for s in slot]),
                                             _init_backend=False)
         return self._meshes[slot]
+
+
+def needs_comm(options, sizes: set[int], mesh: MeshInfo) -> bool:
+    """Whether this rank makes (or joins) the owner groups' process groups: groups on (``options``) and
+    groups in its plan, or a dedication mesh that is a slice of the world (another copy may have some)."""
+    return options is not None and options.enabled and (bool(sizes) or mesh.world_size < dist.get_world_size())
+
+
+def join_owner_groups(mesh: DeviceMesh, options) -> None:
+    """For a rank whose model part dedicates nothing (a pipeline stage with no Muon target): the world's
+    collectives that making the owner groups' process groups takes, with no sizes of its own. When the
+    dedication mesh is a slice of the world, every rank of the world calls ``dedicate_params`` or this,
+    the same number of times (once per model part)."""
+    info = MeshInfo.from_mesh(mesh)
+    if needs_comm(options, set(), info):
+        OwnerGroupComm(info, CommStats(), set())
 
 
 def plan_group_sizes(entries: Sequence) -> set[int]:

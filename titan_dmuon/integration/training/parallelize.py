@@ -41,6 +41,7 @@ from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.integration.training.attention_clip import record_sequence_shards
 from titan_dmuon.options import whole_matrix_rules
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
+from titan_dmuon.runtime.owner_group_comm import join_owner_groups
 
 
 # QK-clip rescales q/k rows per head on their owner: with it on, attention projections keep one owner
@@ -237,7 +238,9 @@ class _Dedication:
         if reshard is None:
             reshard = False if degrees.ddp else fsdp_reshard
         targets = muon_parameters(model, self.settings.muon_params)
-        if not targets:
+        if not targets:  # (it still joins the owner groups' process groups, which every rank of the world makes)
+            join_owner_groups(dedication_mesh(dims, degrees, self.parallelism.spmd_backend != "partial_dtensor"),
+                              self.settings.owner_groups)
             return None
         names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         tp_mesh, tp_dims = None, None
