@@ -149,7 +149,8 @@ def test_a_group_pays_only_where_it_beats_one_owner():
 
 
 def test_group_options_are_checked():
-    for bad in ({"node_size": 0}, {"ns_tflops": 0}, {"nic_gbps": float("inf")}, {"margin": -1}, {"max_size": 0}):
+    for bad in ({"node_size": 0}, {"ns_tflops": 0}, {"nic_gbps": float("inf")}, {"margin": -1}, {"max_size": 0},
+                {"latency_us": -1.0}, {"min_gain": 1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GroupOptions(**bad)
 
@@ -176,7 +177,7 @@ from titan_dmuon.plan import _least_loaded_owners  # noqa: E402
 
 # Cheap sums next to Newton–Schulz (a latency, a low bandwidth: every term of the model counts), nodes of 4.
 CPU_LIKE = GroupOptions(ns_tflops=1e-3, latency_us=50.0, nic_latency_us=100.0, intra_node_gbps=1.0, nic_gbps=0.5,
-                        node_size=4)
+                        node_size=4, min_gain=0.0)
 BEST_PLAN_BOUND = 1.2  # the plan's busiest rank over the exhaustive search's (the same placement of each sizing)
 
 
@@ -234,3 +235,13 @@ def test_margin_and_node_sizes_that_are_not_powers_of_two(margin, node_size):
     assert len(grouped) <= len([e for e in looser.entries if e.group is not None])
     never = build_plan(specs, replicate_size=1, shard_size=12, groups=dataclasses.replace(options, margin=1e12))
     assert all(e.group is None for e in never.entries)  # (no threshold is a 1e-12th of a weight's cost)
+
+
+def test_a_nearly_balanced_job_keeps_one_owner():
+    """Nine equal matrices on 2 ranks (one owner: 5 against 4): splitting one would gain under 10 %, so
+    with the default ``min_gain`` the plan keeps one owner per weight; with none it splits."""
+    specs = [_spec(f"w{i}", (2048, 64), unit=i) for i in range(9)]
+    kept = build_plan(specs, replicate_size=1, shard_size=2, groups=dataclasses.replace(CPU_LIKE, min_gain=0.1))
+    assert all(e.group is None for e in kept.entries)
+    split = build_plan(specs, replicate_size=1, shard_size=2, groups=CPU_LIKE)
+    assert any(e.group is not None for e in split.entries)

@@ -32,7 +32,7 @@ from titan_dmuon.group_plan import GroupOptions
 # Cheap sums next to Newton–Schulz (so the plan splits these tiny matrices), nodes of 4 ranks, every figure
 # given (none measured: on the fake process group a measurement would time collectives that move nothing).
 ORDER_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=4, latency_us=0.0, nic_latency_us=0.0, intra_node_gbps=360.0,
-                            nic_gbps=45.0)
+                            nic_gbps=45.0, min_gain=0.0)
 DIM, ATTENTION, MLP, LAYERS = 16, 512, 1024, 4
 
 

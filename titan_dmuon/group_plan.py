@@ -77,6 +77,10 @@ class GroupOptions:
     """A weight is split only when its one-owner NS time exceeds margin x the threshold tried."""
     max_size: int | None = None
     """Largest group (default: the shard group)."""
+    min_gain: float = 0.1
+    """Groups are kept only when they shorten the one-owner plan's busiest rank by more than this fraction:
+    a nearly balanced job keeps one owner per weight (and its plan does not turn on a measured figure's
+    last digit)."""
     source: str = ""
     """Where the figures came from ("measured on ..." once measured); printed with the plan."""
 
@@ -97,6 +101,8 @@ class GroupOptions:
                 raise ValueError(f"{key} = {value!r}: expected a finite number >= 0, or None (measured)")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin >= 0:
             raise ValueError(f"margin = {self.margin!r}: expected a number >= 0")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
+            raise ValueError(f"min_gain = {self.min_gain!r}: expected a number in [0, 1)")
         if self.max_size is not None and (not isinstance(self.max_size, int) or self.max_size < 1):
             raise ValueError(f"max_size = {self.max_size!r}: expected an integer >= 1, or None (the shard group)")
 

@@ -427,8 +427,8 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     """The owner groups of the sizing (``group_plan.sizings``) whose busiest rank is least loaded once
     placed, groups first and then the other weights (tried with no groups first, then the sizings with the
     fewest all-reduces; the first on a tie; one whose mean or largest member cannot beat the best so far
-    is not placed); ``load`` (per
-    rank, FLOP-equivalents) grows by the groups' members."""
+    is not placed; a sizing must shorten the one-owner plan's busiest rank by more than ``min_gain``);
+    ``load`` (per rank, FLOP-equivalents) grows by the groups' members."""
     candidates = [Candidate(index=i, short=min(s.shape), long=max(s.shape)) for i, s in enumerate(specs) if s.may_group]
     shapes = {c.index: c for c in candidates}
     best = None
@@ -445,7 +445,9 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
         placed = place_groups(sizes, loads, load=trial, replicate_size=replicate_size, shard_size=shard_size)
         after_groups = list(trial)
         _least_loaded_owners(costs, [i for i in range(len(specs)) if i not in sizes], trial)
-        if best is None or max(trial) < best[0]:
+        if best is None:  # (one owner each: a sizing must beat it by more than min_gain)
+            best = ((1 - options.min_gain) * max(trial), sizes, placed, after_groups)
+        elif max(trial) < best[0]:
             best = (max(trial), sizes, placed, after_groups)
     _, sizes, placed, after_groups = best  # (one owner each, unless a sizing is strictly better)
     load[:] = after_groups
