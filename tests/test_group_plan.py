@@ -238,10 +238,11 @@ def test_margin_and_node_sizes_that_are_not_powers_of_two(margin, node_size):
 
 
 def test_a_nearly_balanced_job_keeps_one_owner():
-    """Nine equal matrices on 2 ranks (one owner: 5 against 4): splitting one would gain under 10 %, so
+    """21 equal matrices on 2 ranks (one owner: 11 against 10): splitting one would gain under 5 %, so
     with the default ``min_gain`` the plan keeps one owner per weight; with none it splits."""
-    specs = [_spec(f"w{i}", (2048, 64), unit=i) for i in range(9)]
-    kept = build_plan(specs, replicate_size=1, shard_size=2, groups=dataclasses.replace(CPU_LIKE, min_gain=0.1))
+    specs = [_spec(f"w{i}", (2048, 64), unit=i) for i in range(21)]
+    kept = build_plan(specs, replicate_size=1, shard_size=2,
+                      groups=dataclasses.replace(CPU_LIKE, min_gain=GroupOptions().min_gain))
     assert all(e.group is None for e in kept.entries)
     split = build_plan(specs, replicate_size=1, shard_size=2, groups=CPU_LIKE)
     assert any(e.group is not None for e in split.entries)

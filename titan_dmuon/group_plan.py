@@ -77,7 +77,7 @@ class GroupOptions:
     """A weight is split only when its one-owner NS time exceeds margin x the threshold tried."""
     max_size: int | None = None
     """Largest group (default: the shard group)."""
-    min_gain: float = 0.1
+    min_gain: float = 0.05
     """Groups are kept only when they shorten the one-owner plan's busiest rank by more than this fraction:
     a nearly balanced job keeps one owner per weight (and its plan does not turn on a measured figure's
     last digit)."""

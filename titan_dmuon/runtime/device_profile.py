@@ -10,7 +10,7 @@ A ``GroupOptions`` figure left None (the default) is measured here, once, before
 
 Every rank measures, then the slowest rank's times are taken on every rank (an all-reduce MAX over the
 mesh's groups), so all ranks plan with the same figures; they are printed with the plan. Each figure is
-the fastest of TIMED_RUNS runs after a warm-up: a busy machine (other processes on its cores) slows some
+the fastest of TIMED_RUNS runs (the latency's of LATENCY_RUNS) after a warm-up: a busy machine (other processes on its cores) slows some
 runs by whole scheduler slices, and the fastest is the device's own speed. Only when the
 plan could use a group at all: ``needs_measuring`` builds it first with free communication, and a plan
 with no group then (communication only makes groups dearer) measures nothing. A resume may measure other
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 NS_SHORT_CAP = 1024  # the timed Newton–Schulz's short side at most this, its long side at most 4x its short
 LARGE_ALL_REDUCE_NUMEL = 2**18  # 1 MiB of fp32: the bandwidth's probe
 TIMED_RUNS = 10
+LATENCY_RUNS = 50  # (one number: ~50 x the latency in all; the fastest needs every rank on a core at once)
 
 
 def free_communication(options: GroupOptions) -> GroupOptions:
@@ -62,7 +63,7 @@ def measured(options: GroupOptions, mesh: MeshInfo, shape: tuple[int, int]) -> G
     if set(missing) - {"ns_tflops"}:
         small = torch.zeros(1, device=device)
         large = torch.zeros(LARGE_ALL_REDUCE_NUMEL, device=device)
-        times[1] = _fastest_seconds(lambda: dist.all_reduce(small, group=mesh.shard_group), device)
+        times[1] = _fastest_seconds(lambda: dist.all_reduce(small, group=mesh.shard_group), device, LATENCY_RUNS)
         times[2] = _fastest_seconds(lambda: dist.all_reduce(large, group=mesh.shard_group), device)
     agreed = times.to(device)
     for group in mesh.groups:  # the slowest rank's figures, on every rank
@@ -84,11 +85,11 @@ def measured(options: GroupOptions, mesh: MeshInfo, shape: tuple[int, int]) -> G
     return result
 
 
-def _fastest_seconds(run, device: torch.device) -> float:
-    """One warm-up, then the fastest of TIMED_RUNS wall-clock runs (the device synchronised around each)."""
+def _fastest_seconds(run, device: torch.device, runs: int = TIMED_RUNS) -> float:
+    """One warm-up, then the fastest of ``runs`` wall-clock runs (the device synchronised around each)."""
     run()
     samples = []
-    for _ in range(TIMED_RUNS):
+    for _ in range(runs):
         _synchronize(device)
         start = time.perf_counter()
         run()
