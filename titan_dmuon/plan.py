@@ -433,6 +433,12 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     shapes = {c.index: c for c in candidates}
     best = None
     world = replicate_size * shard_size
+    if not candidates:
+        return {}
+    alone = list(load)
+    _least_loaded_owners(costs, range(len(specs)), alone)
+    if (1 - options.min_gain) * max(alone) <= sum(alone) / world:
+        return {}  # (no plan's busiest rank is under the mean, and groups only add work: none can gain min_gain)
     options_tried = sizings(candidates, costs, shard_size=shard_size, options=options, steps=ns_steps)
     if not options_tried:
         return {}
