@@ -92,14 +92,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the 64-rank rows only (a smoke run)")
     parser.add_argument("--groups", action="store_true", help="also the table with and without owner groups")
     parser.add_argument("--short-cube", action="store_true", help="also the short-cube table (owner groups)")
-    parser.add_argument("--node-size", type=int, default=GroupOptions().node_size, help="ranks per node")
-    parser.add_argument("--intra-node-gbps", type=float, default=GroupOptions().intra_node_gbps,
+    stated = GroupOptions().stated()  # (an H200's figures: the defaults where a plan is made without a device)
+    parser.add_argument("--node-size", type=int, default=stated.node_size, help="ranks per node")
+    parser.add_argument("--intra-node-gbps", type=float, default=stated.intra_node_gbps,
                         help="all-reduce bus bandwidth per rank inside a node, GB/s")
-    parser.add_argument("--nic-gbps", type=float, default=GroupOptions().nic_gbps,
+    parser.add_argument("--nic-gbps", type=float, default=stated.nic_gbps,
                         help="network bandwidth per rank between nodes, GB/s")
+    parser.add_argument("--latency-us", type=float, default=stated.latency_us,
+                        help="latency of one all-reduce inside a node, microseconds")
+    parser.add_argument("--nic-latency-us", type=float, default=stated.nic_latency_us,
+                        help="latency of one all-reduce across nodes, microseconds")
     args = parser.parse_args()
     options = GroupOptions(node_size=args.node_size, ns_tflops=args.ns_tflops, intra_node_gbps=args.intra_node_gbps,
-                           nic_gbps=args.nic_gbps)
+                           nic_gbps=args.nic_gbps, latency_us=args.latency_us, nic_latency_us=args.nic_latency_us,
+                           source="stated on the command line (defaults: an H200's)")
 
     rate = args.ns_tflops * 1e12
     print(f"| model | weights M | mesh R x N | build_plan (after) | scan of every rank (before) | before/after | "
@@ -142,8 +148,9 @@ def main() -> None:
 
 def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
     """Each model and mesh without and with owner groups (see the module's docstring)."""
-    print(f"Owner groups at {options.ns_tflops:g} TFLOP/s per rank, all-reduces at {options.intra_node_gbps:g} GB/s "
-          f"inside a node of {options.node_size} ranks and {options.nic_gbps:g} GB/s per rank between nodes:")
+    print(f"Owner groups at {options.ns_tflops:g} TFLOP/s per rank, all-reduces of {options.latency_us:g} us + bytes at "
+          f"{options.intra_node_gbps:g} GB/s inside a node of {options.node_size} ranks and {options.nic_latency_us:g} "
+          f"us + bytes at {options.nic_gbps:g} GB/s per rank between nodes:")
     print()
     print("| model | mesh R x N | groups | weights in groups (sizes) | busiest rank's NS (compute + all-reduces) | "
           "mean | max/mean | dedicated elements max/mean | build_plan |")

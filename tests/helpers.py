@@ -74,9 +74,11 @@ def distribute(
     split: bool = False,
     opt_kwargs: dict | None = None,
     targets_fn=muon_targets,
+    param_groups_fn=None,
     **dedicate_kwargs,
 ) -> Setup:
-    """mode: "z2" | "z3" (FSDP2), "hsdp" (2 x world/2, Z3), "ddp"."""
+    """mode: "z2" | "z3" (FSDP2), "hsdp" (2 x world/2, Z3), "ddp". ``param_groups_fn(model)``: DMuon's
+    param groups (default: every parameter in one)."""
     mesh = mesh if mesh is not None else make_mesh(mode, world)
     reshard = mode != "z2" if "reshard_after_forward" not in dedicate_kwargs else dedicate_kwargs.pop("reshard_after_forward")
     if mode == "ddp":
@@ -101,7 +103,8 @@ def distribute(
         for layer in model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-    opt = DMuon(model.parameters(), dedicated=handle, **{**MUON, **ADAMW, **(opt_kwargs or {})})
+    params = param_groups_fn(model) if param_groups_fn is not None else model.parameters()
+    opt = DMuon(params, dedicated=handle, **{**MUON, **ADAMW, **(opt_kwargs or {})})
     return Setup(module=module, model=model, handle=handle, opt=opt, mesh=mesh)
 
 

@@ -65,9 +65,12 @@ from tests.helpers import (  # noqa: E402
 from titan_dmuon.plan.owner_groups import GroupOptions  # noqa: E402
 
 # Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
-# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
-# nodes of 2 ranks, so that a group of 4 spans two "nodes" and sums on two rings.
-TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2)
+# rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner), every
+# figure given (none measured: the plan is the same on every machine); nodes of 2 ranks, so that a group
+# of 4 spans two "nodes".
+# An all-reduce's latency of 200 us keeps the 32 x 32 matrices (1 ms of NS at these rates) whole.
+TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2, latency_us=200.0, nic_latency_us=200.0, intra_node_gbps=360.0,
+                           nic_gbps=45.0)
 STEPS = 4
 # The group's Newton–Schulz may be GROUP_RATIO times as far from exact arithmetic as the one owner's, on
 # top of the one owner's own distance (tests/test_group_math.py): the update's deviation from the
@@ -212,10 +215,18 @@ def _ledger_of_groups(rank, world, mode):
     ledger = CommLedger()
     with ledger:
         train(setup, data[2:], rank, world)
+    from titan_dmuon.math.group_newton_schulz import gram_all_reduces
+
     half = Fraction(1, 2)
-    sends = {r.kind for r in ledger.select(source=CommLabel.GROUP_GRAM)}
+    sums = ledger.select(source=CommLabel.GROUP_GRAM)
+    mine = [e for e in setup.handle.plan.entries if e.group is not None and rank in e.group.ranks]
     return {"dmuon": ledger.elements(source=CommLabel.DMUON) * half,
-            "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half, "kinds": sends,
+            "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half, "kinds": {r.kind for r in sums},
+            "groups": {r.group_ranks for r in sums}, "mine": {e.group.ranks for e in mine},
+            "launches": ledger.launches(source=CommLabel.GROUP_GRAM) * half,
+            # (one call per batch: a unit's equally shaped weights of one group; each unit is its own chunk here)
+            "design_launches": sum(gram_all_reduces(*shape, len(ranks)) for _, ranks, shape in
+                                   {(e.unit, e.group.ranks, e.shape) for e in mine}),
             "design": design_elements_per_rank(setup.handle),
             "design_gram": owner_group_elements_per_rank(setup.handle.plan)}
 
@@ -224,14 +235,19 @@ def _ledger_of_groups(rank, world, mode):
 def test_owner_groups_move_what_the_design_says(pool4, mode):
     """Counted by the CommLedger and averaged over the ranks: DMuon's traffic per step is
     ``design_elements_per_rank`` (forward broadcasts and backward reduces as one owner's, plus the
-    groups' Gram and norm sums: ``owner_group_elements_per_rank``); the groups' sums go as point-to-point
-    sends on the shard group (no process group of their own)."""
+    groups' Gram and norm sums: ``owner_group_elements_per_rank``); each sum is one all-reduce on its group's
+    own process group (its ranks, not the shard group's; no point-to-point ring), one launch per step of the
+    iteration with the norm in the first (``gram_all_reduces``; a ring took 2 (k - 1) rounds per sum and
+    one more sum for the norm)."""
     results = pool4.run(_ledger_of_groups, mode)
     mean = {key: sum((r[key] for r in results), Fraction(0)) / len(results) for key in ("dmuon", "gram")}
     assert all(r["design"] == results[0]["design"] for r in results)
     assert results[0]["design_gram"] > 0 and mean["gram"] == results[0]["design_gram"]
     assert mean["dmuon"] == results[0]["design"]
-    assert all(r["kinds"] <= {"send"} for r in results)
+    for rank, r in enumerate(results):
+        assert r["kinds"] == ({"all_reduce"} if r["mine"] else set()), rank
+        assert r["groups"] == r["mine"]  # (the mesh's global ranks are the plan's r N + s here)
+        assert r["launches"] == r["design_launches"]
 
 
 def _clip_and_initialise(rank, world):
@@ -317,28 +333,66 @@ def test_whole_matrix_rules_refuse_owner_groups_on_every_rank(pool4):
             assert "owner_groups=None" in message and "layers.1.big.weight" in message
 
 
-def _ring_sums(rank, world, members, rings):
+def _groups_made(rank, world, mode):
+    """The owner groups' process groups this rank holds, and what the ledger saw while they were made."""
+    from titan_dmuon import CommLedger
+    from titan_dmuon.runtime import CommLabel
+
+    with CommLedger() as ledger:
+        setup = distribute(dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
+                           opt_kwargs=ADAMW_EPS)
+    comm = setup.handle.owner_groups
+    warm = [(r.kind, r.group_ranks, r.numel) for r in ledger.select(source=CommLabel.GROUP_WARM_UP)]
+    return {"groups": {ranks: tuple(dist.get_process_group_ranks(g)) for ranks, g in comm.groups.items()},
+            "warm": warm, "sizes": sorted({e.group.size for e in setup.handle.plan.entries if e.group})}
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp"])
+def test_each_group_size_gets_its_process_groups_once_and_warms_them_up(pool4, mode):
+    """Every aligned slot of each size the plan uses, in every replicate row, is a process group made on
+    every rank (this rank keeps those it is in: one per size), and each is warmed up by one all-reduce of
+    one number, smallest first, when DMuon is built: every communicator exists before the first sum (a
+    resume's first step may sum before any other collective of the group)."""
+    results = pool4.run(_groups_made, mode)
+    shard = 4 if mode == "z3" else 2
+    for rank, r in enumerate(results):
+        assert r["sizes"] and r["sizes"] == results[0]["sizes"]
+        expected = {}
+        for k in r["sizes"]:
+            start = (rank // k) * k if mode == "z3" else (rank // shard) * shard + (rank % shard) // k * k
+            expected[tuple(range(start, start + k))] = tuple(range(start, start + k))
+        assert r["groups"] == expected, rank
+        assert r["warm"] == [("all_reduce", ranks, 1) for ranks in sorted(expected, key=lambda t: (len(t), t))]
+
+
+
+
+def _stages_make_the_same_groups(rank, world):
+    """Two copies of a 2-rank dedication mesh in a 4-rank world (as two pipeline stages): the first copy's
+    plan has a group of 2, the second dedicates nothing and joins."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from titan_dmuon.runtime.comm import CommStats
-    from titan_dmuon.optim.grouped_update import ring_all_reduce
+    from titan_dmuon.runtime.mode import MeshInfo
+    from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, join_owner_groups
 
-    torch.manual_seed(rank)
-    tensor = torch.randn(37)
-    mine = tensor.clone()
-    if rank in members:
-        ring_all_reduce(tensor, members, members.index(rank), dist.group.WORLD, CommStats(), rings)
-    return mine, tensor
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    if rank < 2:
+        comm = OwnerGroupComm(MeshInfo.from_mesh(mesh), CommStats(), {2})
+        made = {ranks: tuple(dist.get_process_group_ranks(g)) for ranks, g in comm.groups.items()}
+    else:
+        join_owner_groups(mesh, GroupOptions())
+        made = None
+    after = dist.new_group(ranks=[0, 1, 2, 3])  # (a group every rank makes later gets one name everywhere)
+    probe = torch.ones(1)
+    dist.all_reduce(probe, group=after)
+    return made, float(probe), after.group_name
 
 
-@pytest.mark.parametrize("members, rings", [([0, 1, 2, 3], 1), ([0, 1, 2, 3], 2), ([2, 3], 1)])
-def test_ring_sums_are_the_sum_with_the_same_bits_everywhere(pool4, members, rings):
-    """The group's sum over point-to-point rings (one, or one per rank of a 2-rank node, each crossing
-    between the nodes at another rank): the sum of the members' tensors to fp32 rounding, bit-identical on
-    every member; the other ranks untouched (and not waited for)."""
-    results = pool4.run(_ring_sums, members, rings)
-    expected = sum(results[m][0].double() for m in members)
-    for rank, (before, after) in enumerate(results):
-        if rank in members:
-            assert torch.equal(after, results[members[0]][1])
-            assert (after.double() - expected).abs().max() <= len(members) * 2.0**-24 * expected.abs().max() * 4
-        else:
-            assert torch.equal(after, before)
+def test_pipeline_stages_make_the_union_of_their_sizes(pool4):
+    """The sizes are agreed over the world and every rank makes every copy's groups in one order, the stage
+    that dedicates nothing too: no hang, and a group made after them by every rank has one name."""
+    results = pool4.run(_stages_make_the_same_groups)
+    assert results[0][0] == {(0, 1): (0, 1)} and results[1][0] == {(0, 1): (0, 1)}
+    assert all(probe == 4.0 for _, probe, _ in results)
+    assert len({name for _, _, name in results}) == 1

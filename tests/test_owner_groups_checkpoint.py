@@ -5,6 +5,8 @@ whole matrix (``Shard`` along its long side on the group), so DCP sees the full 
 bitwise, and a checkpoint loads into another group size, one owner, or from TorchTitan's AdamW.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,13 +20,12 @@ from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 from tests.helpers import ADAMW, MUON, Counter, baseline, distribute, full_state, make_mesh  # noqa: E402
 from tests.test_checkpoint import _train  # noqa: E402
 from tests.test_owner_groups import ADAMW_EPS, TINY_GROUPS, dominant_model, dominant_targets  # noqa: E402
-from titan_dmuon.plan.owner_groups import GroupOptions  # noqa: E402
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager  # noqa: E402
 from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.runtime.members import pieces_of  # noqa: E402
 
 STEPS = 4
-PAIRS = GroupOptions(ns_tflops=TINY_GROUPS.ns_tflops, max_size=2)  # the same job with groups of at most 2
+PAIRS = dataclasses.replace(TINY_GROUPS, node_size=8, max_size=2)  # the same job with groups of at most 2
 
 
 def _job(rank, world, mode, folder, groups, *, optimizer="dmuon", tall=True):

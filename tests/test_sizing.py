@@ -200,3 +200,18 @@ def test_shape_tables_are_torchtitans_models(model, flavor):
 
     assert [rows(w) for w in table] == [rows(w) for w in titan]
     assert any(re.search("wqkv", w.fqn) for w in table) == any(w.blocks for w in table)
+
+
+@pytest.mark.unit
+def test_a_layout_where_neither_mode_fits_says_so():
+    """Issue 39: llama3 405B on 8 x 1024 data-parallel ranks: Z2's peak is far over the budget and Z3's is
+    over it too; the recommendation is still the smaller (Z3), and a reason says that neither fits, with
+    what would. Where Z3 fits (TP 8), its peak is said to be within the budget."""
+    from titan_dmuon.sizing.model_shapes import from_table
+
+    weights = from_table("llama3", "405B")
+    over = size_job(weights, Layout(replicate=8, shard=1024))
+    assert over.recommendation == "DMuon-Z3"
+    assert any("too: neither fits" in reason for reason in over.reasons), over.reasons
+    within = size_job(weights, Layout(replicate=8, shard=128, tp=8))
+    assert within.recommendation == "DMuon-Z3" and any("Z3's peak" in r and "is within" in r for r in within.reasons)

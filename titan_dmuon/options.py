@@ -160,3 +160,39 @@ ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "ada
 JOB_KEYS = ("ns_method", "ns_dtype", "normuon_beta2", "qk_clip_threshold", "qk_clip_alpha")
 MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS and name not in JOB_KEYS)
 DEFAULTS = DMuonOptions()
+
+
+# ---- rules that need each whole matrix on one rank (no owner group) ------------------------------------
+def whole_matrix_rules(*, ns_mode: str, ns_dtype: str, normuon_beta2: float | None) -> list[tuple[str, str]]:
+    """The rules among these settings that need each Muon matrix whole on one rank, each as (what it is,
+    how else to run): ``ns_mode`` "exact" (torch.optim.Muon's own update on one owner), NorMuon's per-row
+    statistics, the float16 iteration (an owner group's Newton–Schulz runs in bf16). Written once: DMuon
+    refuses a grouped weight under each (``check_whole_matrix_rules``), TorchTitan's door turns groups off."""
+    rules = []
+    if ns_mode == "exact":
+        rules.append(("ns_mode 'exact' is torch.optim.Muon's own update on one owner", "or use ns_mode 'batched'"))
+    if normuon_beta2 is not None:
+        rules.append(("NorMuon (normuon_beta2) normalises each row of the whole orthogonalised matrix on one owner",
+                      "or leave normuon_beta2 unset"))
+    if ns_dtype != "bfloat16":
+        rules.append((f"ns_dtype {ns_dtype!r} iterates on one owner (an owner group's Newton–Schulz runs in "
+                      "bfloat16)", "or use ns_dtype 'bfloat16'"))
+    return rules
+
+
+def check_whole_matrix_rules(param_groups: list[dict], handles: list, *, ns_dtype: str,
+                             normuon_beta2: float | None) -> None:
+    """ValueError (on every rank: the plan and the options are the same everywhere) when a weight of an
+    owner group is to get a rule that needs its whole matrix on one rank (``whole_matrix_rules``; ns_mode
+    is a param group's)."""
+    for group in param_groups:
+        if not group.get("use_muon"):
+            continue
+        for rule, other in whole_matrix_rules(ns_mode=group["ns_mode"], ns_dtype=ns_dtype, normuon_beta2=normuon_beta2):
+            for p in group["params"]:
+                member = next((m for h in handles if (m := h.member_of(p)) is not None), None)
+                if member is not None and member.group is not None:
+                    raise ValueError(
+                        f"{rule}, and the plan split {member.fqn!r} over an owner group of {member.group.size} "
+                        "ranks: dedicate with owner_groups=None (TorchTitan: optimizer.owner_groups = false, which "
+                        f"these settings imply there), {other}")

@@ -8,10 +8,12 @@ Q X), so member i updates X_i with the whole (short x short) factor and its own 
 communicates: the caller gives ``all_reduce``, a callable that sums an fp32 tensor in place over the
 group (a process group's all-reduce; in tests, a sum over simulated members).
 
-Per matrix, the group sums: its squared Frobenius norm (one fp32 number) once, then the Gram matrix
-at every step of the standard iteration ("torch", "polar_express"), and only at the restarts of Gram
-Newton–Schulz ("gram": ``len(gram_restarts) + 1`` times), whose short-space iteration every member
-repeats on the same summed Gram matrix.
+Per matrix, the group sums the Gram matrix at every step of the standard iteration ("torch",
+"polar_express"), and only at the restarts of Gram Newton–Schulz ("gram": ``len(gram_restarts) + 1``
+times), whose short-space iteration every member repeats on the same summed Gram matrix. The squared
+Frobenius norm (one fp32 number) rides with the first Gram sum: that sum is of the block before it is
+normalised, and Gram(X / n) = Gram(X) / n², divided in fp32 before the one rounding to bf16
+(``_first_gram``), so a matrix costs ``gram_all_reduces`` all-reduces, not one more for its norm.
 
 Decisions (``docs/owner-groups.md`` has the figures):
 
@@ -149,12 +151,14 @@ def group_newton_schulz(
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     ns_method: str = "torch",
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """This member's block of ``ns_method``'s Newton–Schulz of B matrices of ``shape`` (rows, cols),
     owned by ``group_size`` ranks: ``block`` is (B, rows_i, cols) (a tall matrix's row block) or
     (B, rows, cols_i) (a wide or square one's column block), bounds from ``block_bounds``. Every
     member calls it with the same shape, steps and method, and ``all_reduce`` on the same group;
-    the result is in bf16, in the block's orientation. ``group_size`` 1 (a summing callable that
+    the result is in bf16, in the block's orientation; ``overwrite``: a bf16 ``block`` is the caller's
+    scratch, iterated in place (no copy). ``group_size`` 1 (a summing callable that
     does nothing) is the one-owner iteration, its Gram matrix taken from its upper triangle."""
     if block.ndim != 3:
         raise ValueError(f"group_newton_schulz expects (batch, rows, cols), got {tuple(block.shape)}")
@@ -167,34 +171,50 @@ def group_newton_schulz(
         x = x.mT
     if x.size(-2) != short or not 0 < x.size(-1) <= long:
         raise ValueError(f"a block of shape {tuple(block.shape[1:])} is not a block along the long side of {shape}")
-    x = x.clone() if x is block or x._base is block else x
+    x = x.clone() if not overwrite and (x is block or x._base is block) else x
     schedule = ns_schedule(ns_method, steps, coefficients)
-    _normalise_group_(x, eps, ns_input_scale(ns_method), all_reduce)
-    widest = widest_block(long, group_size)
-    if ns_method == "gram" and group_uses_gram(short, long, group_size, steps):
-        x = _group_gram(x, schedule, all_reduce)
+    uses_gram = ns_method == "gram" and group_uses_gram(short, long, group_size, steps)
+    levels = symmetric_levels(short) if uses_gram else 0
+    if group_size == 1:  # (nothing to sum: the one-owner's order, its Gram matrix of the normalised X)
+        _first_gram(x, eps, ns_input_scale(ns_method), lambda t: None, levels)
+        first = summed_gram(x, all_reduce, levels)
     else:
-        x = _group_iterate(x, schedule, all_reduce, reassociate=reassociates(short, widest))
+        first = _first_gram(x, eps, ns_input_scale(ns_method), all_reduce, levels)
+    widest = widest_block(long, group_size)
+    if uses_gram:
+        x = _group_gram(x, schedule, all_reduce, first, levels)
+    else:
+        x = _group_iterate(x, schedule, all_reduce, first, reassociate=reassociates(short, widest))
     return x.mT if tall else x
 
 
-def _normalise_group_(x: torch.Tensor, eps: float, scale: float, all_reduce: AllReduce) -> None:
-    """Each matrix divided by ``scale`` times its Frobenius norm over the group, clamped at ``eps``:
-    the squared norms of the blocks (fp32) summed, rooted, rounded to bf16 as the one-owner's
-    ``vector_norm`` of its bf16 matrix rounds its fp32 result; then the one-owner's operations."""
+def _first_gram(x: torch.Tensor, eps: float, scale: float, all_reduce: AllReduce, levels: int) -> torch.Tensor:
+    """Normalise each matrix in place by ``scale`` times its Frobenius norm over the group (clamped at
+    ``eps``), and return its first summed Gram matrix, both from one all-reduce: the packed Gram part of
+    the block as it came, with its squared norm (fp32) as one more column. The norm is rooted and rounded
+    to bf16 as the one-owner's ``vector_norm`` of its bf16 matrix rounds its fp32 result, and divides X as
+    there; the summed Gram matrix is divided by the same divisor squared in fp32, then rounded once."""
     squares = torch.linalg.vector_norm(x.flatten(1), dim=1, dtype=GRAM_REDUCE_DTYPE).square()
-    all_reduce(squares)
-    norms = squares.sqrt().to(x.dtype)
+    part = _batched_symmetric(x, x.mT, levels) if levels else x @ x.mT
+    fused = torch.cat([pack_symmetric(part), squares[:, None]], dim=1)
+    del part
+    all_reduce(fused)
+    norms = fused[:, -1].sqrt().to(x.dtype)
     if scale != 1.0:
         norms = norms * scale
-    x.div_(norms.clamp(min=eps)[:, None, None])
+    divisor = norms.clamp(min=eps)
+    x.div_(divisor[:, None, None])
+    packed = fused[:, :-1] / divisor.to(GRAM_REDUCE_DTYPE).square()[:, None]
+    return unpack_symmetric(packed, x.size(-2), x.dtype)
 
 
-def _group_iterate(x: torch.Tensor, schedule, all_reduce: AllReduce, *, reassociate: bool) -> torch.Tensor:
+def _group_iterate(x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, *,
+                   reassociate: bool) -> torch.Tensor:
     """``ns_methods._iterate`` on this member's block: X_i <- a X_i + (b A + c A²) X_i with A the
-    group's Gram matrix; ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i) (no s³ product)."""
-    for a, b, c in schedule:
-        gram = summed_gram(x, all_reduce)
+    group's Gram matrix (``first`` at the first step); ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i)
+    (no s³ product)."""
+    for step, (a, b, c) in enumerate(schedule):
+        gram = first if step == 0 else summed_gram(x, all_reduce)
         if reassociate:
             inner = torch.baddbmm(x, gram, x, beta=b, alpha=c)  # b X_i + c A X_i, rounded once
             x = torch.baddbmm(x, gram, inner, beta=a)
@@ -204,13 +224,17 @@ def _group_iterate(x: torch.Tensor, schedule, all_reduce: AllReduce, *, reassoci
     return x
 
 
-def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce) -> torch.Tensor:
+def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, levels: int) -> torch.Tensor:
     """``ns_methods._gram_newton_schulz`` on this member's block: the short-space iteration (R, Q) on the
-    group's summed Gram matrix, repeated by every member; Q X_i at each restart and at the end.
-    Large matrices go one at a time (2-D symmetric products), as there."""
+    group's summed Gram matrix (``first`` at the start), repeated by every member; Q X_i at each restart
+    and at the end. Large matrices go one at a time (2-D symmetric products), as there."""
     restarts = set(gram_restarts(len(schedule)))
-    levels = symmetric_levels(x.size(-2))
-    return gram_segments(x, schedule, restarts, gram_of=lambda y: summed_gram(y, all_reduce, levels),
+    given = [first]
+
+    def gram_of(y: torch.Tensor) -> torch.Tensor:
+        return given.pop() if given else summed_gram(y, all_reduce, levels)
+
+    return gram_segments(x, schedule, restarts, gram_of=gram_of,
                          symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw))
 
 
@@ -246,6 +270,15 @@ def _gram_member_flops(short: int, block: int, steps: int) -> int:
             + cubes * symmetric_flops(short, short, levels))
 
 
+def member_workspace_elements(short: int, block: int, ns_method: str = "torch", steps: int = NS_STEPS) -> int:
+    """Elements one matrix's group Newton–Schulz holds on a member at its peak, its block ``block`` wide
+    (as ``muon_math.workspace_elements`` counts one owner's): the block and its next value, the summed Gram
+    matrix and the polynomial (or A X_i), the packed fp32 sum (two bf16 elements each); Gram Newton–Schulz
+    about six short x short matrices."""
+    square = 6 if ns_method == "gram" else 2
+    return 2 * short * block + square * short * short + 2 * packed_numel(short)
+
+
 def group_uses_gram(short: int, long: int, group_size: int, steps: int = NS_STEPS) -> bool:
     """Whether ``ns_method="gram"`` runs Gram Newton–Schulz on a group's (short, long) matrix: where its
     busiest member's FLOPs are fewer than the standard iteration's (one owner: ``uses_gram``)."""
@@ -265,15 +298,15 @@ def group_ns_flops(short: int, long: int, block: int, group_size: int, steps: in
 
 def gram_all_reduces(short: int, long: int, group_size: int, steps: int = NS_STEPS, *,
                      ns_method: str = "torch") -> int:
-    """Gram all-reduces of one matrix's group Newton–Schulz, each of ``packed_numel(short)`` fp32
-    numbers (the norm's one number apart): every step, or Gram Newton–Schulz's restarts + 1; none
-    for one owner."""
+    """All-reduces of one matrix's group Newton–Schulz, each of ``packed_numel(short)`` fp32 numbers
+    (the first one a number more: the squared norm rides with it): every step (at least the first's,
+    which normalises), or Gram Newton–Schulz's restarts + 1; none for one owner."""
     short, long = min(short, long), max(short, long)
     if group_size == 1:
         return 0
     if ns_method == "gram" and group_uses_gram(short, long, group_size, steps):
         return len(gram_restarts(steps)) + 1
-    return steps
+    return max(steps, 1)
 
 
 def gram_bound(diagonal: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,9 @@ from torch.optim.adam import adam
 
 from titan_dmuon.math.muon_update import scalar
 from titan_dmuon.optim.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
-from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError
+from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError, check_whole_matrix_rules
 from titan_dmuon.optim.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.runtime.fsdp_ignore import check_left_alone
-from titan_dmuon.optim.grouped_update import check_whole_matrix_rules
 from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.optim.whole_update import SECOND_MOMENT, NSFigures, OwnerUpdate
 from titan_dmuon.optim.step_schedule import StepSchedule

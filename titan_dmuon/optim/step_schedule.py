@@ -7,14 +7,17 @@ order, in chunks of 1, 1, 2, 4, ... units (``pipeline_chunks``); after each chun
 units on (HSDP's broadcast to replicas; the first unit's broadcast for the next forward), so those
 transfers overlap the Newton–Schulz of the later chunks. Each chunk is a ``Job``: its units and, per
 param group, its weights: ``OwnedWeight`` (held whole here: ``OwnerUpdate.update``), ``GroupedWeight``
-(a block of an owner group's weight: ``OwnerUpdate.update_grouped``, with the group's all-reduces) or ``TPItem``
+(a block of an owner group's weight: ``optim/grouped_update.py``, with the group's all-reduces) or ``TPItem``
 (tensor-parallel shards: ``TensorParallelStep``'s three stages, a pipeline across jobs that sends a
 job's units on once its weights are applied).
 Experts that FSDP2 keeps in place follow: those TP splits as jobs of the same pipeline (nothing is
 sent on after them), the others updated where they are.
 
 Every rank runs every unit's ``before_update``/``updated`` in the same order, whatever it owns: they
-issue collectives on groups that FSDP2 and the other ranks share.
+issue collectives on groups that FSDP2 and the other ranks share. An owner group's sums go job by job and,
+in a job, by the param group's position in the optimizer (then by name: ``grouped_update.batch_order``),
+never in the order this rank happens to meet its weights: two groups that share ranks then see their sums
+in one order on every rank (``tests/test_issue_order.py`` checks every communicator's order).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_dmuon.optim.grouped_update import GroupedWeight
+from titan_dmuon.optim.grouped_update import GroupedWeight, update_grouped
 from titan_dmuon.optim.whole_update import OwnedWeight, OwnerUpdate
 from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem
 
@@ -33,13 +36,17 @@ from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem
 @dataclass(eq=False)
 class Job:
     """Weights updated together, then ``units`` sent on (none for experts FSDP2 keeps); ``work`` is
-    by param group (``id(group)``, in the order of the groups): (group, its weights)."""
+    by param group's position in the optimizer: (group, its weights); ``in_order`` lists it by position,
+    whatever order the weights were added in."""
 
     units: list
     work: dict[int, tuple[dict, list]] = field(default_factory=dict)
 
-    def add(self, group: dict, items: list) -> None:
-        self.work.setdefault(id(group), (group, []))[1].extend(items)
+    def add(self, position: int, group: dict, items: list) -> None:
+        self.work.setdefault(position, (group, []))[1].extend(items)
+
+    def in_order(self) -> list[tuple[dict, list]]:
+        return [self.work[position] for position in sorted(self.work)]
 
 
 class StepSchedule:
@@ -68,7 +75,7 @@ class StepSchedule:
             for unit in job.units:
                 handle.before_update(unit)
             tp_work = []
-            for group, items in job.work.values():
+            for group, items in job.in_order():
                 owned = [w for w in items if isinstance(w, OwnedWeight)]
                 if owned:
                     self.rule.update(group, owned)
@@ -76,7 +83,7 @@ class StepSchedule:
                 if grouped:  # (its members run it together: the same list on each). No TP pipeline is in flight
                     # here: a tp mesh makes every weight TP (check_tp_dims_complete), and TP weights get no group
                     # (MatrixSpec.may_group), so these sends never pass a unit's deferred broadcast on NCCL
-                    self.rule.update_grouped(group, grouped, handle.owner_groups)
+                    update_grouped(self.rule, group, grouped, handle.owner_groups)
                 sharded = [w for w in items if isinstance(w, TPItem)]
                 if sharded:  # (the same list on every rank of the TP group)
                     tp_work.append((group, sharded))
@@ -104,7 +111,7 @@ class StepSchedule:
         """This handle's weights this rank runs Newton–Schulz for (with a gradient), in the handle's
         step units in chunks (``pipeline_chunks``), each job's weights merged by param group."""
         by_unit: dict[int, Job] = {}
-        for group in groups:
+        for position, group in enumerate(groups):
             for p in group["params"]:
                 member = handle.member_of(p)
                 if member is None:
@@ -116,7 +123,7 @@ class StepSchedule:
                         )
                     continue
                 if member.runs_ns and p.grad is not None:
-                    by_unit.setdefault(member.unit, Job([])).add(group, [_dedicated_item(p, member)])
+                    by_unit.setdefault(member.unit, Job([])).add(position, group, [_dedicated_item(p, member)])
         return _merged(pipeline_chunks(handle.step_units()), by_unit, key=lambda unit: unit.index, sent_on=True)
 
     def _local_tensor_parallel_jobs(self, handle, groups: list[dict]) -> list[Job]:
@@ -126,7 +133,7 @@ class StepSchedule:
             return []
         planned = handle.local_tp_experts
         by_layer: dict[int, Job] = {}
-        for group in groups:
+        for position, group in enumerate(groups):
             for p in group["params"]:
                 experts = handle.local_expert_of(p)
                 if experts is None or experts.tp_dim is None or p.grad is None or experts.fqn not in planned:
@@ -139,7 +146,7 @@ class StepSchedule:
                         f"{len(chunk.tp_homes)} (FSDP2's dim-0 shards of the stack, ceil(E/N) per rank)"
                     )
                 item = TPItem(param=p, weight=weight, grad=_local(p.grad), matrices=chunk.tp_matrices())
-                by_layer.setdefault(experts.unit, Job([])).add(group, [item])
+                by_layer.setdefault(experts.unit, Job([])).add(position, group, [item])
         order = [u.index for u in handle.step_units()]
         layers = sorted(by_layer, key=lambda u: (order.index(u) if u in order else len(order), u))
         return _merged(pipeline_chunks(layers), by_layer, key=lambda layer: layer, sent_on=False)
@@ -165,8 +172,8 @@ def _merged(chunks: list[list], by_key: dict[int, Job], *, key, sent_on: bool) -
     for chunk in chunks:
         job = Job(list(chunk) if sent_on else [])
         for member in chunk:
-            for group, items in by_key[key(member)].work.values() if key(member) in by_key else ():
-                job.add(group, items)
+            for position, (group, items) in by_key[key(member)].work.items() if key(member) in by_key else ():
+                job.add(position, group, items)
         merged.append(job)
     return merged
 

@@ -35,7 +35,6 @@ from titan_dmuon.math.muon_update import (
     second_moment_shape,
 )
 from titan_dmuon.math.ns_methods import ns_torch_dtype
-from titan_dmuon.optim.grouped_update import update_grouped
 from titan_dmuon.runtime.streams import DeviceTimer
 
 SECOND_MOMENT = "normuon_second_moment"  # NorMuon's v in a weight's optimizer state (beside "momentum_buffer")
@@ -143,11 +142,6 @@ class OwnerUpdate:
                 ns_method=self.ns_method, col_blocks=col_blocks, ns_dtype=self.ns_dtype, normuon_beta2=beta2,
                 second_moments=moments if beta2 is not None else None,
             )
-
-    def update_grouped(self, group: dict, weights: list, owner_groups) -> None:
-        """The rule on this member's blocks of owner groups' weights (``grouped_update.update_grouped``:
-        Newton–Schulz of each whole matrix over its group)."""
-        update_grouped(self, group, weights, owner_groups)
 
     # ---- the same rule, split where tensor parallelism splits the matrix --------------------------------
     def momentum_inputs(self, group: dict, param: torch.Tensor, grad: torch.Tensor, matrices: slice,

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from titan_dmuon.math.group_newton_schulz import GRAM_REDUCE_BYTES, block_bounds, group_ns_flops
+from titan_dmuon.math.group_newton_schulz import block_bounds, group_ns_flops
 from titan_dmuon.plan.specs import LocalTPExperts, MatrixSpec, OwnerGroup, PlanEntry
-from titan_dmuon.plan.owner_groups import Candidate, GroupOptions, gram_elements, place_groups, sizings
+from titan_dmuon.plan.owner_groups import Candidate, GroupOptions, gram_elements, member_comm_seconds, place_groups, sizings
 from titan_dmuon.math.ns_methods import NS_STEPS
 
 
@@ -96,10 +96,8 @@ class OwnershipPlan:
         seconds = [f / options.flops_per_second() for f in self.ns_flops_per_rank]
         for e in self.entries:
             if e.group is not None:
-                k = e.group.size
-                data = gram_elements(min(e.shape), max(e.shape), k, ns_steps) * GRAM_REDUCE_BYTES
                 for rank in e.group.ranks:
-                    seconds[rank] += options.all_reduce_seconds(data, k)
+                    seconds[rank] += member_comm_seconds(min(e.shape), max(e.shape), e.group.size, options, ns_steps)
         return seconds
 
     @property
@@ -151,6 +149,8 @@ class OwnershipPlan:
         grouped = [e for e in self.entries if e.group is not None]
         if grouped:
             lines[0] += f", {len(grouped)} in owner groups"
+        if self.groups is not None:
+            lines.append(f"  {self.groups.describe()}")
         for rank in range(self.world_size):
             lines.append(f"  rank {rank}: {owned[rank]} matrices, {load[rank]:.3e} NS FLOPs")
         for e in grouped:
@@ -192,7 +192,7 @@ def build_plan(
     load = list(initial_load) if initial_load is not None else [0] * (replicate_size * shard_size)
     if len(load) != replicate_size * shard_size:
         raise ValueError(f"initial_load has {len(load)} entries for {replicate_size * shard_size} ranks")
-    groups = groups if groups is not None and groups.enabled else None
+    groups = groups.stated() if groups is not None and groups.enabled else None
     owner_groups = _owner_groups(specs, costs, load, replicate_size, shard_size, ns_steps, groups) if groups else {}
     owners = [0] * len(specs)
     for i, group in owner_groups.items():
@@ -253,14 +253,19 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     """The owner groups of the sizing (``owner_groups.sizings``) whose busiest rank is least loaded once
     placed, groups first and then the other weights (tried with no groups first, then the sizings with the
     fewest all-reduces; the first on a tie; one whose mean or largest member cannot beat the best so far
-    is not placed); ``load`` (per
-    rank, FLOP-equivalents) grows by the groups' members."""
+    is not placed; a sizing must shorten the one-owner plan's busiest rank by more than ``min_gain``);
+    ``load`` (per rank, FLOP-equivalents) grows by the groups' members."""
     candidates = [Candidate(index=i, short=min(s.shape), long=max(s.shape)) for i, s in enumerate(specs) if s.may_group]
     shapes = {c.index: c for c in candidates}
     best = None
     world = replicate_size * shard_size
-    options_tried = sizings(candidates, costs, world_size=world, shard_size=shard_size, base_load=sum(load),
-                            options=options, steps=ns_steps)
+    if not candidates:
+        return {}
+    alone = list(load)
+    _least_loaded_owners(costs, range(len(specs)), alone)
+    if (1 - options.min_gain) * max(alone) <= sum(alone) / world:
+        return {}  # (no plan's busiest rank is under the mean, and groups only add work: none can gain min_gain)
+    options_tried = sizings(candidates, costs, shard_size=shard_size, options=options, steps=ns_steps)
     if not options_tried:
         return {}
     for sizes, loads in [({}, {})] + options_tried[::-1]:  # fewest all-reduces first
@@ -272,7 +277,9 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
         placed = place_groups(sizes, loads, load=trial, replicate_size=replicate_size, shard_size=shard_size)
         after_groups = list(trial)
         _least_loaded_owners(costs, [i for i in range(len(specs)) if i not in sizes], trial)
-        if best is None or max(trial) < best[0]:
+        if best is None:  # (one owner each: a sizing must beat it by more than min_gain)
+            best = ((1 - options.min_gain) * max(trial), sizes, placed, after_groups)
+        elif max(trial) < best[0]:
             best = (max(trial), sizes, placed, after_groups)
     _, sizes, placed, after_groups = best  # (one owner each, unless a sizing is strictly better)
     load[:] = after_groups

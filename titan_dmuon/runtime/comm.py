@@ -46,6 +46,7 @@ class CommLabel(str, enum.Enum):
     TP_FROM_HOME = "dmuon.tp_from_home"  # and the orthogonalised shards back
     TP_GRAD_REDUCE = "dmuon.tp_grad_reduce"  # a TP-replicated weight's partial gradients to its home
     GROUP_GRAM = "dmuon.group_gram"  # owner groups: each matrix's norm and Gram matrices summed over its group
+    GROUP_WARM_UP = "dmuon.group_warm_up"  # owner groups: one number on each new group, when it is made
     EXPORT = "dmuon.export"  # full_tensors(): every weight in full on every rank
     CHECKPOINT = "dmuon.checkpoint"  # state_dict(): NorMuon's second moments of TP weights, merged on the TP group
     DMUON = "dmuon"  # not issued: selects every label above (``CommLedger.select(source=CommLabel.DMUON)``)

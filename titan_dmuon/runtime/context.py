@@ -19,6 +19,7 @@ from titan_dmuon.runtime.streams import DeviceTimer, Streams
 
 if TYPE_CHECKING:
     from titan_dmuon.runtime.reducer import GradientReducer
+    from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm
     from titan_dmuon.runtime.replica_sync import ReplicaSync
 
 
@@ -42,7 +43,7 @@ class RuntimeContext:
     streams: Streams
     reducer: GradientReducer | None = None
     replicas: ReplicaSync | None = None  # HSDP only
-    owner_groups: object = None  # OwnerGroups: the process groups of the owner groups this rank is in (None: none)
+    owner_groups: OwnerGroupComm | None = None  # the process groups of the owner groups this rank is in
     units: list = field(default_factory=list)
     forward_order: list = field(default_factory=list)
     recording: bool = True  # the first forward+backward records the order of the units

@@ -30,7 +30,8 @@ from titan_dmuon.plan.specs import MatrixSpec, full_shape
 from titan_dmuon.plan.ownership import OwnershipPlan, build_plan, validate_across_ranks
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
-from titan_dmuon.optim.grouped_update import OwnerGroups
+from titan_dmuon.runtime.device_profile import free_communication, measured
+from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, needs_comm, plan_group_sizes
 from titan_dmuon.runtime.handle import DedicatedParams
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
@@ -215,8 +216,9 @@ def build_context(
         divide_factor=float(gradient_divide_factor or dedication.plan.world_size),
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
-    if any(e.group is not None for e in dedication.plan.entries):
-        ctx.owner_groups = OwnerGroups(mode.mesh, stats, dedication.plan.groups)
+    sizes = plan_group_sizes(dedication.plan.entries)
+    if needs_comm(dedication.plan.groups, sizes, mode.mesh):
+        ctx.owner_groups = OwnerGroupComm(mode.mesh, stats, sizes)  # (another copy's plan may have groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
         layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,
@@ -299,9 +301,18 @@ def plan_ownership(
         if len(initial_load) != mesh.world_size:
             raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh.world_size} ranks")
         load = [a + int(b) for a, b in zip(load, initial_load)]
-    plan = build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
-                      initial_load=load if (local or initial_load is not None) else None, local_tp_specs=local_tp_specs,
-                      groups=owner_groups)
+    def plan_with(groups: GroupOptions | None) -> OwnershipPlan:
+        return build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
+                          initial_load=load if (local or initial_load is not None) else None,
+                          local_tp_specs=local_tp_specs, groups=groups)
+
+    if owner_groups is not None and owner_groups.enabled and owner_groups.unmeasured():
+        # (measured only where a group could pay with free communication; else nothing to measure)
+        trial = [e for e in plan_with(free_communication(owner_groups.stated())).entries if e.group is not None]
+        if trial:
+            largest = max(trial, key=lambda e: (e.ns_flops, e.fqn))
+            owner_groups = measured(owner_groups, mesh, (min(largest.shape), max(largest.shape)))
+    plan = plan_with(owner_groups)
     validate_across_ranks(plan, mesh.groups + ([mode.tp.group] if mode.tp else []), mesh.device)
     return plan
 

@@ -30,19 +30,35 @@ from torch import nn
 _WRAPPED = "adds_dmuon_dedicated_weights"  # set on the wrapper: installed once, whatever the number of handles
 
 
-def ignore_dedicated_in_fully_shard() -> bool:
-    """Make every later ``fully_shard`` call ignore the dedicated weights under its module; False when
-    this torch has no ``_get_modules_and_states`` to wrap (then pass ``ignored_params`` yourself)."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fully_shard
-    except ImportError:
-        return False
-    original = getattr(_fully_shard, "_get_modules_and_states", None)
-    if original is None:
-        return False
-    if getattr(original, _WRAPPED, False):
-        return True
+# The modules whose calls read ``ignored_params`` through their own name of ``_get_modules_and_states``:
+# FSDP2's ``fully_shard``, and the FSDP2-based composable ``replicate`` (torch >= 2.9), which imports the
+# function by name, so wrapping the first alone left ``replicate`` taking the dedicated weights.
+WRAPPED_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard",
+                   "torch.distributed._composable.replicate_with_fsdp")
 
+
+def ignore_dedicated_in_fully_shard() -> bool:
+    """Make every later ``fully_shard`` (and FSDP2's ``replicate``) call ignore the dedicated weights under
+    its module; False when this torch has no ``_get_modules_and_states`` in ``fully_shard`` to wrap (then
+    pass ``ignored_params`` yourself)."""
+    import importlib
+
+    wrapped = False
+    for name in WRAPPED_MODULES:
+        try:
+            owner = importlib.import_module(name)
+        except ImportError:
+            continue
+        original = getattr(owner, "_get_modules_and_states", None)
+        if original is None:
+            continue
+        if not getattr(original, _WRAPPED, False):
+            owner._get_modules_and_states = _ignoring_dedicated(original)
+        wrapped = wrapped or name == WRAPPED_MODULES[0]
+    return wrapped
+
+
+def _ignoring_dedicated(original):
     @functools.wraps(original)
     def get_modules_and_states(module, device, ignored_params, *args, **kwargs):
         dedicated = dedicated_params_under(module)
@@ -51,8 +67,7 @@ def ignore_dedicated_in_fully_shard() -> bool:
         return original(module, device, ignored_params, *args, **kwargs)
 
     setattr(get_modules_and_states, _WRAPPED, True)
-    _fully_shard._get_modules_and_states = get_modules_and_states
-    return True
+    return get_modules_and_states
 
 
 def dedicated_params_under(module: nn.Module | list[nn.Module]) -> set[nn.Parameter]:

@@ -116,7 +116,7 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
 
     @property
     def owner_groups(self):
-        """The owner groups this rank is in (``grouped_update.OwnerGroups``), or None (none in the plan)."""
+        """The owner groups this rank is in (``owner_group_comm.OwnerGroupComm``), or None (none in the plan)."""
         return self._ctx.owner_groups
 
     @property

@@ -53,7 +53,7 @@ class HandleWeights:
 
     def as_sharded(self, member: Member, local: torch.Tensor) -> torch.Tensor:
         """A TP shard (``tensor_parallel.as_sharded``), or an owner group's block
-        (``OwnerGroups.as_sharded``), as a DTensor of the full matrix, for DCP."""
+        (``OwnerGroupComm.as_sharded``), as a DTensor of the full matrix, for DCP."""
         if member.block is not None:
             return self.owner_groups.as_sharded(member, local)
         return tensor_parallel.as_sharded(self.mode.tp, member, local)

@@ -382,5 +382,13 @@ def _recommend(stages: list[Stage], layout: Layout, device_memory: float, share:
     ]
     if fits:
         return "DMuon-Z2", reasons + ["so Z2: it fits, and moves the least (measure the step time before keeping it)"]
-    return "DMuon-Z3", reasons + ["so Z3; if Z3 runs out of memory, look at activations (activation checkpointing) and "
-                                  "gradient accumulation first: Z3's buffers are two layers"]
+    z3_peak = z3.memory["DMuon-Z3"].peak
+    if z3_peak > budget:  # (Z3 is the smaller, and over the same budget: say so, with what would fit)
+        return "DMuon-Z3", reasons + [
+            f"Z3's peak without activations, {format_gb(z3_peak)}, is over {format_gb(budget)} too: neither fits this "
+            "layout; more data-parallel ranks, tensor or pipeline parallelism, or a device with more memory",
+            "so Z3, the smaller of the two"]
+    return "DMuon-Z3", reasons + [
+        f"Z3's peak without activations, {format_gb(z3_peak)}, is within {format_gb(budget)}",
+        "so Z3; if Z3 runs out of memory, look at activations (activation checkpointing) and gradient accumulation "
+        "first: Z3's buffers are two layers"]

@@ -130,8 +130,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
         where its cost model says it pays (docs/owner-groups.md); false: one owner per weight."""
         owner_group_node_size: int = GroupOptions().node_size
         """Ranks per node: owner groups stay inside a node's links, or span whole nodes."""
-        owner_group_ns_tflops: float = GroupOptions().ns_tflops
-        """Newton–Schulz throughput per rank (TFLOP/s) in the owner groups' cost model (default: an H200's)."""
+        owner_group_ns_tflops: float | None = GroupOptions().ns_tflops
+        """Newton–Schulz throughput per rank (TFLOP/s) in the owner groups' cost model (default: measured on the
+        job's device when DMuon is built, with the all-reduce latency and bandwidth)."""
 
         @classmethod
         def builds_baseline(cls, name: str) -> bool:

@@ -40,7 +40,9 @@ from titan_dmuon.integration.distributed import context_parallel
 from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.integration.models.attention_clip import record_sequence_shards
+from titan_dmuon.options import whole_matrix_rules
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
+from titan_dmuon.runtime.owner_group_comm import join_owner_groups
 
 
 # QK-clip rescales q/k rows per head on their owner: with it on, attention projections keep one owner
@@ -62,9 +64,9 @@ class DedicationSettings:
         per-row statistics; float16 iteration, which the group's Newton–Schulz does not run), attention
         weights kept whole under QK-clip, the Newton–Schulz blocks of the attention projections."""
         groups = None
-        whole_matrix_rules = (optimizer_config.ns_mode == "exact" or optimizer_config.normuon_beta2 is not None
-                              or optimizer_config.ns_dtype != "bfloat16")
-        if optimizer_config.owner_groups and not whole_matrix_rules:
+        needs_whole = whole_matrix_rules(ns_mode=optimizer_config.ns_mode, ns_dtype=optimizer_config.ns_dtype,
+                                         normuon_beta2=optimizer_config.normuon_beta2)
+        if optimizer_config.owner_groups and not needs_whole:
             groups = GroupOptions(node_size=optimizer_config.owner_group_node_size,
                                   ns_tflops=optimizer_config.owner_group_ns_tflops)
         return DedicationSettings(
@@ -237,7 +239,9 @@ class PendingDedication:
         if reshard is None:
             reshard = False if degrees.ddp else fsdp_reshard
         targets = muon_parameters(model, self.settings.muon_params)
-        if not targets:
+        if not targets:  # (it still joins the owner groups' process groups, which every rank of the world makes)
+            join_owner_groups(dedication_mesh(dims, degrees, self.parallelism.spmd_backend != "partial_dtensor"),
+                              self.settings.owner_groups)
             return None
         names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         tp_mesh, tp_dims = None, None
