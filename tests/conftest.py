@@ -1,6 +1,23 @@
+"""The tiers, marked from the folder a test lives in (``pytest -m unit`` is the fast tier), and the worker pools
+that every module of a session shares (tests/support/pool.py)."""
+
+from pathlib import Path
+
 import pytest
 
-from tests.pool import WorkerPool
+from tests.support.pool import WorkerPool
+
+TIERS = ("unit", "distributed", "titan", "e2e")
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test outside the tier folders {TIERS}; move it into one")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
