@@ -17,7 +17,7 @@ STEPS = 4
 LOSS_TOLERANCE = 1e-4
 
 
-def _train(rank, world, mode, compiled):
+def _train_compiled_or_eager(rank, world, mode, compiled):
     from torch._dynamo.utils import counters
 
     model = toy_model()
@@ -34,8 +34,8 @@ def _train(rank, world, mode, compiled):
 
 
 def _eager_vs_compiled(rank, world, mode):
-    eager_losses, eager_state, _, _ = _train(rank, world, mode, False)
-    losses, state, after_warmup, graphs = _train(rank, world, mode, True)
+    eager_losses, eager_state, _, _ = _train_compiled_or_eager(rank, world, mode, False)
+    losses, state, after_warmup, graphs = _train_compiled_or_eager(rank, world, mode, True)
     return max(abs(a - b) for a, b in zip(losses, eager_losses)), max_diff(state, eager_state), after_warmup, graphs
 
 

@@ -112,7 +112,7 @@ def test_a_predicate_chooses_as_a_list_does(pool1):
 
 
 # ---- fully_shard needs nothing; DMuon and the clip find the handle ---------------------------------------------
-def _job(world, explicit: bool, mode="z3"):
+def _plain_pytorch_setup(world, explicit: bool, mode="z3"):
     mesh = init_device_mesh("cpu", (world,)) if mode != "hsdp" else init_device_mesh(
         "cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model = toy_model()
@@ -130,10 +130,10 @@ def _job(world, explicit: bool, mode="z3"):
     return model, handle, opt
 
 
-def _train(rank, world, explicit, mode, accumulate=1):
+def _clipped_steps(rank, world, explicit, mode, accumulate=1):
     """Clipped steps with ``accumulate`` micro-batches each (sync off but for the last); per step the
     loss, the clip's norm, and the collectives of the micro-batches before the last (reduces only)."""
-    model, handle, opt = _job(world, explicit, mode)
+    model, handle, opt = _plain_pytorch_setup(world, explicit, mode)
     out = []
     for x, y in (local_slice(b, rank, world) for b in batches(3)):
         deferred = []
@@ -166,7 +166,7 @@ def test_the_three_line_api_equals_the_explicit_one(pool2, mode, accumulate):
     gradient accumulation) one set_requires_gradient_sync: every norm and weight bit for bit as the
     explicit API, FSDP2 shards exactly the other parameters, and no micro-batch before the last reduces
     anything (FSDP2's reduce-scatters and DMuon's reduces both deferred)."""
-    for rank_results in zip(*(pool2.run(_train, explicit, mode, accumulate) for explicit in (True, False))):
+    for rank_results in zip(*(pool2.run(_clipped_steps, explicit, mode, accumulate) for explicit in (True, False))):
         (explicit_steps, explicit_weights, _), (steps, weights, left_alone) = rank_results
         assert steps == explicit_steps
         assert explicit_weights.keys() == weights.keys()

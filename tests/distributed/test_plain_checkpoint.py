@@ -28,7 +28,7 @@ STEPS, SAVED_AT = 4, 2
 EXPERTS = 4
 
 
-def _job(mode: str, world: int, *, seed: int = 0):
+def _toy_setup(mode: str, world: int, *, seed: int = 0):
     """mode: "z2" | "z3" | "hsdp" | "ddp" (dense), "moe_local" (experts kept on FSDP2's dim-0 shards,
     updated in place) | "moe_dedicated" (each expert weight has one owner), both Z3; "z3_normuon"
     (the MoE model with NorMuon)."""
@@ -40,7 +40,7 @@ def _job(mode: str, world: int, *, seed: int = 0):
     return distribute(toy_model(seed), mode, world)
 
 
-def _train(setup, rank, world, start, stop):
+def _train_steps(setup, rank, world, start, stop):
     data = batches(STEPS)
     losses = []
     for step in range(start, stop):
@@ -94,19 +94,19 @@ def _straight_and_resumed(rank, world, mode, folder):
     """The straight job saves at step 2 with each API (and goes on to step 4); for each API a new job
     loads that checkpoint and trains to step 4. Also: a fresh optimizer's state_dict() lists exactly the
     tensors that a first step creates (``initialise_missing_state`` against ``step()``)."""
-    straight, fresh = _job(mode, world), _job(mode, world, seed=1)
+    straight, fresh = _toy_setup(mode, world), _toy_setup(mode, world, seed=1)
     fresh.opt.state_dict()
     fresh = set(_state(fresh))
-    losses = _train(straight, rank, world, 0, SAVED_AT)
+    losses = _train_steps(straight, rank, world, 0, SAVED_AT)
     after_a_step = set(_state(straight))
     for api in APIS:
         _save(straight, f"{folder}/{api}", api)
-    losses += _train(straight, rank, world, SAVED_AT, STEPS)
+    losses += _train_steps(straight, rank, world, SAVED_AT, STEPS)
     out = {"straight": (losses, _state(straight))}
     for api in APIS:
-        resumed = _job(mode, world, seed=1)
+        resumed = _toy_setup(mode, world, seed=1)
         _load(resumed, f"{folder}/{api}", api)
-        out[api] = (_train(resumed, rank, world, SAVED_AT, STEPS), _state(resumed))
+        out[api] = (_train_steps(resumed, rank, world, SAVED_AT, STEPS), _state(resumed))
     return out, (after_a_step, fresh)
 
 
@@ -125,17 +125,17 @@ def test_resume_is_bit_exact_with_the_defaults(pool2, tmp_path, mode):
 
 # ---- across world sizes and modes -------------------------------------------------------------------------
 def _save_at(rank, world, mode, folder):
-    setup = _job(mode, world)
-    _train(setup, rank, world, 0, SAVED_AT)
+    setup = _toy_setup(mode, world)
+    _train_steps(setup, rank, world, 0, SAVED_AT)
     _save(setup, folder, "get_state_dict")
     return _state(setup)
 
 
 def _load_and_step(rank, world, mode, folder):
-    setup = _job(mode, world, seed=1)
+    setup = _toy_setup(mode, world, seed=1)
     _load(setup, folder, "get_state_dict")
     loaded = _state(setup)
-    losses = _train(setup, rank, world, SAVED_AT, SAVED_AT + 1)
+    losses = _train_steps(setup, rank, world, SAVED_AT, SAVED_AT + 1)
     return loaded, losses
 
 
@@ -175,7 +175,7 @@ def test_experts_reshard_between_local_and_dedicated(pool2, tmp_path, before, af
 
 # ---- what DMuon presents ------------------------------------------------------------------------------------
 def _listed(rank, world):
-    setup = _job("z3", world)
+    setup = _toy_setup("z3", world)
     _, optim_state = get_state_dict(setup.model, setup.opt)
     return {name: sorted(state) for name, state in optim_state["state"].items()}, setup.handle.fqns
 
@@ -207,12 +207,12 @@ def test_every_parameter_is_listed_and_momentum_only_on_its_owner(pool2):
 def _consolidated(rank, world):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    setup = _job("z3", world)
-    _train(setup, rank, world, 0, 1)
+    setup = _toy_setup("z3", world)
+    _train_steps(setup, rank, world, 0, 1)
     full = get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True))
     lacking = set(setup.handle.fqns) - set(full)
     full.update(setup.handle.full_tensors())
-    fresh = _job("z3", world, seed=1)
+    fresh = _toy_setup("z3", world, seed=1)
     set_model_state_dict(fresh.model, dict(full), options=StateDictOptions(full_state_dict=True))
     return lacking, full, full_state(setup), full_state(fresh)
 

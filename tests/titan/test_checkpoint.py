@@ -24,7 +24,7 @@ from titan_dmuon.integration.components.optimizer_container import DMuonOptimize
 
 
 
-def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False,
+def _toy_job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False,
          ns_method="torch"):
     """A toy model made distributed as in TorchTitan, with its container, schedule and checkpointer."""
     model = toy_model(**(dims or {}))
@@ -52,13 +52,13 @@ def _job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode=
 
 
 def _straight(rank, world, mode, folder):
-    setup, schedule, counter, _ = _job(rank, world, mode, folder)
+    setup, schedule, counter, _ = _toy_job(rank, world, mode, folder)
     losses = train_until(setup, schedule, counter, rank, world, STEPS)
     return losses, training_state(setup)
 
 
 def _first_half(rank, world, mode, folder):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder)
+    setup, schedule, counter, manager = _toy_job(rank, world, mode, folder)
     losses = train_until(setup, schedule, counter, rank, world, STEPS // 2)
     manager.save(counter.step)
     manager.close()
@@ -66,7 +66,7 @@ def _first_half(rank, world, mode, folder):
 
 
 def _second_half(rank, world, mode, folder):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder)
+    setup, schedule, counter, manager = _toy_job(rank, world, mode, folder)
     assert manager.load()
     assert counter.step == STEPS // 2
     losses = train_until(setup, schedule, counter, rank, world, STEPS)
@@ -91,7 +91,7 @@ def test_resume_is_bit_exact(pool2, pool4, tmp_path, mode, world):
 
 def _switch_straight(rank, world, folder, before, after):
     """``before``'s Newton–Schulz for half the steps, then ``after``'s, in one process."""
-    setup, schedule, counter, _ = _job(rank, world, "z3", folder, ns_method=before)
+    setup, schedule, counter, _ = _toy_job(rank, world, "z3", folder, ns_method=before)
     losses = train_until(setup, schedule, counter, rank, world, STEPS // 2)
     for optimizer in setup.opt.dmuon_optimizers():
         optimizer.ns_method = after
@@ -99,7 +99,7 @@ def _switch_straight(rank, world, folder, before, after):
 
 
 def _switch_first_half(rank, world, folder, before):
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder, ns_method=before)
+    setup, schedule, counter, manager = _toy_job(rank, world, "z3", folder, ns_method=before)
     losses = train_until(setup, schedule, counter, rank, world, STEPS // 2)
     manager.save(counter.step)
     manager.close()
@@ -107,7 +107,7 @@ def _switch_first_half(rank, world, folder, before):
 
 
 def _switch_second_half(rank, world, folder, after):
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder, ns_method=after)
+    setup, schedule, counter, manager = _toy_job(rank, world, "z3", folder, ns_method=after)
     assert manager.load()
     methods = {optimizer.ns_method for optimizer in setup.opt.dmuon_optimizers()}
     keys = [k for optimizer in setup.opt.dmuon_optimizers() for g in optimizer.state_dict()["param_groups"] for k in g]
@@ -133,7 +133,7 @@ def test_the_newton_schulz_method_can_change_across_a_resume(pool2, tmp_path, be
 
 
 def _save_then_report(rank, world, mode, folder):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder)
+    setup, schedule, counter, manager = _toy_job(rank, world, mode, folder)
     train_until(setup, schedule, counter, rank, world, 2)
     manager.save(counter.step)  # right after step(): HSDP's post-step broadcasts are still in flight
     manager.close()
@@ -141,7 +141,7 @@ def _save_then_report(rank, world, mode, folder):
 
 
 def _load_then_report(rank, world, mode, folder):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder)
+    setup, schedule, counter, manager = _toy_job(rank, world, mode, folder)
     assert manager.load()
     loaded = full_state(setup)
     losses = train_until(setup, schedule, counter, rank, world, counter.step + 1)  # and training continues
@@ -171,7 +171,7 @@ def test_reshard_on_load(pool2, pool4, tmp_path, save_mode, save_world, load_mod
 def _saved_weights_are_current(rank, world, folder, model_only):
     """Every dedicated weight in the checkpoint equals its global owner's current value,
     whichever holder DCP picked as the writer."""
-    setup, schedule, counter, manager = _job(rank, world, "hsdp", folder, last_model_only=model_only)
+    setup, schedule, counter, manager = _toy_job(rank, world, "hsdp", folder, last_model_only=model_only)
     train_until(setup, schedule, counter, rank, world, 2)
     current = {fqn: p.detach().clone() for fqn, p in zip(setup.handle.fqns, setup.handle.params) if setup.handle.runs_newton_schulz(p)}
     manager.save(counter.step, last_step=model_only)
@@ -195,7 +195,7 @@ def test_no_stale_copy_is_saved(pool4, tmp_path, model_only):
 
 
 def _zero_grad_init_step(rank, world, mode, folder):
-    setup, _, _, _ = _job(rank, world, mode, folder)
+    setup, _, _, _ = _toy_job(rank, world, mode, folder)
     before = full_state(setup)
     flat = setup.opt.state_dict()  # TorchTitan's init_optim_state: zero grads, lr 0, one step
     after = full_state(setup)
@@ -217,7 +217,7 @@ def test_async_save_round_trip(pool2, tmp_path):
 
 
 def _async_save(rank, world, folder):
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder, async_mode="async")
+    setup, schedule, counter, manager = _toy_job(rank, world, "z3", folder, async_mode="async")
     train_until(setup, schedule, counter, rank, world, 2)
     manager.save(counter.step)
     manager.maybe_wait_for_saving()
@@ -227,7 +227,7 @@ def _async_save(rank, world, folder):
 
 # ---- bad input ------------------------------------------------------------------------------
 def _save_only(rank, world, mode, folder, optimizer="dmuon", dims=None):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder, optimizer=optimizer, dims=dims)
+    setup, schedule, counter, manager = _toy_job(rank, world, mode, folder, optimizer=optimizer, dims=dims)
     train_until(setup, schedule, counter, rank, world, 2)
     manager.save(counter.step)
     manager.close()
@@ -235,7 +235,7 @@ def _save_only(rank, world, mode, folder, optimizer="dmuon", dims=None):
 
 
 def _load_error(rank, world, folder, dims=None):
-    setup, _, _, manager = _job(rank, world, "z3", folder, dims=dims)
+    setup, _, _, manager = _toy_job(rank, world, "z3", folder, dims=dims)
     try:
         manager.load()
     except CheckpointError as e:
@@ -276,7 +276,7 @@ def _resume_from_adamw(rank, world, folder):
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
     logger.addHandler(handler)
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder)
+    setup, schedule, counter, manager = _toy_job(rank, world, "z3", folder)
     assert manager.load()
     logger.removeHandler(handler)
     loaded = full_state(setup)

@@ -45,7 +45,7 @@ def _data(global_batch: int):
     return th.batches(STEPS, 1, batch=global_batch)
 
 
-def _job(rank, world, state, settings: dict):
+def _llama3_job(rank, world, state, settings: dict):
     """One job of the tiny llama3 from ``state`` (None: TorchTitan's own initialisation with seed 0)
     (``settings``: cp, replicate, tp, optimizer, global_batch, steps and the optimizer's options):
     losses, gradient norms, the full weights; with DMuon its traffic per step after the first, by its
@@ -120,12 +120,12 @@ def state():
 
 @pytest.fixture(scope="module")
 def fsdp2(pool2, state):
-    return {opt: pool2.run(_job, state, {"optimizer": opt}) for opt in ("AdamW", "dmuon")}
+    return {opt: pool2.run(_llama3_job, state, {"optimizer": opt}) for opt in ("AdamW", "dmuon")}
 
 
 @pytest.fixture(scope="module")
 def cp2(pool2, state):
-    return {opt: pool2.run(_job, state, {"cp": 2, "optimizer": opt}) for opt in ("AdamW", "dmuon")}
+    return {opt: pool2.run(_llama3_job, state, {"cp": 2, "optimizer": opt}) for opt in ("AdamW", "dmuon")}
 
 
 def test_titans_adamw_under_cp_trains_as_without_cp(fsdp2, cp2):
@@ -164,8 +164,8 @@ def test_qk_clip_under_cp_takes_the_max_over_the_whole_sequence(pool2, state, fs
     (Without the gather, each rank's keys alone, the maxima of the heads whose largest logit pairs a
     query with the other rank's key come out lower.)"""
     clip = {"qk_clip_threshold": 0.05}
-    reference = pool2.run(_job, state, {**clip})
-    results = pool2.run(_job, state, {"cp": 2, **clip})
+    reference = pool2.run(_llama3_job, state, {**clip})
+    results = pool2.run(_llama3_job, state, {"cp": 2, **clip})
     expected = reference[0]["first_logits"]
     for r in results:
         assert r["first_logits"].keys() == expected.keys() and len(expected) == LAYERS
@@ -226,7 +226,7 @@ def test_dedication_group_is_dp_shard_x_cp_on_both_backends(solo, replicate, sha
 # ---- 4 ranks: each combination against the same job without CP --------------------------------------
 @pytest.fixture(scope="module")
 def fsdp4(pool4, state):
-    return pool4.run(_job, state, {})
+    return pool4.run(_llama3_job, state, {})
 
 
 def test_cp_x_fsdp_trains_as_fsdp_without_cp_at_the_design_traffic(pool4, state, fsdp4):
@@ -235,7 +235,7 @@ def test_cp_x_fsdp_trains_as_fsdp_without_cp_at_the_design_traffic(pool4, state,
     is those 4 ranks: every DMuon collective goes over 4 ranks, the CommLedger's count of them equals
     DMuon's own and the design's figure for N = 4 (Z3: 3(N-1)/N x P_M less the kept layer), which is
     what it moves on FSDP 4, and Newton-Schulz runs once per matrix in the job."""
-    cp = pool4.run(_job, state, {"cp": 2})
+    cp = pool4.run(_llama3_job, state, {"cp": 2})
     _assert_same_training(cp, fsdp4)
     assert [r["shard_size"] for r in cp] == [4] * 4 and all(r["groups"] == {4} for r in cp)
     moved, counted = (sum(Fraction(r[k]) for r in cp) / 4 for k in ("moved", "counted"))
@@ -246,8 +246,8 @@ def test_cp_x_fsdp_trains_as_fsdp_without_cp_at_the_design_traffic(pool4, state,
 def test_cp_x_hsdp_trains_as_hsdp_without_cp(pool4, state):
     """CP 2 x HSDP (2 replicas, dp_shard 1): the shard group is the cp pair, the replicate stage the
     replicas; it trains as HSDP 2 x 2 on the same global batch, at the design's traffic for R = 2, N = 2."""
-    cp = pool4.run(_job, state, {"cp": 2, "replicate": 2})
-    hsdp = pool4.run(_job, state, {"replicate": 2})
+    cp = pool4.run(_llama3_job, state, {"cp": 2, "replicate": 2})
+    hsdp = pool4.run(_llama3_job, state, {"replicate": 2})
     _assert_same_training(cp, hsdp)
     assert [r["shard_size"] for r in cp] == [2] * 4
     assert sum(Fraction(r["counted"]) for r in cp) / 4 == cp[0]["design"] == hsdp[0]["design"] > 0
@@ -260,11 +260,12 @@ def test_cp_x_tp_trains_as_tp_without_cp_and_starts_where_adamw_starts(pool4, st
     on the CP x TP layout: DMuon initialises its TP-local weights as the DTensors FSDP2 makes of them,
     which under CP shard over the flattened dp_shard x cp dim (test fails if the cp dim is taken as
     replicated: each cp rank would draw another rank's numbers)."""
-    cp = pool4.run(_job, state, {"cp": 2, "tp": 2})
-    tp = pool4.run(_job, state, {"tp": 2})
+    cp = pool4.run(_llama3_job, state, {"cp": 2, "tp": 2})
+    tp = pool4.run(_llama3_job, state, {"tp": 2})
     _assert_same_training(cp, tp)
     assert sum(r["ns"] for r in cp) == 7 * LAYERS
-    dmuon, adamw = (pool4.run(_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1}) for opt in ("dmuon", "AdamW"))
+    dmuon, adamw = (pool4.run(_llama3_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1})
+                    for opt in ("dmuon", "AdamW"))
     assert dmuon[0]["losses"][0] == pytest.approx(adamw[0]["losses"][0], rel=1e-6)
     assert dmuon[0]["norms"][0] == pytest.approx(adamw[0]["norms"][0], rel=1e-5)
 

@@ -24,7 +24,7 @@ STEPS = 4
 PAIRS = GroupOptions(ns_tflops=TINY_GROUPS.ns_tflops, max_size=2)  # the same job with groups of at most 2
 
 
-def _job(rank, world, mode, folder, groups, *, optimizer="dmuon", tall=True):
+def _grouped_job(rank, world, mode, folder, groups, *, optimizer="dmuon", tall=True):
     model = dominant_model(tall=tall)
     if optimizer == "dmuon":
         setup = distribute(model, mode, world, targets_fn=dominant_targets, owner_groups=groups)
@@ -73,13 +73,13 @@ def _state(setup):
 
 
 def _straight(rank, world, mode, folder, groups):
-    setup, schedule, counter, _ = _job(rank, world, mode, folder, groups)
+    setup, schedule, counter, _ = _grouped_job(rank, world, mode, folder, groups)
     losses = train_until(setup, schedule, counter, rank, world, STEPS)
     return losses, _state(setup)
 
 
 def _first_half(rank, world, mode, folder, groups):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder, groups)
+    setup, schedule, counter, manager = _grouped_job(rank, world, mode, folder, groups)
     losses = train_until(setup, schedule, counter, rank, world, STEPS // 2)
     manager.save(counter.step)
     manager.close()
@@ -87,7 +87,7 @@ def _first_half(rank, world, mode, folder, groups):
 
 
 def _second_half(rank, world, mode, folder, groups):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder, groups)
+    setup, schedule, counter, manager = _grouped_job(rank, world, mode, folder, groups)
     assert manager.load()
     loaded = _state(setup)
     losses = train_until(setup, schedule, counter, rank, world, STEPS)
@@ -127,7 +127,7 @@ def test_a_checkpoint_loads_across_group_sizes(pool4, tmp_path, saved_with, load
 
 
 def _save_adamw(rank, world, folder):
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder, None, optimizer="AdamW")
+    setup, schedule, counter, manager = _grouped_job(rank, world, "z3", folder, None, optimizer="AdamW")
     train_until(setup, schedule, counter, rank, world, STEPS // 2)
     manager.save(counter.step)
     manager.close()
@@ -135,7 +135,7 @@ def _save_adamw(rank, world, folder):
 
 
 def _load_into_groups(rank, world, folder):
-    setup, schedule, counter, manager = _job(rank, world, "z3", folder, TINY_GROUPS)
+    setup, schedule, counter, manager = _grouped_job(rank, world, "z3", folder, TINY_GROUPS)
     assert manager.load()
     loaded = full_state(setup)
     losses = train_until(setup, schedule, counter, rank, world, STEPS)

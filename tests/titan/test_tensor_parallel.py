@@ -49,7 +49,7 @@ def _handle(container):
     return handle
 
 
-def _train(rank, world, state, tp, fuse_qkv=True, options=None):
+def _train_llama3_tp(rank, world, state, tp, fuse_qkv=True, options=None):
     from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp)
@@ -97,13 +97,13 @@ def _exact_ns_calls():
 @pytest.fixture(scope="module")
 def fsdp4(pool4):
     state = th.initial_state(_model())
-    return state, pool4.run(_train, state, 1)
+    return state, pool4.run(_train_llama3_tp, state, 1)
 
 
 @pytest.fixture(scope="module")
 def tp2(pool4, fsdp4):
     state, _ = fsdp4
-    return pool4.run(_train, state, 2)
+    return pool4.run(_train_llama3_tp, state, 2)
 
 
 def test_tp_trains_as_fsdp_without_tp(fsdp4, tp2):
@@ -160,7 +160,7 @@ def test_unfused_qkv_under_tp_matches_fused(pool4, fsdp4, tp2):
     separately: the same losses, and weights (wqkv split by TorchTitan's state-dict names) equal
     within bf16 Newton-Schulz rounding."""
     state, _ = fsdp4
-    unfused = pool4.run(_train, state, 2, False)
+    unfused = pool4.run(_train_llama3_tp, state, 2, False)
     for a, b in zip(unfused, tp2):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert sum(r["ns"] for r in unfused) == MATRICES_PER_LAYER * LAYERS
@@ -178,8 +178,8 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
     heads (summed over the TP group)."""
     state, _ = fsdp4
     clip = {"qk_clip_threshold": 0.05}
-    reference = pool4.run(_train, state, 1, fuse_qkv, clip)
-    results = pool4.run(_train, state, 2, fuse_qkv, clip)
+    reference = pool4.run(_train_llama3_tp, state, 1, fuse_qkv, clip)
+    results = pool4.run(_train_llama3_tp, state, 2, fuse_qkv, clip)
     for r in results:  # (the last step's figures: every head exceeds 0.05 at step 1, about half at step 3)
         # step 1: both TP ranks clip all their heads, the count summed over them (a MAX would give half)
         assert r["first_step"]["qk_clipped_heads"] == reference[0]["first_step"]["qk_clipped_heads"] == LAYERS * 4
@@ -190,7 +190,7 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
     weights, ref_weights = merge_rank_states(r["weights"] for r in results), merge_rank_states(r["weights"] for r in reference)
     diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
     assert diff < 2e-3, diff
-    unclipped = merge_rank_states(r["weights"] for r in pool4.run(_train, state, 2, fuse_qkv))
+    unclipped = merge_rank_states(r["weights"] for r in pool4.run(_train_llama3_tp, state, 2, fuse_qkv))
     assert max((weights[k] - unclipped[k]).abs().max().item() for k in weights) > 1e-2  # (the clip did bind)
 
 

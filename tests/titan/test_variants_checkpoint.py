@@ -19,7 +19,7 @@ SECOND = "normuon_second_moment"
 NORMUON = {"normuon_beta2": 0.95}
 
 
-def _job(rank, world, mode, folder, options):
+def _variant_job(rank, world, mode, folder, options):
     """The toy model with experts (local: a DTensor second moment; dedicated 2-D weights: a plain one) made
     distributed as in TorchTitan, with DMuon's container built with ``options``, a schedule and a checkpointer."""
     model = toy_model(num_experts=4)
@@ -37,12 +37,12 @@ def _job(rank, world, mode, folder, options):
 
 
 def _straight(rank, world, mode, folder, options):
-    setup, schedule, counter, _ = _job(rank, world, mode, folder, options)
+    setup, schedule, counter, _ = _variant_job(rank, world, mode, folder, options)
     return train_until(setup, schedule, counter, rank, world, STEPS), training_state(setup)
 
 
 def _save_at_half(rank, world, mode, folder, options):
-    setup, schedule, counter, manager = _job(rank, world, mode, folder, options)
+    setup, schedule, counter, manager = _variant_job(rank, world, mode, folder, options)
     losses = train_until(setup, schedule, counter, rank, world, STEPS // 2)
     manager.save(counter.step)
     manager.close()
@@ -51,7 +51,7 @@ def _save_at_half(rank, world, mode, folder, options):
 
 def _load_then_train(rank, world, mode, folder, options):
     """The state right after the load, then the losses and state of the remaining steps."""
-    setup, schedule, counter, manager = _job(rank, world, mode, folder, options)
+    setup, schedule, counter, manager = _variant_job(rank, world, mode, folder, options)
     assert manager.load() and counter.step == STEPS // 2
     loaded = training_state(setup)
     return loaded, train_until(setup, schedule, counter, rank, world, STEPS), training_state(setup)

@@ -38,7 +38,7 @@ def _stand_ins(world, hsdp, *, sharded, shard_dim=None, replicated_layout=False)
         return seen, kept, written, restored, [m.shape for m in members]
 
 
-def _job(rank, world, fake_world, hsdp, kwargs):
+def _stand_ins_on_fake_pg(rank, world, fake_world, hsdp, kwargs):
     return _stand_ins(fake_world, hsdp, **kwargs)
 
 
@@ -56,7 +56,7 @@ def test_fsdp2s_layout_on_one_dim_and_on_hsdp_with_the_owners_keeping_the_values
     from torch.distributed.tensor import Replicate, Shard
 
     for hsdp, placements, divisor in ((False, (Shard(0),), 4), (True, (Replicate(), Shard(0)), 2)):
-        seen, kept, written, restored, shapes = solo.run(_job, 4, hsdp, {"sharded": True})[0]
+        seen, kept, written, restored, shapes = solo.run(_stand_ins_on_fake_pg, 4, hsdp, {"sharded": True})[0]
         _check(seen, shapes, placements, divisor)
         assert any(holds for holds, _, _ in kept) and not all(holds for holds, _, _ in kept)
         assert all(placeholder_or_full and value in (True, None) for _, placeholder_or_full, value in kept)
@@ -68,12 +68,12 @@ def test_ddp_gives_the_full_weight_and_a_shard_dim_or_layout_is_followed(solo):
     ``layout`` (tensor parallelism's) replaces FSDP2's own."""
     from torch.distributed.tensor import Replicate, Shard
 
-    seen, kept, written, _, shapes = solo.run(_job, 4, False, {"sharded": False})[0]
+    seen, kept, written, _, shapes = solo.run(_stand_ins_on_fake_pg, 4, False, {"sharded": False})[0]
     _check(seen, shapes, None, 1)
     assert written == [True]
-    seen, _, _, _, _ = solo.run(_job, 4, False, {"sharded": True, "shard_dim": 1})[0]
+    seen, _, _, _, _ = solo.run(_stand_ins_on_fake_pg, 4, False, {"sharded": True, "shard_dim": 1})[0]
     assert all(got == (Shard(1),) and local == (full[0], full[1] // 4) for got, local, full in seen)
-    seen, _, _, _, _ = solo.run(_job, 4, False, {"sharded": True, "replicated_layout": True})[0]
+    seen, _, _, _, _ = solo.run(_stand_ins_on_fake_pg, 4, False, {"sharded": True, "replicated_layout": True})[0]
     assert all(got == (Replicate(),) and local == full for got, local, full in seen)
 
 

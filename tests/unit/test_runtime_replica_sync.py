@@ -37,7 +37,7 @@ def _replica_broadcasts(world, hsdp):
         return sent, held, units_holding, mesh.replicate_size, ctx.stats.pop()
 
 
-def _job(rank, world, fake_world, hsdp):
+def _replica_broadcasts_on_fake_pg(rank, world, fake_world, hsdp):
     return _replica_broadcasts(fake_world, hsdp)
 
 
@@ -45,7 +45,7 @@ def test_hsdp_broadcasts_each_held_weight_from_its_global_owner_in_place(solo):
     """HSDP 2 x 2: every weight this rank holds (its shard index's), from the replicate rank that ran
     its Newton-Schulz, straight from the persistent weight (no staging copy); one launch per unit that
     holds any; (R-1)/R of the held elements counted under the replicate label."""
-    sent, held, units_holding, replicas, stats = solo.run(_job, 4, True)[0]
+    sent, held, units_holding, replicas, stats = solo.run(_replica_broadcasts_on_fake_pg, 4, True)[0]
     assert sent == [(owner, storage) for owner, storage, _ in held]
     assert {owner for owner, _, _ in held} == {0, 1}  # both replicate ranks own some: the source matters
     elements = Fraction(replicas - 1, replicas) * sum(numel for _, _, numel in held)
@@ -54,5 +54,5 @@ def test_hsdp_broadcasts_each_held_weight_from_its_global_owner_in_place(solo):
 
 
 def test_without_hsdp_there_is_no_replica_to_send_to(solo):
-    sent, _, _, _, stats = solo.run(_job, 4, False)[0]
+    sent, _, _, _, stats = solo.run(_replica_broadcasts_on_fake_pg, 4, False)[0]
     assert sent == [] and stats == {}

@@ -66,7 +66,7 @@ def _same_storage(a, b) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _job(rank, world):
+def _conversions_on_fake_pg(rank, world):
     return _conversions()
 
 
@@ -75,7 +75,7 @@ def test_a_tp_shard_to_its_full_matrix_and_back(solo):
     shards joined on that dim by one all-gather on the TP group, labelled as an export; ``as_sharded``:
     the shard as a DTensor of the full matrix, ``Shard(dim)`` on the tp mesh, on the same storage. A
     weight TP replicates passes through unchanged, with no collective."""
-    out = solo.run(_job)[0]
+    out = solo.run(_conversions_on_fake_pg)[0]
     for dim in (0, 1):
         assert out[dim] == {"local": True, "local_is_view": True, "full": True, "labels": [CommLabel.EXPORT],
                             "sharded": True}, dim
