@@ -101,7 +101,8 @@ def _storages(tensors, seen: set) -> int:
 
 def storage_breakdown(setup) -> dict[str, int]:
     """Bytes per rank of the parameters, gradients, optimizer state (each storage once) and DMuon's
-    packed buffers alive now (also what ``tests/distributed/test_sizing_memory.py`` holds ``python -m titan_dmuon.sizing`` to)."""
+    packed buffers alive now (also what ``tests/distributed/test_sizing_memory.py`` holds
+    ``python -m titan_dmuon.sizing`` to)."""
     seen: set = set()
     params = list(setup.model.parameters())
     out = {

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.helpers import TOLERANCE, batches, distribute, full_state, global_loss, max_diff, reference_train, toy_model, train
+from tests.support.helpers import (
+    TOLERANCE, batches, distribute, full_state, global_loss, max_diff, reference_train, toy_model, train,
+)
 
 STEPS = 4
 
@@ -143,7 +145,8 @@ def _fake_moe(rank0, _world, n, expert_sharding):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         dims = {**MOE_DIMS, "n_layers": 1}
-        return ledger_figures(0, n, "dmuon_z3", dims, expert_sharding=expert_sharding), ledger_figures(0, n, "fsdp_adamw_z3", dims)
+        return (ledger_figures(0, n, "dmuon_z3", dims, expert_sharding=expert_sharding),
+                ledger_figures(0, n, "fsdp_adamw_z3", dims))
     finally:
         dist.destroy_process_group()
 

@@ -20,7 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from tests.support.helpers import assert_states_equal, batches, distribute, full_state, local_slice, merge_rank_states, toy_model
+from tests.support.helpers import (
+    assert_states_equal, batches, distribute, full_state, local_slice, merge_rank_states, toy_model,
+)
 from titan_dmuon.runtime import canonical_fqn
 from titan_dmuon.testing.toy_model import loss_fn
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.helpers import ADAMW, MUON, TOLERANCE, batches, distribute, full_state, global_loss, local_slice, max_diff, toy_model
+from tests.support.helpers import (
+    ADAMW, MUON, TOLERANCE, batches, distribute, full_state, global_loss, local_slice, max_diff, toy_model,
+)
 from titan_dmuon import DMuon, DMuonOptions
 from titan_dmuon.options import OptionError
 from titan_dmuon.optim.qk_clip import QKClipAttention

@@ -1,4 +1,5 @@
-"""``python -m titan_dmuon.sizing``: its memory figures against what is measured (its tables: tests/unit/test_sizing.py).
+"""``python -m titan_dmuon.sizing``: its memory figures against what is measured (its tables:
+tests/unit/test_sizing.py).
 
 Memory: the tool's parameters, gradients, optimizer state and DMuon buffers (between steps, peak)
 per rank equal, byte for byte, what ``benchmarks/memory_table.py`` measures of the same model and

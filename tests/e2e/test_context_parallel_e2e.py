@@ -1,4 +1,5 @@
-"""Context parallelism through ./run_train.sh, as a user runs it (in-process CP: tests/titan/test_context_parallel.py)."""
+"""Context parallelism through ./run_train.sh, as a user runs it (in-process CP:
+tests/titan/test_context_parallel.py)."""
 
 import pytest
 

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from tests.support.titan_configs import USER_MODULE
-from tests.support.run_train import CKPT, DMUON, ROOT, assert_same_checkpoint, checkpoint_tensors, losses_by_step, run_train
+from tests.support.run_train import (
+    CKPT, DMUON, ROOT, assert_same_checkpoint, checkpoint_tensors, losses_by_step, run_train,
+)
 
 
 
@@ -44,7 +46,8 @@ def test_resume_in_new_processes_is_bit_exact(straight, tmp_path):
     assert "Loading the checkpoint from" in second.stdout
     resumed = {**losses_by_step(first.stdout), **losses_by_step(second.stdout)}
     assert resumed == straight_losses  # the loss at every step, as printed
-    assert_same_checkpoint(checkpoint_tensors(folder, 10), checkpoint_tensors(tmp_path, 10))  # weights, momentum, AdamW state
+    # weights, momentum, AdamW state
+    assert_same_checkpoint(checkpoint_tensors(folder, 10), checkpoint_tensors(tmp_path, 10))
 
 
 def test_killed_rank_then_restart_loses_nothing(straight, tmp_path):

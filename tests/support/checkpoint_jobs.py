@@ -1,5 +1,6 @@
-"""The toy jobs' training and state, as the checkpoint tests of the toy model compare them (tests/titan/test_checkpoint.py,
-test_owner_groups_checkpoint.py, test_variants_checkpoint.py): a job resumed from a checkpoint against the same job straight."""
+"""The toy jobs' training and state, as the checkpoint tests of the toy model compare them
+(tests/titan/test_checkpoint.py, test_owner_groups_checkpoint.py, test_variants_checkpoint.py): a job resumed from a
+checkpoint against the same job straight."""
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -84,7 +84,8 @@ class Job:
     def group(self, replica: int, name: str, *, pause: str | None = None, hold: tuple[int, ...] = ()
               ) -> tuple[subprocess.Popen, Path]:
         env = {
-            **os.environ, "MODULE": "tests.support.ft_harness", "CONFIG": "llama3_debugmodel_dmuon_ft", "NGPU": str(self.ranks),
+            **os.environ, "MODULE": "tests.support.ft_harness", "CONFIG": "llama3_debugmodel_dmuon_ft",
+            "NGPU": str(self.ranks),
             "PYTHON": sys.executable, "TITAN_DMUON_PRECHECK": "0", "TORCHFT_LIGHTHOUSE": f"http://localhost:{self.port}",
             "FT_TEST_RECORD": str(self.records), "FT_TEST_PAUSE": pause or "", "FT_TEST_HOLD": ",".join(map(str, hold)),
             "LOG_RANK": "0", "TORCHFT_QUORUM_TIMEOUT_SEC": str(DEADLINE_S), "TORCHFT_TIMEOUT_SEC": str(DEADLINE_S),

@@ -32,7 +32,8 @@ def tp_moe_model(family: str, experts: int):
     return config, spec
 
 
-def train_tp_moe(rank, world, family, experts, state, tp, ep=1, options=None, steps=STEPS, optimizer="dmuon", replicate=1):
+def train_tp_moe(rank, world, family, experts, state, tp, ep=1, options=None, steps=STEPS, optimizer="dmuon",
+                 replicate=1):
     from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp, ep=ep, replicate=replicate)

@@ -1,8 +1,8 @@
 """Bad job configs stop before any process group, in one line that reaches the user.
 
 In-process where possible (``load_config``, ``with_dmuon``, TorchTitan's own command-line
-parsing, the pre-launch check); the end-to-end run of ``run_train.sh``: tests/e2e/test_titan_e2e.py. Every check here was
-missing once: its test says what happened without it.
+parsing, the pre-launch check); the end-to-end run of ``run_train.sh``: tests/e2e/test_titan_e2e.py.
+Every check here was missing once: its test says what happened without it.
 """
 
 import ast
@@ -296,7 +296,8 @@ def test_impossible_expert_parallel_degree_is_a_config_error(tmp_path, monkeypat
     assert message.endswith("one of 1, 2")
     # which divides which: 4 on 2 ranks is refused, 2 on 4 ranks is a valid layout (with the operands
     # swapped, 3 on 2 ranks was still refused and only the end-to-end EP runs failed)
-    message = one_line_error(load_config, toml_file(tmp_path, MOE + "expert_parallel_degree = 4\n", "four.toml"), world_size=2)
+    message = one_line_error(load_config, toml_file(tmp_path, MOE + "expert_parallel_degree = 4\n", "four.toml"),
+                             world_size=2)
     assert "[parallelism] expert_parallel_degree = 4: expected a divisor of" in message
     load_config(toml_file(tmp_path, MOE + "expert_parallel_degree = 2\n", "two.toml"), world_size=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -331,7 +332,8 @@ def test_torchtitans_own_checks_are_one_line_config_errors(tmp_path):
     path = toml_file(tmp_path, DMUON + "[debug]\nbatch_invariant = true\n")
     message = one_line_error(load_config, path, world_size=2)
     assert message == f"{path}: TorchTitan rejects this config: Batch-invariant mode is not supported in pre-training."
-    message = one_line_error(load_config, toml_file(tmp_path, DMUON + "[training]\nseq_len = 200000\n", "b.toml"), world_size=2)
+    message = one_line_error(load_config, toml_file(tmp_path, DMUON + "[training]\nseq_len = 200000\n", "b.toml"),
+                             world_size=2)
     assert "TorchTitan cannot build the llama3 debugmodel model for this job: Training sequence length 200000 exceeds" in message
 
 

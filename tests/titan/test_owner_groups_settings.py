@@ -1,4 +1,5 @@
-"""Owner groups as TorchTitan's settings turn them on and off (the runtime's groups: tests/distributed/test_owner_groups.py)."""
+"""Owner groups as TorchTitan's settings turn them on and off (the runtime's groups:
+tests/distributed/test_owner_groups.py)."""
 
 from __future__ import annotations
 

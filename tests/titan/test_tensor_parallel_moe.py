@@ -61,7 +61,8 @@ def runs(request, pool4):
     """(family, FSDP 4 results, TP 2 x FSDP 2 results), per rank."""
     family, experts = request.param, LAYOUTS[request.param]
     state = th.initial_state(tp_moe_model(family, experts))
-    return family, pool4.run(train_tp_moe, family, experts, state, 1), pool4.run(train_tp_moe, family, experts, state, 2)
+    return (family, pool4.run(train_tp_moe, family, experts, state, 1),
+            pool4.run(train_tp_moe, family, experts, state, 2))
 
 
 def _check_trains_as_fsdp(reference, results, *, initial=None):

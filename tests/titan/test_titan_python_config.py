@@ -151,7 +151,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
         muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"), reshard_after_forward=False,
         owner_groups=GroupOptions(),
     )
-    adamw = prepare_for_build(parse_args("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008")).model_spec.parallelize_fn
+    adamw_config = prepare_for_build(parse_args("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008"))
+    adamw = adamw_config.model_spec.parallelize_fn
     assert adamw.bound and adamw.dedication is None  # TorchTitan's own parallelize_fn (plus the gloo fix)
 
 

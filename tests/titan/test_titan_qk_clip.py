@@ -37,8 +37,8 @@ def test_bad_values_and_qwen3_and_compile_are_refused(tmp_path):
     qwen3 = MOE.replace('name = "dmuon"\n', 'name = "dmuon"\nqk_clip_threshold = 100.0\n')
     message = one_line_error(load_config, toml_file(tmp_path, qwen3), world_size=2)
     assert "qk_clip_threshold" in message and "q_norm" in message and "qwen3" in message
-    message = one_line_error(load_config, toml_file(tmp_path, llama + "qk_clip_threshold = 1.0\n[compile]\nenable = true\n"),
-                              world_size=2)
+    compiled = llama + "qk_clip_threshold = 1.0\n[compile]\nenable = true\n"
+    message = one_line_error(load_config, toml_file(tmp_path, compiled), world_size=2)
     assert "qk_clip_threshold" in message and "compile" in message
     adamw = llama.replace('"dmuon"', '"AdamW"') + "qk_clip_threshold = 1.0\n"
     assert "qk_clip_threshold" in one_line_error(load_config, toml_file(tmp_path, adamw), world_size=2)

@@ -85,7 +85,8 @@ def test_normuon_matches_the_reference_under_hsdp_on_four_ranks(pool4):
 
 
 def test_float16_newton_schulz_matches_its_reference_and_trains(pool2):
-    """ns_dtype float16 with every method's default ("torch"): the reference iteration in float16 (tests.support.helpers),
+    """ns_dtype float16 with every method's default ("torch"): the reference iteration in float16
+    (tests.support.helpers),
     within the bf16 bound; the loss falls."""
     for diff, _, losses, _ in pool2.run(_toy_vs_reference, "z3", 0, {"ns_dtype": "float16"}):
         assert diff < TOLERANCE, diff

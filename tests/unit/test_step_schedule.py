@@ -52,7 +52,8 @@ class _Handle:
         for unit, params in zip(self._units, params_by_unit):
             for p in params:
                 entry = SimpleNamespace(tensor_parallel=False, blocks=(((0, p.shape[0]),),), col_blocks=())
-                self._members[id(p)] = SimpleNamespace(unit=unit.index, runs_ns=owned(unit.index), group=None, entry=entry)
+                self._members[id(p)] = SimpleNamespace(unit=unit.index, runs_ns=owned(unit.index), group=None,
+                                                       entry=entry)
         self._experts = {id(p): SimpleNamespace(tp_dim=None, blocks=(((0, p.shape[1]),),), col_blocks=(), fqn=f"e{i}")
                          for i, p in enumerate(experts)}
 

@@ -28,7 +28,8 @@ SHAPES = [(64, 32), (32, 48), (64, 32)]  # two of one shape: the batched mode st
 def _optimizer(**options):
     """What OwnerUpdate reads of DMuon: its state mapping (a defaultdict, as torch.optim.Optimizer's) and the
     job's Newton–Schulz options."""
-    return SimpleNamespace(state=defaultdict(dict), ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None, **options)
+    return SimpleNamespace(state=defaultdict(dict), ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None,
+                           **options)
 
 
 def _weights(shapes, seed=0):
