@@ -19,6 +19,7 @@ import torch
 from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 
 from tests.support.helpers import TOLERANCE, full_parameters, merge_rank_states
+from titan_dmuon.integration.distributed import context_parallel
 
 STEPS = 3
 LAYERS = 2
@@ -426,3 +427,40 @@ def test_cp_checkpoint_resumes_without_cp_and_the_other_way(pool2, tmp_path, sta
 
 
 # ---- run_train.sh, as a user runs it -------------------------------------------------------------------
+
+
+# ---- with an accelerator -----------------------------------------------------------------------------
+def test_nothing_of_the_cpu_accommodation_runs_with_an_accelerator(monkeypatch):
+    """With an accelerator (``accelerator_present`` True) a CP job keeps TorchTitan's own attention
+    (FlexAttention), its parallelize step binds nothing, and the CPU-only checks do not run."""
+    import dataclasses
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    from titan_dmuon.config_registry import llama3_debugmodel_dmuon
+    from titan_dmuon.integration.config import finalize
+    from titan_dmuon.integration.config.validation.naming import PYTHON_NAMES, ConfigError
+    from titan_dmuon.integration.config.validation.parallelism_section import validate_context_parallel
+    from titan_dmuon.integration.distributed import parallelize
+
+    monkeypatch.setattr(th.cpu, "accelerator_present", lambda: True)
+    config = llama3_debugmodel_dmuon()
+    config.parallelism = dataclasses.replace(config.parallelism, context_parallel_degree=2, spmd_backend="partial_dtensor")
+    config.model_spec = dataclasses.replace(config.model_spec, model=th.tiny_llama3()[0])
+    finalize._finalize_model_spec(config)
+    assert all(isinstance(layer.attention.inner_attention, FlexAttention.Config) for layer in config.model_spec.model.layers)
+    validate_context_parallel(config, PYTHON_NAMES, this_machine=True)  # (no CPU refusal)
+    calls = []
+    monkeypatch.setattr(context_parallel, "bind_context_parallel_attention", lambda *a: calls.append("bind"))
+    monkeypatch.setattr(th.cpu, "force_sum_reductions", lambda *a: calls.append("sum"))
+    parallelize.parallelize_without_dmuon(torch.nn.Linear(1, 1), base_fn=lambda m, **_: m, parallel_dims=None,
+                                          parallelism=config.parallelism)
+    assert calls == []
+    monkeypatch.setattr(th.cpu, "accelerator_present", lambda: False)  # (and without one, they do)
+    with pytest.raises(ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"):
+        validate_context_parallel(config, PYTHON_NAMES, this_machine=True)
+    finalize._finalize_model_spec(config)
+    assert all(isinstance(layer.attention.inner_attention, context_parallel.ContextParallelCausalAttention.Config)
+               for layer in config.model_spec.model.layers)
+
+
