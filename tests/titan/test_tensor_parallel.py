@@ -461,7 +461,7 @@ def test_tp_step_pipelines_the_exchange(pool4):
     """The step's issue order (4 layers, chunks [layer 0], [layer 1], [layers 2, 3]: 1, 1, 2, 4, ...
     layers; each chunk one exchange at these sizes), identical on every rank: each chunk's shards go
     to their homes (one all-to-all per chunk) before the previous chunk's Newton–Schulz, whose results
-    go back next, so each transfer overlaps a Newton–Schulz (tests/unit/test_runtime_tensor_parallel_step.py
+    go back next, so each transfer overlaps a Newton–Schulz (tests/unit/test_tensor_parallel_update.py
     checks the stages' order and stream waits); layer 0 is broadcast for the next forward once its
     results are applied, after layer 1's Newton–Schulz, before layer 1's results are applied. (Other
     chunk sizes give another number of exchanges: 1, 1, 1, 1 four, 1, 2, 1 three but in another order

@@ -1,4 +1,4 @@
-"""``runtime/tensor_parallel_step.py``: the TP weights' three stages, pipelined over batches.
+"""``optim/tensor_parallel_update.py``: the TP weights' three stages, pipelined over batches.
 
 On the fake process group as tp rank 0 of 2 (its all-to-alls move no data, so values are not checked
 here: ``tests/titan/test_tensor_parallel.py`` checks them on gloo against torch.optim.Muon). What is checked
