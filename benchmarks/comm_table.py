@@ -7,7 +7,7 @@ divisible by 64) trains a few steps on the fake process group, one
 simulated rank at a time; the ledger counts the collectives issued on the
 Muon-target weights and the table shows elements per rank per step in
 units of P_M, averaged over all ranks, next to the design's formula.
-(tests/test_ledger.py proves the same counts on real gloo groups at N = 2, 4
+(tests/distributed/test_ledger.py proves the same counts on real gloo groups at N = 2, 4
 and asserts them at 8, 16, 64.)
 """
 
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
+from tests.support.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
 from titan_dmuon import CommLedger, baseline_elements_per_rank  # noqa: E402
 from titan_dmuon.plan.cost_model import design_elements_per_rank  # noqa: E402
 from titan_dmuon.runtime import CommLabel  # noqa: E402

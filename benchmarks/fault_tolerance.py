@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.ft_jobs import kill_restart_kill, log_time, losses, uninterrupted  # noqa: E402
+from tests.support.ft_jobs import kill_restart_kill, log_time, losses, uninterrupted  # noqa: E402
 
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 3000  # as the README starts the lighthouse (its figures were measured so)
 

@@ -27,7 +27,7 @@ script, each finished check prints its rows as one line ``GPU_CHECK_ROWS <json>`
     weights against the single-process torch.optim.Muon + AdamW reference; with bf16 mixed
     precision its step time, peak memory and host syncs beside FSDP2 + AdamW's.
 
-Only the TorchTitan-free core is used (titan_dmuon outside integration/, tests/helpers.py), so
+Only the TorchTitan-free core is used (titan_dmuon outside integration/, tests/support/helpers.py), so
 this runs on torch 2.11 without TorchTitan (the GPU machine this project can be lent).
 """
 
@@ -196,7 +196,7 @@ def _train(setup, data, device, world: int, *, after_step=None) -> torch.Tensor 
     """Rank 0's share of each global batch: forward, backward, step; no host sync. Returns the last
     loss as a tensor (only the last is kept: (2) checks that memory stays flat from step 2 on);
     data already on ``device`` is not copied."""
-    from tests.helpers import local_slice
+    from tests.support.helpers import local_slice
     from titan_dmuon.testing.toy_model import loss_fn
 
     last = None
@@ -213,8 +213,8 @@ def _train(setup, data, device, world: int, *, after_step=None) -> torch.Tensor 
 
 
 def _setup(kind: str, mesh, world: int, device: torch.device, sizes: dict, *, mp_policy=None):
-    """kind: a ``tests.helpers.distribute`` mode (z3, z2, hsdp) or "fsdp_adamw" (the baseline)."""
-    from tests.helpers import baseline, distribute, toy_model
+    """kind: a ``tests.support.helpers.distribute`` mode (z3, z2, hsdp) or "fsdp_adamw" (the baseline)."""
+    from tests.support.helpers import baseline, distribute, toy_model
 
     model = toy_model(**sizes).to(device)
     if kind == "fsdp_adamw":
@@ -398,7 +398,7 @@ def fake_pg_check(device: torch.device, *, runs=FAKE_PG_RUNS, steps: int = 5, si
 
 
 def _fake_pg_run(device, kind, world, steps, sizes, names) -> list[int]:
-    from tests.helpers import batches
+    from tests.support.helpers import batches
 
     with process_group("fake", world):
         setup = _setup(kind, _mesh(device, kind, world), world, device, sizes)
@@ -442,7 +442,7 @@ def race_check(device: torch.device, *, modes=("z3", "z2"), steps: int = 3, slee
     Launch issues its collectives; on CUDA, sleeps injected at every side-stream block and buffer
     free must leave the final weights bitwise unchanged (a determinism control run first), with
     and without the bypass. Bypass vs none: equal within TOLERANCE, and launches > 0 vs == 0."""
-    from tests.helpers import TOLERANCE, bitwise_equal, max_diff
+    from tests.support.helpers import TOLERANCE, bitwise_equal, max_diff
 
     sizes = SIZES["race"] if sizes is None else sizes
     cuda = device.type == "cuda"
@@ -487,7 +487,7 @@ def race_check(device: torch.device, *, modes=("z3", "z2"), steps: int = 3, slee
 
 def _world1_run(device, mode, steps, sizes, *, bypass: bool, cycles: int = 0) -> dict:
     """Train ``steps`` steps at world 1: the final parameters, DMuon's launches, the sleeps queued."""
-    from tests.helpers import batches, full_state
+    from tests.support.helpers import batches, full_state
 
     data = batches(steps, global_batch=8, seq=16, vocab=sizes.get("vocab_size", 64))
     launches, sleeps = 0, {"side_stream_blocks": 0, "frees": 0}
@@ -512,7 +512,7 @@ def profile_check(device: torch.device, *, sizes: dict | None = None, warmup: in
     shortcut), one step under torch.profiler after ``warmup`` steps: host time in the hooks
     (DMuon::* and FSDP::* labels, overlaps merged per thread), CUDA kernels per layer, and the
     idle time of the compute stream between its first and last kernel of the step."""
-    from tests.helpers import batches
+    from tests.support.helpers import batches
 
     sizes = SIZES["profile"] if sizes is None else sizes
     cuda = device.type == "cuda"
@@ -703,7 +703,7 @@ def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: i
 
 def _against_reference(device: torch.device, sizes: dict, steps: int) -> tuple[str, str]:
     """(result, detail): DMuon-Z3's fp32 weights at world 1 (shortcut bypassed) vs the reference."""
-    from tests.helpers import TOLERANCE, batches, full_state, max_diff, reference_train, toy_model
+    from tests.support.helpers import TOLERANCE, batches, full_state, max_diff, reference_train, toy_model
 
     data = [tuple(t.to(device) for t in batch)
             for batch in batches(steps, global_batch=8, seq=16, vocab=sizes.get("vocab_size", 64))]
@@ -726,7 +726,7 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
     naming the line that made it), the last loss and the parameter count."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from tests.helpers import batches
+    from tests.support.helpers import batches
 
     cuda = device.type == "cuda"
     sequences, seq = STEP_BATCH[device.type]
@@ -780,7 +780,7 @@ CHECKS = {"launch": launch_check, "fake_pg": fake_pg_check, "race": race_check, 
 LABELS = {"launch": "(1) coalesced Launch on a 1-rank group", "fake_pg": "(2) fake PG under the sanitizer",
           "race": "(3) race amplification", "profile": "(5) profiled step",
           "fsdp_step": "(7) plain PyTorch FSDP2 + DMuon vs FSDP2 + AdamW"}
-TINY_KWARGS = {  # --tiny: each check's arguments on the CPU (tests/test_gpu_check.py)
+TINY_KWARGS = {  # --tiny: each check's arguments on the CPU (tests/e2e/test_gpu_check.py)
     "launch": dict(numel=1024), "fake_pg": dict(sizes=TINY, steps=3), "race": dict(sizes=TINY, steps=2),
     "profile": dict(sizes=TINY, warmup=1), "fsdp_step": dict(sizes=TINY, steps=3, reference_steps=2),
 }

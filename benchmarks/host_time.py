@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from tests import titan_harness as th  # noqa: E402
+from tests.support import titan_harness as th  # noqa: E402
 
 CASES = [("llama3 debug structure (6 layers)", 6, 2), ("llama3 8B structure (32 layers)", 32, 8)]
 

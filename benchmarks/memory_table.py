@@ -9,7 +9,7 @@ precision (bf16 compute, fp32 master weights and gradient reduction) trains
 on 2 ranks for FSDP (Z2, Z3) and 4 ranks as 2 x 2 for HSDP.
 
 Per rank, from the CPU allocator's events (the profiler's memory events, the
-method of tests/helpers.py: ``allocation_peak``), over the whole life of the
+method of tests/support/helpers.py: ``allocation_peak``), over the whole life of the
 model (built, sharded/dedicated, trained):
 
 * persistent: bytes alive after the last optimizer step, before the next
@@ -67,8 +67,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from tests.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
-from tests.pool import WorkerPool  # noqa: E402
+from tests.support.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model  # noqa: E402
+from tests.support.pool import WorkerPool  # noqa: E402
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets  # noqa: E402
 
 # (label, world, how to build, FSDP2 baseline it is compared with)
@@ -101,7 +101,8 @@ def _storages(tensors, seen: set) -> int:
 
 def storage_breakdown(setup) -> dict[str, int]:
     """Bytes per rank of the parameters, gradients, optimizer state (each storage once) and DMuon's
-    packed buffers alive now (also what ``tests/test_sizing.py`` holds ``python -m titan_dmuon.sizing`` to)."""
+    packed buffers alive now (also what ``tests/distributed/test_sizing_memory.py`` holds
+    ``python -m titan_dmuon.sizing`` to)."""
     seen: set = set()
     params = list(setup.model.parameters())
     out = {
@@ -202,11 +203,11 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
 
 def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) -> dict:
     """The same phases for TorchTitan's qwen3 ``moe_debug`` model (64 experts of [768, 256] in 8
-    layers), built and trained as TorchTitan's trainer does (tests/titan_harness.py), with TorchTitan's
+    layers), built and trained as TorchTitan's trainer does (tests/support/titan_harness.py), with TorchTitan's
     AdamW container or DMuon's, local batch 2 x ``seq``."""
     import torchtitan.models.qwen3 as qwen3
 
-    from tests import titan_harness as th
+    from tests.support import titan_harness as th
 
     spec = qwen3.model_registry("debugmodel_moe")
     gc.disable()
@@ -266,7 +267,7 @@ def _resident_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) -
     import torchtitan.models.qwen3 as qwen3
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tests import titan_harness as th
+    from tests.support import titan_harness as th
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:

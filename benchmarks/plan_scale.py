@@ -10,7 +10,7 @@ Synthetic specs, names and shapes only (no model is built):
   (w1, w2, w3) = 46,848 weights; dim 7168, expert hidden 2048.
 
 Per mesh (replicate R x shard N): ``build_plan``'s time (best of ``--repeats``) beside the scan of every rank
-it replaced (``tests/plan_reference.py``, timed once; the plans are compared), then from the plan: the
+it replaced (``tests/support/plan_reference.py``, timed once; the plans are compared), then from the plan: the
 busiest rank's NS FLOPs (``max(plan.ns_flops_per_rank)``: ``step()`` waits for it), max/mean, and its time at
 ``--ns-tflops``. One weight's NS runs on one rank, so the largest weight's NS time is the floor of that
 critical path however many ranks there are; past total/largest ranks the extra ranks stop shortening it.
@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.plan_reference import reference_build_plan  # noqa: E402
+from tests.support.plan_reference import reference_build_plan  # noqa: E402
 from titan_dmuon.math.group_newton_schulz import GRAM_REDUCE_BYTES, packed_numel  # noqa: E402
 from titan_dmuon.plan.owner_groups import H200_BF16_TFLOPS, GroupOptions  # noqa: E402
 from titan_dmuon.math.ns_methods import NS_STEPS  # noqa: E402

@@ -2,7 +2,7 @@
 
     python benchmarks/tp_moe_hsdp.py
 
-The check of tests/test_tensor_parallel_moe.py at 8 ranks (too slow for the suite on 2 CPU
+The check of tests/titan/test_tensor_parallel_moe.py at 8 ranks (too slow for the suite on 2 CPU
 cores): for the tiny qwen3 MoE (8 experts: kept per data-parallel rank, split by TP) and
 deepseek_v3 (2 experts: dedicated, split by TP; MLA's wq_a/wkv_a and the router replicated), from
 the same weights and batches, it prints the step-1 loss and gradient norm of both layouts, the
@@ -20,10 +20,10 @@ from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import titan_harness as th  # noqa: E402, I001
-from tests.helpers import merge_rank_states  # noqa: E402
-from tests.pool import WorkerPool  # noqa: E402
-from tests.test_tensor_parallel_moe import LAYOUTS, MUON_WEIGHTS, _model, _train  # noqa: E402
+from tests.support import titan_harness as th  # noqa: E402, I001
+from tests.support.helpers import merge_rank_states  # noqa: E402
+from tests.support.pool import WorkerPool  # noqa: E402
+from tests.support.tp_moe_jobs import LAYOUTS, MUON_WEIGHTS, tp_moe_model, train_tp_moe  # noqa: E402
 
 
 def main() -> None:
@@ -32,11 +32,11 @@ def main() -> None:
         print(f"{'model':<12}{'layout':<22}{'step-1 loss':>13}{'grad norm':>11}{'NS/step':>9}"
               f"{'comm/rank':>12}{'design':>12}{'max Muon diff':>15}{'max AdamW diff':>16}")
         for family, experts in LAYOUTS.items():
-            state = th.initial_state(_model(family, experts))
-            runs = {"HSDP 2 x 4": pool.run(_train, family, experts, state, 1, 1, None, 3, "dmuon", 2)}
+            state = th.initial_state(tp_moe_model(family, experts))
+            runs = {"HSDP 2 x 4": pool.run(train_tp_moe, family, experts, state, 1, 1, None, 3, "dmuon", 2)}
             fresh = WorkerPool(8)  # (a worker's spmd_types annotations name the meshes of its first TP layout)
             try:
-                runs["TP 2 x HSDP 2 x 2"] = fresh.run(_train, family, experts, state, 2, 1, None, 3, "dmuon", 2)
+                runs["TP 2 x HSDP 2 x 2"] = fresh.run(train_tp_moe, family, experts, state, 2, 1, None, 3, "dmuon", 2)
             finally:
                 fresh.close()
             reference = merge_rank_states(r["weights"] for r in runs["HSDP 2 x 4"])
