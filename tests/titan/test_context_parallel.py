@@ -185,7 +185,7 @@ def _dedication_groups(_rank, _world, replicate, shard, cp, tp):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchtitan.distributed import ParallelDims
 
-    from titan_dmuon.integration.distributed.parallelize import ParallelDegrees, dedication_mesh
+    from titan_dmuon.integration.distributed.degrees import ParallelDegrees, dedication_mesh
     from titan_dmuon.runtime.mode import MeshInfo
 
     world = replicate * shard * cp * tp

@@ -323,7 +323,7 @@ def _meta_moe(experts):
 def _dims(*, shard, replicate=1, ep=1):
     from torchtitan.distributed import ParallelDims
 
-    from titan_dmuon.integration.distributed.parallelize import ParallelDegrees
+    from titan_dmuon.integration.distributed.degrees import ParallelDegrees
 
     return ParallelDegrees.of(ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep,
                                            world_size=shard * replicate, spmd_backend="partial_dtensor"))

@@ -8,7 +8,8 @@ imports it (``import titan_dmuon`` stays TorchTitan-free).
   pre-launch check ``run_train.sh`` runs).
 * ``components/``: ``optimizer_container`` (``[optimizer] name``), ``checkpoint`` (checks before a DCP load),
   ``hf_export`` (an export ``transformers`` loads).
-* ``distributed/``: ``parallelize`` (dedication at the family's first ``fully_shard``), ``context_parallel``
+* ``distributed/``: ``parallelize`` (dedication at the family's first ``fully_shard``), ``degrees`` (what
+  DMuon reads of the parallel layout: degrees, the dedication mesh), ``context_parallel``
   (CP's CPU attention), ``fault_tolerance`` (TorchFT).
 * ``models/``: ``families`` (the supported model families), ``attention_clip`` (QK-clip's attention
   descriptions), ``attention_heads`` (per-head Newton–Schulz layouts).

@@ -10,11 +10,7 @@ import torch
 from torch import nn
 from titan_dmuon.integration.config.validation.fault_tolerance_section import moe_problem
 from titan_dmuon.integration.names import DMUON, MUON_FAMILY_NAMES
-from titan_dmuon.integration.distributed.parallelize import (
-    DEFAULT_MUON_PARAMS,
-    fused_qkv_blocks,
-    routed_expert_counts,
-)
+from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, fused_qkv_blocks, routed_expert_counts
 from titan_dmuon.runtime import canonical_fqn
 from titan_dmuon.integration.config.validation.fault_tolerance_section import fault_tolerant
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, PYTHON_NAMES

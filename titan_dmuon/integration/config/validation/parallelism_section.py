@@ -9,10 +9,8 @@ import types
 from titan_dmuon.integration import cpu
 from titan_dmuon.integration.distributed import context_parallel
 from titan_dmuon.integration.names import DMUON
-from titan_dmuon.integration.distributed.parallelize import (
-    expert_parallel_limit,
-    expert_region_ranks,
-)
+from titan_dmuon.integration.distributed.parallelize import expert_parallel_limit
+from titan_dmuon.integration.distributed.degrees import expert_region_ranks
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming
 
 
