@@ -106,12 +106,12 @@ def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
     return scaled.mul_(ratio), moment
 
 
-def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor) -> torch.Tensor:
-    """A float32 ``scratch`` buffer laid out as ``like`` (as ``like.float()`` would be: a transposed
-    matrix stays transposed), so reductions over it add in the same order."""
+def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
+    transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
     if like.ndim == 2 and like.stride(0) == 1 and like.stride(1) != 1:
-        return scratch(name, (like.size(1), like.size(0)), torch.float32, like.device).T
-    return scratch(name, tuple(like.shape), torch.float32, like.device)
+        return scratch(name, (like.size(1), like.size(0)), dtype, like.device).T
+    return scratch(name, tuple(like.shape), dtype, like.device)
 
 
 def muon_step(
@@ -313,6 +313,8 @@ def _orthogonalise_batch(
         update = orthogonal[k].mT if rows > cols else orthogonal[k]
         if normuon_beta2 is not None:
             update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2, scratch=scratch)
+        elif update.dtype != param.dtype:  # (what add_ would convert it to, here in a kept buffer)
+            update = _scratch_like(scratch, "update", update, param.dtype).copy_(update)
         step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
         for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(block, col_block):
             param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)

@@ -39,6 +39,9 @@ from titan_dmuon.optim.step_schedule import StepSchedule
 from titan_dmuon.optim.tensor_parallel_update import merged_second_moments
 
 
+MUON_STEP_RANGE = "DMuon.muon_step"  # the profiler's name for the Muon part of a step
+
+
 class StepStat:
     """The keys of ``DMuon.last_step_stats`` (the integration's per-step figures are made from them)."""
 
@@ -214,8 +217,10 @@ class DMuon(torch.optim.Optimizer):
 
     def _muon_step(self, groups: list[dict]) -> None:
         """The Muon groups' step: ``optim/step_schedule.py`` orders it, ``optim/whole_update.py``
-        is the rule it runs on each owner (a subclass may replace the whole, as the naive baseline)."""
-        self._schedule.run(groups)
+        is the rule it runs on each owner (a subclass may replace the whole, as the naive baseline).
+        Profiled as ``MUON_STEP_RANGE`` (tests/test_step_memory.py reads its allocations there)."""
+        with torch.profiler.record_function(MUON_STEP_RANGE):
+            self._schedule.run(groups)
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
