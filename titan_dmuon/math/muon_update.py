@@ -106,6 +106,15 @@ def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
     return scaled.mul_(ratio), moment
 
 
+# How a Newton–Schulz batch is run: ``runner(orthogonalise_wide_, stack, kwargs)`` returns its result.
+NSRunner = Callable[[Callable[..., torch.Tensor], torch.Tensor, dict], torch.Tensor]
+
+
+def _call(fn: Callable[..., torch.Tensor], x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The default ``NSRunner``: the call itself."""
+    return fn(x, **kwargs)
+
+
 def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
     transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
@@ -135,6 +144,7 @@ def muon_step(
     normuon_beta2: float | None = None,
     second_moments: Sequence[torch.Tensor] | None = None,
     scratch: Scratch = fresh,
+    ns_runner: NSRunner | None = None,
 ) -> int:
     """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
@@ -153,7 +163,9 @@ def muon_step(
     ``second_moments[i]`` (``second_moment_shape``, updated in place); the exact
     mode applies it to torch.optim.Muon's own Newton–Schulz output.
     ``lr`` may be a 0-dim tensor, as torch.optim.Muon's (read as its value).
-    The batched mode's temporaries (Nesterov input, stacks, Newton–Schulz, NorMuon) are ``scratch``'s.
+    The batched mode's temporaries (Nesterov input, stacks, Newton–Schulz, NorMuon) are ``scratch``'s;
+    ``ns_runner(orthogonalise_wide_, stack, kwargs)`` runs each batch's Newton–Schulz (default: a call;
+    ``optim/ns_graphs.py``: a CUDA graph's replay).
     """
     check_method(ns_method, ns_coefficients)
     dtype = ns_torch_dtype(ns_dtype)
@@ -194,7 +206,8 @@ def muon_step(
             _orthogonalise_batch(
                 batch, short, long, params, grads, momentum_buffers, blocks,
                 lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, scratch=scratch, **variant,
+                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, scratch=scratch,
+                ns_runner=ns_runner or _call, **variant,
             )
     return sum(len(group) for group in groups.values())
 
@@ -285,6 +298,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _orthogonalise_batch(
     members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
     ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments, scratch,
+    ns_runner,
 ) -> None:
     """One batch of equally shaped blocks: Nesterov input, stack in the iteration dtype (float16:
     each block normalised in float32 first), Newton–Schulz, NorMuon, update; every temporary a
@@ -305,8 +319,9 @@ def _orthogonalise_batch(
         else:
             stack[k].copy_(normalised(wide, eps, scale, out=scratch("normalised", tuple(wide.shape), torch.float32,
                                                                      device)))
-    orthogonal = orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps,
-                                      normalise=dtype is torch.bfloat16, scratch=scratch)
+    orthogonal = ns_runner(orthogonalise_wide_, stack, dict(ns_method=ns_method, steps=ns_steps,
+                                                            coefficients=tuple(ns_coefficients), eps=eps,
+                                                            normalise=dtype is torch.bfloat16, scratch=scratch))
     for k, (i, e, b, c) in enumerate(members):
         param, block, col_block = matrix_at(params[i], e), blocks[i][b], col_blocks[i][c]
         rows, cols = block_rows(block), block_rows(col_block)
@@ -353,6 +368,7 @@ def orthogonalise(
     ns_dtype: str = "bfloat16",
     scratch: Scratch = fresh,
     consume: Callable[[int, torch.Tensor], None] | None = None,
+    ns_runner: NSRunner | None = None,
 ) -> list[torch.Tensor] | None:
     """Newton–Schulz of whole 2-D matrices (e.g. assembled from tensor-parallel shards), in ``ns_dtype``.
 
@@ -361,7 +377,7 @@ def orthogonalise(
     equally shaped matrices (up to transposition) share batched calls, by ``ns_method`` (float16: each
     normalised in float32 before it is rounded), their temporaries ``scratch``'s. The inputs may be
     overwritten. With ``consume``, each result goes to ``consume(i, result)`` once its batch is done
-    (a ``scratch`` buffer until the next batch) and nothing is returned."""
+    (a ``scratch`` buffer until the next batch) and nothing is returned. ``ns_runner``: as ``muon_step``'s."""
     check_method(ns_method, coefficients)
     dtype = ns_torch_dtype(ns_dtype)
     out: list[torch.Tensor | None] = [None] * len(matrices)
@@ -395,8 +411,9 @@ def orthogonalise(
                 stack[k].copy_(matrix if dtype is torch.bfloat16 else
                                normalised(matrix, eps, scale,
                                           out=scratch("normalised", (short, long), torch.float32, matrix.device)))
-            result = orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
-                                          normalise=dtype is torch.bfloat16, scratch=scratch)
+            result = (ns_runner or _call)(orthogonalise_wide_, stack, dict(
+                ns_method=ns_method, steps=steps, coefficients=tuple(coefficients), eps=eps,
+                normalise=dtype is torch.bfloat16, scratch=scratch))
             for k, i in enumerate(chosen):
                 done(i, result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k])
     return out if consume is None else None

@@ -106,6 +106,9 @@ class DMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
         self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
+        self.ns_graphs = defaults.ns_graphs
+        if self.ns_graphs:
+            _check_graph_devices([p for g in self.param_groups if g["use_muon"] for p in g["params"]])
         check_whole_matrix_rules(self.param_groups, self._handles, ns_dtype=self.ns_dtype,
                                  normuon_beta2=self.normuon_beta2)
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
@@ -116,7 +119,7 @@ class DMuon(torch.optim.Optimizer):
 
             self.qk_clip = QKClip(list(qk_clip_attention or ()), self._handles,
                                   threshold=defaults.qk_clip_threshold, alpha=defaults.qk_clip_alpha)
-        rule = OwnerUpdate(self, self._ns)
+        rule = self._rule = OwnerUpdate(self, self._ns)
         self._schedule = StepSchedule(rule, self._handles, qk_clip=self.qk_clip, dedicated_ids=self._dedicated_ids)
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
@@ -141,6 +144,11 @@ class DMuon(torch.optim.Optimizer):
         if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
             stats.update(self.qk_clip.stats())
         return stats
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The bytes this rank's Muon step keeps between steps for its temporaries (``optim/workspace.py``)."""
+        return self._rule.workspace.nbytes()
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.
@@ -245,6 +253,15 @@ class DMuon(torch.optim.Optimizer):
         )
 
 
+
+
+def _check_graph_devices(params: list[torch.Tensor]) -> None:
+    """``ns_graphs`` replays CUDA graphs: every Muon weight on a CUDA device."""
+    devices = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+    if devices or not torch.cuda.is_available():
+        where = ", ".join(devices) if devices else "a machine without CUDA"
+        raise OptionError("ns_graphs", True, f"false for Muon weights on {where} (CUDA graphs replay on a "
+                          "CUDA device only)")
 
 
 def _check_known(options: dict, where: str) -> None:

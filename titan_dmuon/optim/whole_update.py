@@ -36,6 +36,7 @@ from titan_dmuon.math.muon_update import (
 )
 from titan_dmuon.math.ns_methods import ns_torch_dtype
 from titan_dmuon.optim.grouped_update import update_grouped
+from titan_dmuon.optim.ns_graphs import NSGraphs
 from titan_dmuon.optim.workspace import Workspace
 from titan_dmuon.runtime.streams import DeviceTimer
 
@@ -85,6 +86,12 @@ class OwnerUpdate:
     def __init__(self, optimizer: torch.optim.Optimizer, figures: NSFigures) -> None:
         self.optimizer, self.figures = optimizer, figures
         self.workspace = Workspace()
+        self.ns_graphs = NSGraphs(self.workspace)  # used with the job's ns_graphs
+
+    @property
+    def ns_runner(self) -> NSGraphs | None:
+        """How a Newton–Schulz batch runs: from CUDA graphs (``ns_graphs``), or called (None)."""
+        return self.ns_graphs if getattr(self.optimizer, "ns_graphs", False) else None
 
     @property
     def ns_method(self) -> str:
@@ -145,6 +152,7 @@ class OwnerUpdate:
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
                 ns_method=self.ns_method, col_blocks=col_blocks, ns_dtype=self.ns_dtype, normuon_beta2=beta2,
                 second_moments=moments if beta2 is not None else None, scratch=self.workspace,
+                ns_runner=self.ns_runner,
             )
 
     def update_grouped(self, group: dict, weights: list, owner_groups) -> None:
@@ -180,7 +188,7 @@ class OwnerUpdate:
         def orthogonalise_matrices(matrices: list[torch.Tensor], consume) -> None:
             orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
                           coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=self.ns_method,
-                          ns_dtype=self.ns_dtype, scratch=self.workspace, consume=consume)
+                          ns_dtype=self.ns_dtype, scratch=self.workspace, consume=consume, ns_runner=self.ns_runner)
 
         return orthogonalise_matrices
 
