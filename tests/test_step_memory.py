@@ -33,6 +33,25 @@ def _large_allocations(rank, world, experts, opt_kwargs):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         setup.opt.step()
     setup.opt.zero_grad()
+    return _large_inside_the_muon_step(prof)
+
+
+def _tp_large_allocations(rank, world):
+    """The same on TorchTitan's llama3 with tensor parallelism over the ranks: the TP exchange's
+    momentum inputs, send, receive, assembled and result buffers are the workspace's too."""
+    from tests import titan_harness as th
+
+    dims = th.parallel_dims(world, tp=world)
+    model, container = th.build(th.tiny_llama3(dim=256), dims, param_dtype="float32")
+    data = th.batches(3, 1, batch=8)
+    th.train(model, container, dims, data[:2])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        th.train(model, container, dims, data[2:])
+    return _large_inside_the_muon_step(prof)
+
+
+def _large_inside_the_muon_step(prof):
+    """[(op, bytes)] of the ops inside the one ``MUON_STEP_RANGE`` that allocated above LIMIT."""
     events = prof.events()
     ranges = [e.time_range for e in events if e.name == MUON_STEP_RANGE]
     assert len(ranges) == 1, ranges
@@ -60,4 +79,10 @@ def _path(event) -> str:
 ])
 def test_the_muon_step_allocates_nothing_large_after_step_2(pool2, experts, opt_kwargs):
     for large in pool2.run(_large_allocations, experts, opt_kwargs):
+        assert large == [], large
+
+
+def test_the_tensor_parallel_step_allocates_nothing_large_after_step_2(pool2):
+    pytest.importorskip("torchtitan")
+    for large in pool2.run(_tp_large_allocations):
         assert large == [], large

@@ -115,6 +115,16 @@ def _call(fn: Callable[..., torch.Tensor], x: torch.Tensor, kwargs: dict) -> tor
     return fn(x, **kwargs)
 
 
+def converted(tile: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+    """``tile`` in ``dtype`` (itself where it has it), in a ``scratch`` buffer laid out as ``tile.to(dtype)``
+    is (what ``add_`` would make of it): a dense matrix keeps its layout, a slice becomes contiguous."""
+    if tile.dtype == dtype:
+        return tile
+    if tile.ndim == 2 and not tile.is_contiguous() and tile.mT.is_contiguous():
+        return _scratch_like(scratch, "converted", tile, dtype).copy_(tile)
+    return scratch("converted", tuple(tile.shape), dtype, tile.device).copy_(tile)
+
+
 def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
     transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
@@ -328,11 +338,10 @@ def _orthogonalise_batch(
         update = orthogonal[k].mT if rows > cols else orthogonal[k]
         if normuon_beta2 is not None:
             update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2, scratch=scratch)
-        elif update.dtype != param.dtype:  # (what add_ would convert it to, here in a kept buffer)
-            update = _scratch_like(scratch, "update", update, param.dtype).copy_(update)
         step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
         for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(block, col_block):
-            param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)
+            param[matrix_rows, matrix_cols].add_(converted(update[tile_rows, tile_cols], param.dtype, scratch),
+                                                 alpha=-step)
 
 
 def gather_tile(matrix: torch.Tensor, rows: Block, cols: Block, scratch: Scratch, name: str) -> torch.Tensor:

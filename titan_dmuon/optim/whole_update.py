@@ -29,6 +29,7 @@ from titan_dmuon.math.matrix_blocks import Block, block_rows, local_tiles
 from titan_dmuon.math.muon_update import (
     adjusted_lr,
     apply_normuon,
+    converted,
     muon_step,
     orthogonalise,
     scalar,
@@ -226,7 +227,8 @@ class OwnerUpdate:
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(rows), block_rows(cols)))
                 for local_rows, local_cols in local_tiles(rows, cols, tp_dim=matrix.dim, tp_rank=tp_rank,
                                                           local_shape=matrix.shape):
-                    target[local_rows, local_cols].add_(update[local_rows, local_cols], alpha=-scale)
+                    tile = converted(update[local_rows, local_cols], target.dtype, self.workspace)
+                    target[local_rows, local_cols].add_(tile, alpha=-scale)
 
 
 def tp_second_moment_shape(param: torch.Tensor, tp_matrices: Sequence) -> tuple[int, ...]:

@@ -10,8 +10,10 @@ from fractions import Fraction
 
 import torch
 
-from titan_dmuon.math.matrix_blocks import block_rows
-from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.math.matrix_blocks import block_rows, row_blocks
+from titan_dmuon.math.muon_update import muon_step
+from titan_dmuon.math.ns_methods import NS_STEPS, ns_flops
+from titan_dmuon.optim.workspace import Workspace
 from titan_dmuon.plan import cost_model
 from titan_dmuon.plan.ownership import OwnershipPlan, build_plan
 from titan_dmuon.plan.specs import MatrixSpec
@@ -350,7 +352,22 @@ def size_job(
     muon = sum(w.numel for w in weights if w.muon)
     recommendation, reasons = _recommend(stages, layout, device_memory, activation_share)
     return Sizing(layout=layout, precision=precision, stages=stages, muon_numel=muon,
-                  other_numel=sum(w.numel for w in weights) - muon, recommendation=recommendation, reasons=reasons)
+                  other_numel=sum(w.numel for w in weights) - muon, recommendation=recommendation, reasons=reasons,
+                  workspace_bytes=workspace_bound(weights))
+
+
+def workspace_bound(weights: Sequence[Weight]) -> int:
+    """Bytes of the Muon step's workspace (``optim/workspace.py``) on any rank, at most (ns_method 'torch',
+    bf16): every Muon weight's batches run once on the meta device. A buffer is as large as the largest
+    batch of any shape class asks (``MAX_STACK_BYTES`` caps a batch), so a rank that owns fewer weights
+    needs no more; tensor parallelism's exchange buffers are not counted."""
+    workspace = Workspace()
+    muon = [w for w in weights if w.muon and len(w.shape) in (2, 3)]
+    params = [torch.empty(w.shape, device="meta") for w in muon]
+    muon_step(params, [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
+              [w.blocks or row_blocks(w.shape[-2:]) for w in muon], lr=0.0, weight_decay=0.0, momentum=0.95,
+              nesterov=True, ns_steps=NS_STEPS, scratch=workspace)
+    return workspace.nbytes()
 
 
 def _recommend(stages: list[Stage], layout: Layout, device_memory: float, share: float) -> tuple[str, list[str]]:

@@ -136,6 +136,7 @@ class Sizing:
     other_numel: int
     recommendation: str
     reasons: list[str] = field(default_factory=list)
+    workspace_bytes: int = 0  # the Muon step's workspace on any rank, at most (figures.workspace_bound)
 
     def heaviest(self, configuration: str) -> Stage:
         """The stage whose ranks need the most memory under ``configuration``."""

@@ -108,4 +108,6 @@ def _newton_schulz_lines(sizing: Sizing, tflops: float) -> list[str]:
             f"{sizing.ns_max / mean if mean else 1.0:.3f}",
             f"- critical path at {tflops:g} TFLOP/s: {_ms(sizing.ns_max / rate)} (the busiest rank); floor "
             f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: no plan goes below it)",
-            "- FSDP2 + AdamW runs none; naive FSDP2 + Muon runs every matrix on every rank"]
+            "- FSDP2 + AdamW runs none; naive FSDP2 + Muon runs every matrix on every rank",
+            f"- its workspace, kept between steps (bf16; not in the memory table): at most "
+            f"{format_gb(sizing.workspace_bytes)} per rank (the largest batch of each buffer over the shape classes)"]
