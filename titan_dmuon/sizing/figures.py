@@ -385,13 +385,16 @@ def _rank_workspaces(stage: _StageWeights, plan: OwnershipPlan, ranks: int, dp_s
     FSDP2 shards them, in one call (``workspace_bytes``); tensor-parallel weights (their exchange and
     homes' buffers) are not counted."""
     chunks = pipeline_chunks(sorted({e.unit for e in plan.entries}))
-    out = []
+    out, known = [], {}  # (ranks with the same calls have the same workspace)
     for g in range(ranks):
         calls = [[(tuple(e.shape), e.blocks) for e in plan.entries
                   if e.owner == g and e.unit in chunk and not e.tensor_parallel] for chunk in chunks]
         calls.append([((_rows(w.shape[0], shards)[(g % dp_shard) % shards], *w.shape[1:]), w.blocks)
                       for w in stage.local if stage.layout.tp == 1 or w.tp_dim is None])
-        out.append(workspace_bytes(calls))
+        key = tuple(tuple((shape, tuple(blocks or ())) for shape, blocks in call) for call in calls)
+        if key not in known:
+            known[key] = workspace_bytes(calls)
+        out.append(known[key])
     return out
 
 
