@@ -10,6 +10,8 @@ TorchTitan-free core; the TorchTitan rows are skipped there with one line saying
 (a) The bf16 matmul peak of this GPU, then Newton–Schulz on one layer of llama3 8B and 70B
     shapes: ``torch.optim.Muon``'s per-matrix iteration, and DMuon's batched ``orthogonalise``
     once per method in ``ns_math.NS_METHODS``: ms, TFLOP/s and their share of that peak.
+(8) Newton–Schulz batches replayed from CUDA graphs (``ns_graphs``) against eager on one llama3 8B
+    layer's Muon step: bitwise equal weights, host time per step (``benchmarks/gpu_ns_graphs.py``).
 (1) One coalesced broadcast + reduce ``Launch`` on a real 1-rank NCCL group with
     DMuon's size-1 shortcut bypassed, behind a ``torch.cuda._sleep`` on its side
     stream: one launch, the host not blocked, the compute stream waits, values, no sync.
@@ -171,6 +173,19 @@ def _time_newton_schulz(matrices, method: str, ns_mode: str, device, reps: int) 
 
     ms = time_ms(run, device, reps)
     return ms, all(bool(torch.isfinite(o).all()) for o in outputs), flops
+
+
+def graph_rows(device, *, cpu: bool) -> list[tuple]:
+    """Row (8): ``benchmarks/gpu_ns_graphs.py`` on one llama3 8B layer (``--cpu``: the tiny one)."""
+    from benchmarks.gpu_ns_graphs import CHECK, ns_graph_rows
+
+    model = "tiny" if cpu else "llama3 8B"
+    try:
+        return ns_graph_rows(layer_matrices((TINY_LAYERS if cpu else LLAMA3_LAYERS)[model]), f"one {model} layer", device)
+    except Exception as e:  # noqa: BLE001 - a row, and the other checks still run
+        from benchmarks.gpu_runtime import first_line
+
+        return [(CHECK, f"one {model} layer", f"FAILED: {first_line(e)}", "")]
 
 
 # ---- the time budget -----------------------------------------------------------------------------------
@@ -543,9 +558,10 @@ def main(argv=None) -> int:
         from benchmarks.gpu_runtime import first_line
 
         rows.append(("(a) Newton–Schulz", "peak and one layer per method", f"FAILED: {first_line(e)}", ""))
+    rows += graph_rows(device, cpu=args.cpu)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    progress(f"(a) done at {time.monotonic() - started:.0f} s")
+    progress(f"(a), (8) done at {time.monotonic() - started:.0f} s")
     if not args.skip_runtime:
         for checks, env, own_s, _ in RUNTIME_RUNS:
             rows += runtime_rows(checks, env if device.type == "cuda" else {}, budget.timeout(own_s),

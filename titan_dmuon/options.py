@@ -79,6 +79,11 @@ class DMuonOptions:
     """NorMuon (arXiv 2510.05491): the decay of a per-row second moment of each Newton–Schulz output,
     which rescales its rows (then its Frobenius norm back to the output's), over whole rows on the owner;
     unset: Muon. Job-wide (not a param-group option); its state is in checkpoints."""
+    ns_graphs: bool = False
+    """Replay each Newton–Schulz batch from a CUDA graph (captured on its second step, one per batch of each
+    shape class, its buffers the step's workspace): the host launches one graph instead of ~30 kernels per
+    iteration. CUDA only, ns_mode "batched"; on other devices its code path runs eagerly. Job-wide (not a
+    param-group option, not in checkpoints)."""
     adamw_lr: float = 1e-3
     """AdamW learning rate of the non-Muon parameters (with TorchTitan: of the catch-all param group,
     pattern ".*"; other param groups keep their own settings)."""
@@ -122,6 +127,12 @@ class DMuonOptions:
         if self.ns_mode == "exact" and self.ns_method != "torch":
             raise OptionError("ns_method", self.ns_method,
                               "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
+        if not isinstance(self.ns_graphs, bool):
+            raise OptionError("ns_graphs", self.ns_graphs, "true or false")
+        if self.ns_graphs and self.ns_mode == "exact":
+            raise OptionError("ns_graphs", self.ns_graphs,
+                              "false with ns_mode 'exact' (torch.optim.Muon's own update, one matrix at a time), "
+                              "or ns_mode 'batched'")
         if self.ns_dtype not in NS_DTYPES:
             raise OptionError("ns_dtype", self.ns_dtype, f"one of {NS_DTYPES}")
         if self.ns_mode == "exact" and self.ns_dtype != "bfloat16":
@@ -154,10 +165,10 @@ class DMuonOptions:
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DMuonOptions))
 ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 # One value for the whole optimizer, not per param group, kept out of the param groups and so out of
-# checkpoints: ns_method and ns_dtype are how the step computes, not training state (a job may resume with
+# checkpoints: ns_method, ns_dtype and ns_graphs are how the step computes, not training state (a job may resume with
 # another); normuon_beta2 is the job's choice of rule (its second moments are in the optimizer state, and a
 # job that resumes decides whether it uses them, not the checkpoint).
-JOB_KEYS = ("ns_method", "ns_dtype", "normuon_beta2", "qk_clip_threshold", "qk_clip_alpha")
+JOB_KEYS = ("ns_method", "ns_dtype", "ns_graphs", "normuon_beta2", "qk_clip_threshold", "qk_clip_alpha")
 MUON_KEYS = tuple(name for name in OPTION_NAMES if name not in ADAMW_KEYS and name not in JOB_KEYS)
 DEFAULTS = DMuonOptions()
 

@@ -480,3 +480,14 @@ def test_job_environments_and_the_plan_fits_eight_minutes(monkeypatch):
     assert estimate_s(jobs=False, methods=3) < estimate_s(jobs=True, methods=3) <= BUDGET_S <= 480
     assert all(job.timeout_s >= 2 * job.estimate_s for job in JOBS)
     assert all(limit >= 2 * estimate for _, _, limit, estimate in RUNTIME_RUNS)
+
+
+def test_the_ns_graph_row_compares_graph_and_eager_on_one_layer():
+    """Row (8) in-process on the tiny layer: bitwise equal weights and a host time per step; on the
+    CPU ``NSGraphs`` runs eagerly and the row says so (what a GPU shows: graphs captured and replayed)."""
+    from benchmarks.gpu_check import graph_rows
+
+    rows = graph_rows(torch.device("cpu"), cpu=True)
+    assert [row[0] for row in rows] == ["(8) Newton–Schulz from CUDA graphs"] * 2
+    assert rows[0][2] == "bitwise equal" and "runs eagerly" in rows[0][3]
+    assert rows[1][2].endswith(" ms graph") and "ms eager" in rows[1][3]

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.helpers import baseline, batches, distribute, local_slice, make_mesh, toy_model, train
 from titan_dmuon import CommLedger, clip_grad_norm_
+from titan_dmuon.optim.optimizer import MUON_STEP_RANGE
 from titan_dmuon.plan.cost_model import design_elements_per_rank
 from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn
@@ -98,3 +99,25 @@ def host_syncs_in_steady_steps(setup, rank, world, *, after_step=None) -> list:
         if after_step is not None:
             after_step()
     return counter.syncs
+
+
+# ---- what the Muon step allocates (issue 40) ------------------------------------------------------------
+def large_inside_the_muon_step(prof, limit: int):
+    """[(op, bytes)] of the ops inside the one ``MUON_STEP_RANGE`` that allocated above ``limit`` bytes."""
+    events = prof.events()
+    ranges = [e.time_range for e in events if e.name == MUON_STEP_RANGE]
+    assert len(ranges) == 1, ranges
+    (step,) = ranges
+    inside = [e for e in events if e.name != MUON_STEP_RANGE
+              and step.start <= e.time_range.start and e.time_range.end <= step.end]
+    assert inside, "no op recorded inside the Muon step: the profiler read nothing"
+    return [(_op_path(e), e.self_cpu_memory_usage) for e in inside if e.self_cpu_memory_usage > limit]
+
+
+def _op_path(event) -> str:
+    """The op and the ops it ran in, outermost first (what allocated, for the failure's message)."""
+    names = []
+    while event is not None and event.name != MUON_STEP_RANGE:
+        names.append(event.name)
+        event = event.cpu_parent
+    return " < ".join(names)

@@ -6,12 +6,13 @@ tests/titan/test_sizing_model_shapes.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.sizing_parts import DIMS, toy_weights
 from titan_dmuon.plan import cost_model
 from titan_dmuon.sizing import command, figures, render
 from titan_dmuon.sizing.figures import size_job
-from titan_dmuon.sizing.records import Layout, Precision
+from titan_dmuon.sizing.records import Layout, Precision, Weight
 
 
 # ---- the fast tier: no process group, no model built ------------------------------------------------------
@@ -93,3 +94,27 @@ def test_a_layout_where_neither_mode_fits_says_so():
     assert any("too: neither fits" in reason for reason in over.reasons), over.reasons
     within = size_job(weights, Layout(replicate=8, shard=128, tp=8))
     assert within.recommendation == "DMuon-Z3" and any("Z3's peak" in r and "is within" in r for r in within.reasons)
+
+
+def test_the_workspace_bound_is_what_a_step_on_every_muon_weight_keeps():
+    """``workspace_bytes`` (the meta device) against a ``Workspace`` after a real CPU step on the same
+    weights (fused q/k/v blocks, an expert stack, two shapes that share a class): the same bytes (the
+    memory table's workspace row is it per rank; ``test_persistent_equals_the_allocators_count`` holds
+    the total to the allocator)."""
+    from titan_dmuon.math.matrix_blocks import row_blocks
+    from titan_dmuon.math.muon_update import muon_step
+    from titan_dmuon.optim.workspace import Workspace
+
+    blocks = (((0, 32),), ((32, 48),), ((48, 64),))
+    weights = [Weight(fqn="wqkv", shape=(64, 32), muon=True, layer=0, blocks=blocks),
+               Weight(fqn="w1", shape=(96, 32), muon=True, layer=0), Weight(fqn="w2", shape=(32, 96), muon=True, layer=0),
+               Weight(fqn="experts", shape=(4, 48, 32), muon=True, layer=0),
+               Weight(fqn="norm", shape=(32,), muon=False, layer=0)]
+    muon = [w for w in weights if w.muon]
+    params = [torch.randn(w.shape) for w in muon]
+    workspace = Workspace()
+    muon_step(params, [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params],
+              [w.blocks or row_blocks(w.shape[-2:]) for w in muon], lr=0.02, weight_decay=0.1, momentum=0.95,
+              nesterov=True, ns_steps=5, scratch=workspace)
+    assert figures.workspace_bound(weights) == workspace.nbytes() > 0
+    assert figures.workspace_bytes([[(w.shape, w.blocks) for w in muon]]) == workspace.nbytes()

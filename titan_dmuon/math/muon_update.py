@@ -9,7 +9,7 @@ rounding (``benchmarks/ns_deviation.py``).
 
 from __future__ import annotations
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import torch
 
 from titan_dmuon.math.matrix_blocks import (
@@ -20,7 +20,6 @@ from titan_dmuon.math.matrix_blocks import (
     put_rows,
     put_tile,
     take_rows,
-    take_tile,
     tile_ranges,
     whole_columns,
 )
@@ -28,7 +27,9 @@ from titan_dmuon.math.ns_methods import (
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
+    Scratch,
     check_method,
+    fresh,
     normalised,
     ns_input_scale,
     ns_torch_dtype,
@@ -88,18 +89,47 @@ def second_moment_shape(shape: Sequence[int], col_blocks: Sequence[Block] | None
 
 
 def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
-            eps: float = NORMUON_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float = NORMUON_EPS, *, scratch: Scratch = fresh) -> tuple[torch.Tensor, torch.Tensor]:
     """NorMuon's rule on an orthogonalised update O ``(..., rows, cols)`` and its second moment v
     ``(..., rows)``: ``v' = beta2 v + (1 - beta2) mean_cols(O²)``; ``Ô = O / (sqrt(v') + eps)`` row by
     row, rescaled to O's Frobenius norm (a zero O gives a zero Ô). Returns (Ô, v'), in float32; the
     caller keeps v'. Over whole rows of the matrix Newton–Schulz orthogonalised, never a shard's part of
-    one (which is what makes it exact: dion computes it per local shard)."""
-    o = orthogonal.float()
-    moment = beta2 * second_moment.float() + (1 - beta2) * (o * o).mean(-1)
-    scaled = o / (moment.sqrt() + eps).unsqueeze(-1)
+    one (which is what makes it exact: dion computes it per local shard). Its O-sized temporaries are
+    ``scratch``'s (Ô is one of them)."""
+    o = _scratch_like(scratch, "normuon_o", orthogonal).copy_(orthogonal)
+    squares = torch.mul(o, o, out=_scratch_like(scratch, "normuon_squares", o))
+    moment = beta2 * second_moment.float() + (1 - beta2) * squares.mean(-1)
+    scaled = torch.div(o, (moment.sqrt() + eps).unsqueeze(-1), out=squares)
     ratio = (torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
              / torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny))
-    return scaled * ratio, moment
+    return scaled.mul_(ratio), moment
+
+
+# How a Newton–Schulz batch is run: ``runner(orthogonalise_wide_, stack, kwargs)`` returns its result.
+NSRunner = Callable[[Callable[..., torch.Tensor], torch.Tensor, dict], torch.Tensor]
+
+
+def _call(fn: Callable[..., torch.Tensor], x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The default ``NSRunner``: the call itself."""
+    return fn(x, **kwargs)
+
+
+def converted(tile: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+    """``tile`` in ``dtype`` (itself where it has it), in a ``scratch`` buffer laid out as ``tile.to(dtype)``
+    is (what ``add_`` would make of it): a dense matrix keeps its layout, a slice becomes contiguous."""
+    if tile.dtype == dtype:
+        return tile
+    if tile.ndim == 2 and not tile.is_contiguous() and tile.mT.is_contiguous():
+        return _scratch_like(scratch, "converted", tile, dtype).copy_(tile)
+    return scratch("converted", tuple(tile.shape), dtype, tile.device).copy_(tile)
+
+
+def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
+    transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
+    if like.ndim == 2 and like.stride(0) == 1 and like.stride(1) != 1:
+        return scratch(name, (like.size(1), like.size(0)), dtype, like.device).T
+    return scratch(name, tuple(like.shape), dtype, like.device)
 
 
 def muon_step(
@@ -122,6 +152,8 @@ def muon_step(
     ns_dtype: str = "bfloat16",
     normuon_beta2: float | None = None,
     second_moments: Sequence[torch.Tensor] | None = None,
+    scratch: Scratch = fresh,
+    ns_runner: NSRunner | None = None,
 ) -> int:
     """Apply one Muon step in place; returns the number of matrices orthogonalised.
 
@@ -140,6 +172,9 @@ def muon_step(
     ``second_moments[i]`` (``second_moment_shape``, updated in place); the exact
     mode applies it to torch.optim.Muon's own Newton–Schulz output.
     ``lr`` may be a 0-dim tensor, as torch.optim.Muon's (read as its value).
+    The batched mode's temporaries (Nesterov input, stacks, Newton–Schulz, NorMuon) are ``scratch``'s;
+    ``ns_runner(orthogonalise_wide_, stack, kwargs)`` runs each batch's Newton–Schulz (default: a call;
+    ``optim/ns_graphs.py``: a CUDA graph's replay).
     """
     check_method(ns_method, ns_coefficients)
     dtype = ns_torch_dtype(ns_dtype)
@@ -180,7 +215,8 @@ def muon_step(
             _orthogonalise_batch(
                 batch, short, long, params, grads, momentum_buffers, blocks,
                 lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, **variant,
+                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, scratch=scratch,
+                ns_runner=ns_runner or _call, **variant,
             )
     return sum(len(group) for group in groups.values())
 
@@ -197,11 +233,11 @@ def _check_second_moments(params, cols_of, second_moments) -> None:
 
 
 def apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
-                   beta2: float) -> torch.Tensor:
+                   beta2: float, *, scratch: Scratch = fresh) -> torch.Tensor:
     """NorMuon on one Newton–Schulz matrix's output: its rows' second moments (matrix ``e``, column
-    block ``c`` of ``second_moment``) read, advanced and written back; returns Ô."""
+    block ``c`` of ``second_moment``) read, advanced and written back; returns Ô (a ``scratch`` buffer)."""
     column = matrix_at(second_moment, e)[:, c]
-    update, moment = normuon(update, take_rows(column, rows), beta2)
+    update, moment = normuon(update, take_rows(column, rows), beta2, scratch=scratch)
     put_rows(column, rows, moment)
     return update
 
@@ -270,30 +306,63 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _orthogonalise_batch(
     members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
-    ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments,
+    ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments, scratch,
+    ns_runner,
 ) -> None:
     """One batch of equally shaped blocks: Nesterov input, stack in the iteration dtype (float16:
-    each block normalised in float32 first), Newton–Schulz, NorMuon, update."""
-    stack = torch.empty((len(members), short, long), dtype=dtype, device=params[members[0][0]].device)
+    each block normalised in float32 first), Newton–Schulz, NorMuon, update; every temporary a
+    ``scratch`` buffer (one block's fp32 input at a time)."""
+    device = params[members[0][0]].device
+    stack = scratch("ns_stack", (len(members), short, long), dtype, device)
     scale = ns_input_scale(ns_method)
     for k, (i, e, b, c) in enumerate(members):
-        grad = take_tile(matrix_at(grads[i], e), blocks[i][b], col_blocks[i][c])
-        buffer = take_tile(matrix_at(momentum_buffers[i], e), blocks[i][b], col_blocks[i][c])
-        update = grad.lerp(buffer, momentum) if nesterov else buffer  # one block's fp32 temporary at a time
+        rows, cols = blocks[i][b], col_blocks[i][c]
+        buffer = gather_tile(matrix_at(momentum_buffers[i], e), rows, cols, scratch, "momentum_tile")
+        update = buffer
+        if nesterov:
+            grad = gather_tile(matrix_at(grads[i], e), rows, cols, scratch, "grad_tile")
+            update = torch.lerp(grad, buffer, momentum, out=scratch("nesterov", tuple(grad.shape), grad.dtype, device))
         wide = update.mT if update.shape[0] > update.shape[1] else update
-        stack[k].copy_(wide if dtype is torch.bfloat16 else normalised(wide, eps, scale))
-    orthogonal = orthogonalise_wide_(stack, ns_method=ns_method, steps=ns_steps, coefficients=ns_coefficients, eps=eps,
-                                      normalise=dtype is torch.bfloat16)
-    del stack
+        if dtype is torch.bfloat16:
+            stack[k].copy_(wide)
+        else:
+            stack[k].copy_(normalised(wide, eps, scale, out=scratch("normalised", tuple(wide.shape), torch.float32,
+                                                                     device)))
+    orthogonal = ns_runner(orthogonalise_wide_, stack, dict(ns_method=ns_method, steps=ns_steps,
+                                                            coefficients=tuple(ns_coefficients), eps=eps,
+                                                            normalise=dtype is torch.bfloat16, scratch=scratch))
     for k, (i, e, b, c) in enumerate(members):
         param, block, col_block = matrix_at(params[i], e), blocks[i][b], col_blocks[i][c]
         rows, cols = block_rows(block), block_rows(col_block)
         update = orthogonal[k].mT if rows > cols else orthogonal[k]
         if normuon_beta2 is not None:
-            update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2)
+            update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2, scratch=scratch)
         step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
         for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(block, col_block):
-            param[matrix_rows, matrix_cols].add_(update[tile_rows, tile_cols], alpha=-step)
+            param[matrix_rows, matrix_cols].add_(converted(update[tile_rows, tile_cols], param.dtype, scratch),
+                                                 alpha=-step)
+
+
+def gather_tile(matrix: torch.Tensor, rows: Block, cols: Block, scratch: Scratch, name: str) -> torch.Tensor:
+    """``take_tile`` with its copies in ``scratch`` buffers, laid out as ``take_tile``'s (its rows gathered
+    first, then its columns; one range of either stays a view), so elementwise kernels see the same strides."""
+    taken = matrix[rows[0][0] : rows[0][1]]
+    if len(rows) > 1:
+        taken = scratch(f"{name}_rows", (block_rows(rows), matrix.shape[-1]), matrix.dtype, matrix.device)
+        put_rows_from(taken, matrix, rows)
+    if len(cols) == 1:
+        return taken if cols[0] == (0, matrix.shape[-1]) else taken[:, cols[0][0] : cols[0][1]]
+    out = scratch(name, (taken.shape[0], block_rows(cols)), matrix.dtype, matrix.device)
+    put_rows_from(out.T, taken.T, cols)
+    return out
+
+
+def put_rows_from(out: torch.Tensor, matrix: torch.Tensor, block: Block) -> None:
+    """``take_rows(matrix, block)`` copied into ``out``."""
+    offset = 0
+    for start, stop in block:
+        out[offset : offset + stop - start].copy_(matrix[start:stop])
+        offset += stop - start
 
 
 def orthogonalise(
@@ -305,25 +374,39 @@ def orthogonalise(
     eps: float = NS_EPS,
     ns_method: str = "torch",
     ns_dtype: str = "bfloat16",
-) -> list[torch.Tensor]:
+    scratch: Scratch = fresh,
+    consume: Callable[[int, torch.Tensor], None] | None = None,
+    ns_runner: NSRunner | None = None,
+) -> list[torch.Tensor] | None:
     """Newton–Schulz of whole 2-D matrices (e.g. assembled from tensor-parallel shards), in ``ns_dtype``.
 
     ``"exact"``: each through ``torch.optim.Muon``'s own Newton–Schulz, which casts its input to bf16
     first, so a matrix given as the bf16 of Muon's input gets bitwise Muon's result. ``"batched"``:
     equally shaped matrices (up to transposition) share batched calls, by ``ns_method`` (float16: each
-    normalised in float32 before it is rounded). The inputs may be overwritten."""
+    normalised in float32 before it is rounded), their temporaries ``scratch``'s. The inputs may be
+    overwritten. With ``consume``, each result goes to ``consume(i, result)`` once its batch is done
+    (a ``scratch`` buffer until the next batch) and nothing is returned. ``ns_runner``: as ``muon_step``'s."""
     check_method(ns_method, coefficients)
     dtype = ns_torch_dtype(ns_dtype)
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+
+    def done(i: int, result: torch.Tensor) -> None:
+        if consume is None:  # (kept past the next batch: a kept ``scratch`` buffer would be overwritten)
+            out[i] = result if scratch is fresh else result.clone()
+        else:
+            consume(i, result)
+
     if ns_mode == "exact":
         if ns_method != "torch" or dtype is not torch.bfloat16:
             raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch' and "
                              f"ns_dtype 'bfloat16', got {ns_method!r}, {ns_dtype!r}")
         from torch.optim._muon import _zeropower_via_newtonschulz
 
-        return [_zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps) for m in matrices]
+        for i, m in enumerate(matrices):
+            done(i, _zeropower_via_newtonschulz(m, tuple(coefficients), steps, eps))
+        return out if consume is None else None
     if ns_mode != "batched":
         raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
-    out: list[torch.Tensor | None] = [None] * len(matrices)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(matrices):
         groups.setdefault((min(m.shape), max(m.shape)), []).append(i)
@@ -331,14 +414,14 @@ def orthogonalise(
     for (short, long), group in groups.items():
         for chosen in stack_batches(group, short, long, ns_method, steps):
             wide = [matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i] for i in chosen]
-            if dtype is torch.bfloat16:
-                stack = torch.stack(wide).bfloat16()
-            else:
-                stack = torch.empty((len(chosen), short, long), dtype=dtype, device=wide[0].device)
-                for k, matrix in enumerate(wide):
-                    stack[k].copy_(normalised(matrix, eps, scale))
-            result = orthogonalise_wide_(stack, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
-                                          normalise=dtype is torch.bfloat16)
+            stack = scratch("ns_stack", (len(chosen), short, long), dtype, wide[0].device)
+            for k, matrix in enumerate(wide):
+                stack[k].copy_(matrix if dtype is torch.bfloat16 else
+                               normalised(matrix, eps, scale,
+                                          out=scratch("normalised", (short, long), torch.float32, matrix.device)))
+            result = (ns_runner or _call)(orthogonalise_wide_, stack, dict(
+                ns_method=ns_method, steps=steps, coefficients=tuple(coefficients), eps=eps,
+                normalise=dtype is torch.bfloat16, scratch=scratch))
             for k, i in enumerate(chosen):
-                out[i] = result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k]
-    return out
+                done(i, result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k])
+    return out if consume is None else None

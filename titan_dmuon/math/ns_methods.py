@@ -9,7 +9,7 @@ Why each constant has its value: docs/newton-schulz.md.
 """
 
 from __future__ import annotations
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import torch
 
 
@@ -108,16 +108,18 @@ def ns_torch_dtype(ns_dtype: str) -> torch.dtype:
     return getattr(torch, ns_dtype)
 
 
-def normalised(matrices: torch.Tensor, eps: float = NS_EPS, scale: float = 1.0) -> torch.Tensor:
+def normalised(matrices: torch.Tensor, eps: float = NS_EPS, scale: float = 1.0, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Each matrix of ``(..., rows, cols)`` divided by ``scale`` times its Frobenius norm, clamped at
     ``eps`` (zero stays zero), in float32: what a float16 iteration starts from, normalised before it
     is rounded to float16 (a momentum's entries may lie far below float16's smallest normal number, 6e-5,
-    or above its largest, 65504; float32 holds both, and after the division every entry is at most 1)."""
-    x = matrices.float()
+    or above its largest, 65504; float32 holds both, and after the division every entry is at most 1).
+    Into ``out`` (float32, the input's shape) where given."""
+    x = matrices.float() if out is None or matrices.dtype is torch.float32 else out.copy_(matrices)
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     if scale != 1.0:
         norms = norms * scale
-    return x / norms.clamp(min=eps)
+    return x / norms.clamp(min=eps) if out is None else torch.div(x, norms.clamp(min=eps), out=out)
 
 
 def check_method(ns_method: str, coefficients=NS_COEFFICIENTS) -> None:
@@ -150,17 +152,29 @@ def ns_input_scale(ns_method: str) -> float:
     return 1.0 if ns_method == "torch" else POLAR_EXPRESS_SAFETY
 
 
+def fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A ``Scratch`` that allocates a new buffer each time (the default: nothing is kept between calls)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# Where the math writes its temporaries: ``scratch(name, shape, dtype, device)`` returns a buffer of that
+# shape; a name is never used twice for buffers alive at once, so a caller may hand back the same memory
+# for a name every call (``optim/workspace.py``: the step's temporaries planned once and reused).
+Scratch = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
 def orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float,
-                         normalise: bool = True) -> torch.Tensor:
+                         normalise: bool = True, scratch: Scratch = fresh) -> torch.Tensor:
     """``ns_method`` on a batch with rows <= cols in its iteration dtype: bf16, which it normalises in
     place ("torch": as torch.optim.Muon, ``coefficients`` every step and no input scale), or, with
-    ``normalise=False``, already normalised (``normalised``: float16 inputs)."""
+    ``normalise=False``, already normalised (``normalised``: float16 inputs). The result is ``x`` or a
+    ``scratch`` buffer (its intermediates are ``scratch``'s)."""
     schedule = ns_schedule(ns_method, steps, coefficients)
     if normalise:
         _normalise_(x, eps, ns_input_scale(ns_method))
     if ns_method == "gram" and uses_gram(x.size(-2), x.size(-1), steps):
-        return _gram_newton_schulz(x, schedule)
-    return _iterate(x, schedule)
+        return _gram_newton_schulz(x, schedule, scratch=scratch)
+    return _iterate(x, schedule, scratch)
 
 
 def _normalise_(x: torch.Tensor, eps: float, scale: float = 1.0) -> None:
@@ -171,16 +185,33 @@ def _normalise_(x: torch.Tensor, eps: float, scale: float = 1.0) -> None:
     x.div_(norms.clamp(min=eps)[:, None, None])
 
 
-def _iterate(x: torch.Tensor, schedule) -> torch.Tensor:
-    """X <- a X + (b A + c A^2) X with A = X Xᵀ, one (a, b, c) per step."""
-    for a, b, c in schedule:
-        gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` into ``out`` (the kernel ``@`` runs: ``bmm`` on batches, ``mm`` on matrices)."""
+    return (torch.bmm if a.ndim == 3 else torch.mm)(a, b, out=out)
+
+
+def _square(x: torch.Tensor) -> tuple[int, ...]:
+    """The shape of X Xᵀ (per matrix of a batch)."""
+    return (*x.shape[:-1], x.size(-2))
+
+
+def _iterate(x: torch.Tensor, schedule, scratch: Scratch = fresh) -> torch.Tensor:
+    """X <- a X + (b A + c A^2) X with A = X Xᵀ, one (a, b, c) per step; X alternates between a
+    ``scratch`` buffer and ``x`` itself (a contiguous one; else a second buffer), A and the polynomial
+    in two more."""
+    gram = scratch("ns_gram", _square(x), x.dtype, x.device)
+    poly = scratch("ns_poly", _square(x), x.dtype, x.device)
+    targets = (scratch("ns_next", tuple(x.shape), x.dtype, x.device),
+               x if x.is_contiguous() else scratch("ns_next2", tuple(x.shape), x.dtype, x.device))
+    for step, (a, b, c) in enumerate(schedule):
+        _matmul(x, x.mT, gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        x = torch.baddbmm(x, poly, x, beta=a, out=targets[step % 2])
     return x
 
 
-def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | None = None) -> torch.Tensor:
+def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | None = None, *,
+                        scratch: Scratch = fresh) -> torch.Tensor:
     """The ``schedule``'s polynomials on a normalised bf16 batch with rows <= cols, by Gram Newton–Schulz.
 
     A step of ``_iterate`` is X <- P X with P = a I + Z, Z = b R + c R², R = X Xᵀ. Between restarts
@@ -193,37 +224,64 @@ def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | Non
     as 2-D GEMMs (a batched GEMM copies the blocks it is given; such batches hold a few matrices)."""
     restarts = set(gram_restarts(len(schedule)) if restarts is None else restarts)
     levels = symmetric_levels(x.size(-2))
+
+    def symmetric(a, b, **kw):
+        return _symmetric_matmul(a, b, levels, scratch=scratch, **kw)
+
+    def gram_of(y, out):
+        return symmetric(y, y.mT, out=out)
+
     if levels > 0 and x.ndim == 3:
-        out = torch.empty_like(x)
+        out = scratch("gram_result", tuple(x.shape), x.dtype, x.device)
         for i in range(x.size(0)):
-            out[i] = _gram_newton_schulz(x[i], schedule, restarts)
+            gram_segments(x[i], schedule, restarts, gram_of=gram_of, symmetric=symmetric, scratch=scratch, out=out[i])
         return out
-    return gram_segments(x, schedule, restarts, gram_of=lambda y: _symmetric_matmul(y, y.mT, levels),
-                         symmetric=lambda a, b, **kw: _symmetric_matmul(a, b, levels, **kw))
+    return gram_segments(x, schedule, restarts, gram_of=gram_of, symmetric=symmetric, scratch=scratch)
 
 
-def gram_segments(x: torch.Tensor, schedule, restarts, *, gram_of, symmetric) -> torch.Tensor:
+def gram_segments(x: torch.Tensor, schedule, restarts, *, gram_of, symmetric, scratch: Scratch | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Gram Newton–Schulz's short-space loop (``_gram_newton_schulz``'s notes): R = ``gram_of(X)`` at the
     start and at each restart, Q and R updated by ``symmetric(a, b, add=, beta=, alpha=)`` (beta add +
     alpha a @ b, known symmetric), Q X at each restart and at the end. An owner group passes its summed
-    Gram matrix (``math/group_newton_schulz.py``): the rest of the loop is the same on one owner and on a member."""
-    gram = gram_of(x)
+    Gram matrix (``math/group_newton_schulz.py``): the rest of the loop is the same on one owner and on a member.
+    With ``scratch``, every product goes into a ``scratch`` buffer (``gram_of`` and ``symmetric`` take
+    ``out=``), the last into ``out`` where given; without, each is a new tensor."""
+    square, wide = _square(x), tuple(x.shape)
+    pairs = {"gram": ["gram_r", "gram_r2"], "product": ["gram_q", "gram_q2"], "x": ["gram_x", "gram_x2"]}
+
+    def into(role: str, shape=square) -> dict:
+        """``out=`` a buffer for ``role`` (of a pair: the one it did not take last, never the one read), or nothing."""
+        if scratch is None:
+            return {}
+        name = role
+        if role in pairs:
+            pairs[role].reverse()
+            name = pairs[role][0]
+        return {"out": scratch(name, shape, x.dtype, x.device)}
+
+    def times_x(product, x, last=False):
+        if scratch is None:
+            return product @ x
+        return _matmul(product, x, out if last and out is not None else into("x", wide)["out"])
+
+    gram = gram_of(x, **into("gram"))
     product = None  # Q
     for step, (a, b, c) in enumerate(schedule):
         if step in restarts:
-            x = product @ x
-            gram = gram_of(x)
+            x = times_x(product, x)
+            gram = gram_of(x, **into("gram"))
             product = None
-        z = symmetric(gram, gram, add=gram, beta=b, alpha=c)
+        z = symmetric(gram, gram, add=gram, beta=b, alpha=c, **into("gram_z"))
         if product is None:
-            product = z.clone()
+            product = z.clone() if scratch is None else into("product")["out"].copy_(z)
             product.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            product = symmetric(product, z, add=product, beta=a)
+            product = symmetric(product, z, add=product, beta=a, **into("product"))
         if step + 1 < len(schedule) and step + 1 not in restarts:
-            rz = symmetric(gram, z, add=gram, beta=a)
-            gram = symmetric(z, rz, add=rz, beta=a)
-    return product @ x
+            rz = symmetric(gram, z, add=gram, beta=a, **into("gram_rz"))
+            gram = symmetric(z, rz, add=rz, beta=a, **into("gram"))
+    return times_x(product, x, last=True)
 
 
 def gram_restarts(steps: int) -> tuple[int, ...]:
@@ -240,24 +298,49 @@ def symmetric_levels(rows: int) -> int:
 
 
 def _symmetric_matmul(a: torch.Tensor, b: torch.Tensor, levels: int, *, add: torch.Tensor | None = None,
-                      beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+                      beta: float = 1.0, alpha: float = 1.0, out: torch.Tensor | None = None,
+                      scratch: Scratch = fresh) -> torch.Tensor:
     """``beta * add + alpha * a @ b`` (accumulated as one ``addmm``/``baddbmm``) for a result known to be
     symmetric: split ``levels`` times (2-D matrices only), its upper-left and lower-right blocks
-    (symmetric too: recursively) and its upper-right one; the lower-left is that one's transpose."""
+    (symmetric too: recursively) and its upper-right one; the lower-left is that one's transpose. Into
+    ``out`` where given (each block computed into a ``scratch`` block first, as the blocks of a new
+    result are, then copied), else a new tensor."""
     if levels == 0:
         if add is None:
-            return a @ b if alpha == 1.0 else (a @ b).mul_(alpha)
-        return (torch.baddbmm if a.ndim == 3 else torch.addmm)(add, a, b, beta=beta, alpha=alpha)
+            if out is None:
+                return a @ b if alpha == 1.0 else (a @ b).mul_(alpha)
+            _matmul(a, b, out)
+            return out if alpha == 1.0 else out.mul_(alpha)
+        accumulate = torch.baddbmm if a.ndim == 3 else torch.addmm
+        if out is None:
+            return accumulate(add, a, b, beta=beta, alpha=alpha)
+        return accumulate(add, a, b, beta=beta, alpha=alpha, out=out)
     half = a.size(0) // 2
     top, low = slice(None, half), slice(half, None)
 
     def block(rows: slice, cols: slice):
         return None if add is None else add[rows, cols]
 
-    upper_left = _symmetric_matmul(a[top], b[:, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha)
-    upper_right = _symmetric_matmul(a[top], b[:, low], 0, add=block(top, low), beta=beta, alpha=alpha)
-    lower_right = _symmetric_matmul(a[low], b[:, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha)
-    return torch.cat([torch.cat([upper_left, upper_right], 1), torch.cat([upper_right.T, lower_right], 1)], 0)
+    def into(name: str, rows: slice, cols: slice):
+        """A ``scratch`` block for this level's product (``out`` given), or a new tensor (None)."""
+        if out is None:
+            return None
+        shape = (a[rows].size(0), b[:, cols].size(1))
+        return scratch(f"symmetric_{name}_{levels}", shape, a.dtype, a.device)
+
+    upper_left = _symmetric_matmul(a[top], b[:, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha,
+                                   out=into("upper_left", top, top), scratch=scratch)
+    upper_right = _symmetric_matmul(a[top], b[:, low], 0, add=block(top, low), beta=beta, alpha=alpha,
+                                    out=into("upper_right", top, low))
+    lower_right = _symmetric_matmul(a[low], b[:, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha,
+                                    out=into("lower_right", low, low), scratch=scratch)
+    if out is None:
+        return torch.cat([torch.cat([upper_left, upper_right], 1), torch.cat([upper_right.T, lower_right], 1)], 0)
+    out[top, top].copy_(upper_left)
+    out[top, low].copy_(upper_right)
+    out[low, top].copy_(upper_right.T)
+    out[low, low].copy_(lower_right)
+    return out
 
 
 def stack_batches(items: list, short: int, long: int, ns_method: str = "torch", steps: int = NS_STEPS) -> list[list]:

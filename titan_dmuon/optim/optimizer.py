@@ -46,6 +46,9 @@ from titan_dmuon.runtime.usage_checks import (
 )
 
 
+MUON_STEP_RANGE = "DMuon.muon_step"  # the profiler's name for the Muon part of a step
+
+
 class StepStat:
     """The keys of ``DMuon.last_step_stats`` (the integration's per-step figures are made from them)."""
 
@@ -122,6 +125,9 @@ class DMuon(torch.optim.Optimizer):
         self._first_step_checks = registered_params(roots, every_param)  # (cleared by the first step)
         # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
         self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
+        self.ns_graphs = defaults.ns_graphs
+        if self.ns_graphs:
+            _check_graph_devices([p for g in self.param_groups if g["use_muon"] for p in g["params"]])
         check_whole_matrix_rules(self.param_groups, self._handles, ns_dtype=self.ns_dtype,
                                  normuon_beta2=self.normuon_beta2)
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
@@ -132,7 +138,7 @@ class DMuon(torch.optim.Optimizer):
 
             self.qk_clip = QKClip(list(qk_clip_attention or ()), self._handles,
                                   threshold=defaults.qk_clip_threshold, alpha=defaults.qk_clip_alpha)
-        rule = OwnerUpdate(self, self._ns)
+        rule = self._rule = OwnerUpdate(self, self._ns)
         self._schedule = StepSchedule(rule, self._handles, qk_clip=self.qk_clip, dedicated_ids=self._dedicated_ids)
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
@@ -157,6 +163,11 @@ class DMuon(torch.optim.Optimizer):
         if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
             stats.update(self.qk_clip.stats())
         return stats
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The bytes this rank's Muon step keeps between steps for its temporaries (``optim/workspace.py``)."""
+        return self._rule.workspace.nbytes()
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.
@@ -237,8 +248,10 @@ class DMuon(torch.optim.Optimizer):
 
     def _muon_step(self, groups: list[dict]) -> None:
         """The Muon groups' step: ``optim/step_schedule.py`` orders it, ``optim/whole_update.py``
-        is the rule it runs on each owner (a subclass may replace the whole, as the naive baseline)."""
-        self._schedule.run(groups)
+        is the rule it runs on each owner (a subclass may replace the whole, as the naive baseline).
+        Profiled as ``MUON_STEP_RANGE`` (tests/test_step_memory.py reads its allocations there)."""
+        with torch.profiler.record_function(MUON_STEP_RANGE):
+            self._schedule.run(groups)
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -263,6 +276,15 @@ class DMuon(torch.optim.Optimizer):
         )
 
 
+
+
+def _check_graph_devices(params: list[torch.Tensor]) -> None:
+    """``ns_graphs`` replays CUDA graphs: every Muon weight on a CUDA device."""
+    devices = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+    if devices or not torch.cuda.is_available():
+        where = ", ".join(devices) if devices else "a machine without CUDA"
+        raise OptionError("ns_graphs", True, f"false for Muon weights on {where} (CUDA graphs replay on a "
+                          "CUDA device only)")
 
 
 def _check_known(options: dict, where: str) -> None:

@@ -97,6 +97,7 @@ class _Batch:
     parts: list[_Part]
     then: Callable[[], None] | None = None
     exchange: Exchange | None = None
+    slot: int = 0  # which of the workspace's two sets of exchange buffers it uses
 
 
 class TensorParallelStep:
@@ -106,6 +107,7 @@ class TensorParallelStep:
         self.exchange, self.rule = exchange, rule
         self._sent: _Batch | None = None  # its shards on their way to their homes
         self._back: _Batch | None = None  # its results on their way back
+        self._batches_sent = 0  # a batch's exchange buffers are the rule's workspace's, in slot count % 2
 
     def submit(self, work: list[tuple[dict, list[TPItem]]], then: Callable[[], None]) -> None:
         """A job's TP weights by param group (the same on every rank of the TP group): each batch is
@@ -159,29 +161,38 @@ class TensorParallelStep:
 
     def _send(self, batch: _Batch) -> None:
         """Momentum and Newton–Schulz inputs of ``batch``, sent to their homes."""
-        me, inputs, matrices = self.exchange.tp.rank, [], []
+        me, inputs, matrices, workspace = self.exchange.tp.rank, [], [], self.rule.workspace
+        batch.slot, self._batches_sent = self._batches_sent % 2, self._batches_sent + 1
+        computed = [p for p in batch.parts if not (p.matrices[0].dim is None and p.matrices[0].home != me)]
+        sizes = [len(p.matrices) * p.matrices[0].numel for p in computed]
+        flat = workspace("tp_inputs", (sum(sizes),), torch.bfloat16, self.exchange.streams.device)
+        offset = 0
         for part in batch.parts:
             matrices += part.matrices
-            if part.matrices[0].dim is None and part.matrices[0].home != me:
+            if part not in computed:
                 inputs += [None] * len(part.matrices)  # (a replicated weight: its momentum lives on its home)
                 continue
+            count, shape = len(part.matrices), part.matrices[0].shape
+            out = flat[offset : offset + count * part.matrices[0].numel].view(count, *shape)
+            offset += out.numel()
             inputs += self.rule.momentum_inputs(batch.group, part.item.param, part.item.grad,
-                                                slice(part.first, part.stop), part.item.matrices)
-        batch.exchange = self.exchange.send_to_homes(matrices, inputs)
+                                                slice(part.first, part.stop), part.item.matrices, out=out)
+        batch.exchange = self.exchange.send_to_homes(matrices, inputs, scratch=workspace, slot=batch.slot)
 
     def _orthogonalise(self, batch: _Batch) -> None:
         """Newton–Schulz of the matrices homed here, timed from when their shards are here (the wait
         is the transfer's: on an accelerator the timer's start event is queued after it)."""
         figures, newton_schulz = self.rule.figures, self.rule.orthogonalise_fn(batch.group)
 
-        def timed(matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        def timed(matrices: list[torch.Tensor], consume) -> None:
             with figures.timing(matrices[0].device):
-                return newton_schulz(matrices)
+                newton_schulz(matrices, consume)
 
         sent, batch.exchange = batch.exchange, None
         owners = [(part.item, k) for part in batch.parts for k in range(part.first, part.stop)]
         batch.exchange = self.exchange.orthogonalise_at_homes(sent, timed, dtype=self.rule.result_dtype,
-                                                              rule=self.rule.home_rule(owners))
+                                                              rule=self.rule.home_rule(owners),
+                                                              scratch=self.rule.workspace, slot=batch.slot)
         figures.matrices += batch.exchange.ns_matrices
 
     def _apply(self, batch: _Batch) -> None:

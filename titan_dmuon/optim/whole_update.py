@@ -29,12 +29,15 @@ from titan_dmuon.math.matrix_blocks import Block, block_rows, local_tiles
 from titan_dmuon.math.muon_update import (
     adjusted_lr,
     apply_normuon,
+    converted,
     muon_step,
     orthogonalise,
     scalar,
     second_moment_shape,
 )
 from titan_dmuon.math.ns_methods import ns_torch_dtype
+from titan_dmuon.optim.ns_graphs import NSGraphs
+from titan_dmuon.optim.workspace import Workspace
 from titan_dmuon.runtime.streams import DeviceTimer
 
 SECOND_MOMENT = "normuon_second_moment"  # NorMuon's v in a weight's optimizer state (beside "momentum_buffer")
@@ -77,10 +80,18 @@ class OwnerUpdate:
     """Muon on this rank's weights. Their optimizer state is ``optimizer.state`` and the job's
     Newton–Schulz method, dtype and NorMuon decay ``optimizer.ns_method``, ``ns_dtype`` and
     ``normuon_beta2``, all read there each time (``load_state_dict`` replaces the state's mapping; a
-    job may change the method between steps)."""
+    job may change the method between steps). The step's temporaries come from ``workspace``, the
+    same memory every step (``optim/workspace.py``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, figures: NSFigures) -> None:
         self.optimizer, self.figures = optimizer, figures
+        self.workspace = Workspace()
+        self.ns_graphs = NSGraphs(self.workspace)  # used with the job's ns_graphs
+
+    @property
+    def ns_runner(self) -> NSGraphs | None:
+        """How a Newton–Schulz batch runs: from CUDA graphs (``ns_graphs``), or called (None)."""
+        return self.ns_graphs if getattr(self.optimizer, "ns_graphs", False) else None
 
     @property
     def ns_method(self) -> str:
@@ -140,32 +151,39 @@ class OwnerUpdate:
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                 eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
                 ns_method=self.ns_method, col_blocks=col_blocks, ns_dtype=self.ns_dtype, normuon_beta2=beta2,
-                second_moments=moments if beta2 is not None else None,
+                second_moments=moments if beta2 is not None else None, scratch=self.workspace,
+                ns_runner=self.ns_runner,
             )
 
     # ---- the same rule, split where tensor parallelism splits the matrix --------------------------------
     def momentum_inputs(self, group: dict, param: torch.Tensor, grad: torch.Tensor, matrices: slice,
-                        tp_matrices: Sequence = ()) -> list:
+                        tp_matrices: Sequence = (), *, out: torch.Tensor) -> list:
         """torch.optim.Muon's momentum on this rank's shard of ``param`` (``matrices``: the experts of a
-        stack, ``slice(0, 1)`` for a matrix); the bf16 Newton–Schulz input of each of those matrices.
-        With NorMuon, ``param``'s second moment is made here on every rank that holds a part of it (its
-        ``tp_matrices``' homes use it; checkpoints merge it: ``tensor_parallel_second_moments``)."""
+        stack, ``slice(0, 1)`` for a matrix); the bf16 Newton–Schulz input of each of those matrices,
+        written into ``out`` (one per matrix). With NorMuon, ``param``'s second moment is made here on
+        every rank that holds a part of it (its ``tp_matrices``' homes use it; checkpoints merge it:
+        ``tensor_parallel_second_moments``)."""
         if self.normuon_beta2 is not None:
             self.second_moment(param, tp_second_moment_shape(param, tp_matrices))
         momentum, buffer = group["momentum"], self.momentum_buffer(param)
         if buffer.ndim == 3:
             buffer, grad = buffer[matrices], grad[matrices]
         buffer.lerp_(grad, 1 - momentum)
-        ns_input = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        return [(ns_input[k] if ns_input.ndim == 3 else ns_input).bfloat16()
-                for k in range(matrices.stop - matrices.start)]
+        ns_input = buffer
+        if group["nesterov"]:
+            ns_input = torch.lerp(grad, buffer, momentum,
+                                  out=self.workspace("tp_nesterov", tuple(grad.shape), grad.dtype, grad.device))
+        for k in range(matrices.stop - matrices.start):
+            out[k].copy_(ns_input[k] if ns_input.ndim == 3 else ns_input)
+        return list(out)
 
     def orthogonalise_fn(self, group: dict):
-        """Newton–Schulz of whole matrices (a TP home's), by ``group``'s options, in the job's dtype."""
-        def orthogonalise_matrices(matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-            return orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
-                                 coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=self.ns_method,
-                                 ns_dtype=self.ns_dtype)
+        """Newton–Schulz of whole matrices (a TP home's), by ``group``'s options, in the job's dtype, each
+        result passed to ``consume(i, result)`` (``muon_update.orthogonalise``)."""
+        def orthogonalise_matrices(matrices: list[torch.Tensor], consume) -> None:
+            orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
+                          coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=self.ns_method,
+                          ns_dtype=self.ns_dtype, scratch=self.workspace, consume=consume, ns_runner=self.ns_runner)
 
         return orthogonalise_matrices
 
@@ -187,7 +205,7 @@ class OwnerUpdate:
             matrix = item.matrices[k]
             rows, _ = matrix.tiles()[t]
             moment = self.second_moment(item.param, tp_second_moment_shape(item.param, item.matrices))
-            return apply_normuon(result, moment, k, rows, t % len(matrix.col_blocks), beta2)
+            return apply_normuon(result, moment, k, rows, t % len(matrix.col_blocks), beta2, scratch=self.workspace)
 
         return normuon_at_home
 
@@ -203,7 +221,8 @@ class OwnerUpdate:
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(rows), block_rows(cols)))
                 for local_rows, local_cols in local_tiles(rows, cols, tp_dim=matrix.dim, tp_rank=tp_rank,
                                                           local_shape=matrix.shape):
-                    target[local_rows, local_cols].add_(update[local_rows, local_cols], alpha=-scale)
+                    tile = converted(update[local_rows, local_cols], target.dtype, self.workspace)
+                    target[local_rows, local_cols].add_(tile, alpha=-scale)
 
 
 def tp_second_moment_shape(param: torch.Tensor, tp_matrices: Sequence) -> tuple[int, ...]:

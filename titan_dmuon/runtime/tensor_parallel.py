@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_dmuon.math.matrix_blocks import put_tile, take_tile
+from titan_dmuon.math.matrix_blocks import block_rows, put_tile, tile_ranges
+from titan_dmuon.math.ns_methods import Scratch, fresh
 from titan_dmuon.plan.specs import TPMatrix
 from titan_dmuon.runtime.comm import CommLabel, CommStats, InFlight, Launch, comm_source
 from titan_dmuon.runtime.members import Member
@@ -107,20 +108,32 @@ class TensorParallelNewtonSchulz:
         **at_homes,
     ) -> tuple[list[torch.Tensor], int]:
         """The three steps at once: this rank's shards of the orthogonalised matrices, and the number
-        of Newton–Schulz matrices (blocks) it ran (``at_homes``: ``orthogonalise_at_homes``' options)."""
-        back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), orthogonalise_fn, **at_homes)
+        of Newton–Schulz matrices (blocks) it ran (``orthogonalise_fn``: inputs to results;
+        ``at_homes``: ``orthogonalise_at_homes``' options)."""
+        def each_result(inputs: list[torch.Tensor], consume) -> None:
+            for j, result in enumerate(orthogonalise_fn(inputs)):
+                consume(j, result)
+
+        back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), each_result, **at_homes)
         return self.received(back), back.ns_matrices
 
-    def send_to_homes(self, matrices: Sequence[TPMatrix], shards: Sequence[torch.Tensor | None]) -> Exchange:
+    def send_to_homes(self, matrices: Sequence[TPMatrix], shards: Sequence[torch.Tensor | None], *,
+                      scratch: Scratch = fresh, slot: int = 0) -> Exchange:
         """``shards``: this rank's bf16 NS inputs of ``matrices`` (the same matrices, in the same order,
         on every rank of the TP group), sent to their homes. A replicated matrix's input is needed on
-        its home only (None elsewhere): it stays there."""
+        its home only (None elsewhere): it stays there (copied: ``shards`` may be reused at once). The
+        buffers are ``scratch``'s, named by ``slot``: the step alternates two, as a batch's send is in
+        flight while the next one is made."""
         size, me = self.tp.size, self.tp.rank
         sharded = [i for i in self._by_home(matrices) if matrices[i].dim is not None]
-        own = {i: shards[i] for i, m in enumerate(matrices) if m.dim is None and m.home == me}
-        send = torch.cat([shards[i].reshape(-1) for i in sharded]) if sharded else self._empty()
+        homed_here = [i for i, m in enumerate(matrices) if m.dim is None and m.home == me]
+        kept = _packed([shards[i] for i in homed_here], scratch, f"tp_kept{slot}", torch.bfloat16, self.streams.device)
+        own = {i: kept[offset : offset + matrices[i].numel]
+               for i, offset in zip(homed_here, _offsets([matrices[i].numel for i in homed_here]))}
+        send = _packed([shards[i] for i in sharded], scratch, f"tp_to_home_send{slot}", torch.bfloat16,
+                       self.streams.device)
         per_source = sum(m.numel for m in matrices if m.dim is not None and m.home == me)
-        received = send.new_empty(per_source * size)
+        received = scratch(f"tp_to_home_received{slot}", (per_source * size,), send.dtype, send.device)
         if sharded:  # (the same on every rank: nothing to send when the chunk holds replicated matrices only)
             in_flight = self._issue(CommLabel.TP_TO_HOME, received, send, [per_source] * size,
                                     self._home_splits(matrices, sharded_only=True))
@@ -129,48 +142,60 @@ class TensorParallelNewtonSchulz:
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, own=own)
 
     def orthogonalise_at_homes(
-        self, sent: Exchange, orthogonalise_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], *,
+        self, sent: Exchange, orthogonalise_fn: Callable[..., list[torch.Tensor] | None], *,
         dtype: torch.dtype = torch.bfloat16, rule: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
+        scratch: Scratch = fresh, slot: int = 0,
     ) -> Exchange:
         """Wait for ``sent``, orthogonalise the matrices homed here, send each rank its shards.
 
         ``sent``'s buffers are dropped once read (the current stream, which reuses their memory,
-        waited for their transfer). ``orthogonalise_fn`` returns its results in ``dtype`` (the
-        Newton–Schulz dtype, what travels back; the same on every rank). ``rule(i, t, result)``: what
-        the optimizer does to the result of tile ``t`` (``TPMatrix.tiles`` order) of ``matrices[i]``
-        before it travels back (NorMuon), or None."""
+        waited for their transfer). ``orthogonalise_fn(inputs, consume=)`` passes each result, in
+        ``dtype`` (the Newton–Schulz dtype, what travels back; the same on every rank), to
+        ``consume(j, result)`` (``muon_update.orthogonalise``). ``rule(i, t, result)``: what the optimizer
+        does to the result of tile ``t`` (``TPMatrix.tiles`` order) of ``matrices[i]`` before it travels
+        back (NorMuon), or None. The assembled matrices, their tiles and results are ``scratch``'s; the
+        buffers sent back too, named by ``slot`` (two alternate: a batch's results are in flight while
+        the next batch's are made)."""
         size, me, matrices = self.tp.size, self.tp.rank, sent.matrices
+        device = self.streams.device
         sent.in_flight.wait()
         homed = [i for i, m in enumerate(matrices) if m.home == me]
         per_source = sum(matrices[i].numel for i in homed if matrices[i].dim is not None)
+        sizes = [matrices[i].numel * (1 if matrices[i].dim is None else size) for i in homed]
+        assembled = scratch("tp_assembled", (sum(sizes),), torch.bfloat16, device)
         full, start = [], 0
-        for i in homed:
+        for i, offset, numel in zip(homed, _offsets(sizes), sizes):
             matrix = matrices[i]
             if matrix.dim is None:
                 full.append(sent.own[i].view(matrix.shape))
                 continue
             parts = [sent.received[s * per_source + start : s * per_source + start + matrix.numel].view(matrix.shape)
                      for s in range(size)]
-            full.append(torch.cat(parts, dim=matrix.dim))
+            shape = list(matrix.shape)
+            shape[matrix.dim] *= size
+            full.append(torch.cat(parts, dim=matrix.dim, out=assembled[offset : offset + numel].view(shape)))
             start += matrix.numel
         sent.sent = sent.received = None
         sent.own = {}
         tiles = [(k, t, rows, cols) for k, i in enumerate(homed) for t, (rows, cols) in enumerate(matrices[i].tiles())]
-        inputs = [take_tile(full[k], rows, cols).contiguous() for k, _, rows, cols in tiles]
-        results = orthogonalise_fn(inputs) if tiles else []
-        out: list[torch.Tensor | None] = [None] * len(full)
-        for (k, t, rows, cols), result in zip(tiles, results):
+        inputs = _tiles_of(full, tiles, scratch)
+        results = scratch("tp_results", (sum(sizes),), dtype, device)
+        out = [results[offset : offset + numel].view(m.shape) for m, offset, numel in zip(full, _offsets(sizes), sizes)]
+
+        def consume(j: int, result: torch.Tensor) -> None:
+            k, t, rows, cols = tiles[j]
             if rule is not None:
                 result = rule(homed[k], t, result)
-            if len(matrices[homed[k]].tiles()) == 1 and result.dtype == dtype:
-                out[k] = result  # (the whole matrix)
-                continue
-            if out[k] is None:  # (the assembled matrix itself where it has the dtype: every input was taken)
-                out[k] = full[k] if full[k].dtype == dtype else torch.empty(full[k].shape, dtype=dtype, device=full[k].device)
-            put_tile(out[k], rows, cols, result)
-        parts = [self._part_for(m, matrices[i], s).reshape(-1) for s in range(size) for m, i in zip(out, homed)]
-        send = torch.cat(parts) if parts else self._empty(dtype)
-        received = send.new_empty(sum(m.numel for m in matrices), dtype=dtype)
+            if len(matrices[homed[k]].tiles()) == 1:
+                out[k].copy_(result)  # (the whole matrix)
+            else:
+                put_tile(out[k], rows, cols, result)
+
+        if tiles:
+            orthogonalise_fn(inputs, consume=consume)
+        parts = [self._part_for(m, matrices[i], s) for s in range(size) for m, i in zip(out, homed)]
+        send = _packed(parts, scratch, f"tp_back_send{slot}", dtype, device)
+        received = scratch(f"tp_back_received{slot}", (sum(m.numel for m in matrices),), dtype, device)
         per_destination = sum(matrices[i].numel for i in homed)
         in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
                                 [per_destination] * size)
@@ -198,10 +223,6 @@ class TensorParallelNewtonSchulz:
         return [sum(m.numel for m in matrices if m.home == home and not (sharded_only and m.dim is None))
                 for home in range(self.tp.size)]
 
-    def _empty(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Nothing to send (Newton–Schulz inputs are bf16, results in the Newton–Schulz dtype)."""
-        return torch.empty(0, dtype=dtype, device=self.streams.device)
-
     def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream, which waits for an event recorded now on the current
         stream (after its writes of ``input`` and the allocation of ``output``), not for what that
@@ -216,3 +237,41 @@ class TensorParallelNewtonSchulz:
             with Launch(self.tp.group, self.tp.size, self.streams.device, source, self.stats, coalesce=False) as launch:
                 launch.all_to_all(output, input, output_splits, input_splits)
         return launch.in_flight
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of ``sizes`` starts when packed one after another."""
+    out, offset = [], 0
+    for numel in sizes:
+        out.append(offset)
+        offset += numel
+    return out
+
+
+def _packed(tensors: Sequence[torch.Tensor], scratch: Scratch, name: str, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """``tensors`` one after another in a flat ``scratch`` buffer (``torch.cat`` of them flattened)."""
+    sizes = [t.numel() for t in tensors]
+    flat = scratch(name, (sum(sizes),), dtype, device)
+    for tensor, offset, numel in zip(tensors, _offsets(sizes), sizes):
+        flat[offset : offset + numel].view(tensor.shape).copy_(tensor)
+    return flat
+
+
+def _tiles_of(full: Sequence[torch.Tensor], tiles, scratch: Scratch) -> list[torch.Tensor]:
+    """Each tile of the assembled matrices as a contiguous matrix: a view where it is a range of whole
+    rows, else gathered into a flat ``scratch`` buffer (as ``take_tile(...).contiguous()``)."""
+    def is_rows(k, rows, cols) -> bool:
+        return len(rows) == 1 and cols == ((0, full[k].shape[1]),)
+
+    gathered = [j for j, (k, _, rows, cols) in enumerate(tiles) if not is_rows(k, rows, cols)]
+    sizes = [block_rows(tiles[j][2]) * block_rows(tiles[j][3]) for j in gathered]
+    out = [full[k][rows[0][0] : rows[0][1]] if is_rows(k, rows, cols) else None for k, _, rows, cols in tiles]
+    if gathered:
+        flat = scratch("tp_tiles", (sum(sizes),), full[0].dtype, full[0].device)
+        for j, offset, numel in zip(gathered, _offsets(sizes), sizes):
+            k, _, rows, cols = tiles[j]
+            tile = out[j] = flat[offset : offset + numel].view(block_rows(rows), block_rows(cols))
+            for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(rows, cols):
+                tile[tile_rows, tile_cols].copy_(full[k][matrix_rows, matrix_cols])
+    return out

@@ -10,8 +10,11 @@ from fractions import Fraction
 
 import torch
 
-from titan_dmuon.math.matrix_blocks import block_rows
-from titan_dmuon.math.ns_methods import ns_flops
+from titan_dmuon.math.matrix_blocks import block_rows, row_blocks
+from titan_dmuon.math.muon_update import muon_step
+from titan_dmuon.math.ns_methods import NS_STEPS, ns_flops
+from titan_dmuon.optim.step_schedule import pipeline_chunks
+from titan_dmuon.optim.workspace import Workspace
 from titan_dmuon.plan import cost_model
 from titan_dmuon.plan.ownership import OwnershipPlan, build_plan
 from titan_dmuon.plan.specs import MatrixSpec
@@ -225,6 +228,7 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
         for r in range(mesh.replicate_size):
             held[r * dp_shard + plan.shard_owner(e)] += e.numel
     units = stage.unit_sizes()
+    workspaces = _rank_workspaces(stage, plan, ranks, dp_shard, shards)
     unreduced_rest = sum(gathered_numel(w) for w in stage.others + stage.local) * rb
     for name, reshard in (("DMuon-Z2", False), ("DMuon-Z3", True)):
         z3 = reshard and not pipelined and not layout.ddp
@@ -236,7 +240,8 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
             buffers_between_steps=(units[0] if units else 0) * cb,
             buffers_peak=(_two_adjacent(units) if z3 else sum(units)) * cb,
             unreduced_grads=unreduced_rest + sum(units) * rb if pipelined else 0,
-            gathered_peak=gathered(stage.others + stage.local, reshard) + max(units, default=0) * rb)
+            gathered_peak=gathered(stage.others + stage.local, reshard) + max(units, default=0) * rb,
+            workspace=max(workspaces))
     return memory
 
 
@@ -351,6 +356,46 @@ def size_job(
     recommendation, reasons = _recommend(stages, layout, device_memory, activation_share)
     return Sizing(layout=layout, precision=precision, stages=stages, muon_numel=muon,
                   other_numel=sum(w.numel for w in weights) - muon, recommendation=recommendation, reasons=reasons)
+
+
+def workspace_bytes(calls: Sequence[Sequence[tuple[tuple[int, ...], Sequence]]]) -> int:
+    """Bytes of the Muon step's workspace (``optim/workspace.py``, ns_method 'torch', bf16) on a rank whose
+    step runs ``calls``: per ``OwnerUpdate.update`` call, the (shape, row blocks) of each weight it updates
+    whole (a stack of experts 3-D); each call's batches run once on the meta device, into one workspace."""
+    workspace = Workspace()
+    for matrices in calls:
+        chosen = [(shape, blocks) for shape, blocks in matrices if math.prod(shape)]
+        params = [torch.empty(shape, device="meta") for shape, _ in chosen]
+        muon_step(params, [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
+                  [blocks or row_blocks(shape[-2:]) for shape, blocks in chosen], lr=0.0, weight_decay=0.0,
+                  momentum=0.95, nesterov=True, ns_steps=NS_STEPS, scratch=workspace)
+    return workspace.nbytes()
+
+
+def workspace_bound(weights: Sequence[Weight]) -> int:
+    """The workspace on any rank, at most: every Muon weight's batches in one call. A buffer is as large
+    as the largest batch of any shape class asks (``MAX_STACK_BYTES`` caps a batch), so a rank that
+    updates fewer weights needs no more; tensor parallelism's exchange buffers are not counted."""
+    return workspace_bytes([[(w.shape, w.blocks) for w in weights if w.muon and len(w.shape) in (2, 3)]])
+
+
+def _rank_workspaces(stage: _StageWeights, plan: OwnershipPlan, ranks: int, dp_shard: int, shards: int) -> list[int]:
+    """Each rank's workspace, its step's calls as ``step_schedule`` makes them: the dedicated weights it
+    owns, a chunk of layers per call (``pipeline_chunks``), then its experts of the stacks that stay where
+    FSDP2 shards them, in one call (``workspace_bytes``); tensor-parallel weights (their exchange and
+    homes' buffers) are not counted."""
+    chunks = pipeline_chunks(sorted({e.unit for e in plan.entries}))
+    out, known = [], {}  # (ranks with the same calls have the same workspace)
+    for g in range(ranks):
+        calls = [[(tuple(e.shape), e.blocks) for e in plan.entries
+                  if e.owner == g and e.unit in chunk and not e.tensor_parallel] for chunk in chunks]
+        calls.append([((_rows(w.shape[0], shards)[(g % dp_shard) % shards], *w.shape[1:]), w.blocks)
+                      for w in stage.local if stage.layout.tp == 1 or w.tp_dim is None])
+        key = tuple(tuple((shape, tuple(blocks or ())) for shape, blocks in call) for call in calls)
+        if key not in known:
+            known[key] = workspace_bytes(calls)
+        out.append(known[key])
+    return out
 
 
 def _recommend(stages: list[Stage], layout: Layout, device_memory: float, share: float) -> tuple[str, list[str]]:

@@ -91,16 +91,17 @@ class Memory:
     buffers_peak: int = 0  # DMuon's packed buffers at their peak (the counter ``peak_buffer_bytes``)
     unreduced_grads: int = 0  # pipelining: the stage's dedicated gradients held unreduced over the micro-batches
     gathered_peak: int = 0  # FSDP2's all-gathered weights and one layer's reduce buffers (estimate)
+    workspace: int = 0  # DMuon's Muon-step workspace, kept between steps (figures.workspace_bytes; TP weights' aside)
 
     @property
     def persistent(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.buffers_between_steps
+        return self.params + self.grads + self.optimizer_state + self.buffers_between_steps + self.workspace
 
     @property
     def peak(self) -> int:
-        """Everything above at once, activations and Newton–Schulz workspace not included."""
+        """Everything above at once, activations not included."""
         return (self.params + self.grads + self.optimizer_state + self.buffers_peak + self.unreduced_grads
-                + self.gathered_peak)
+                + self.gathered_peak + self.workspace)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,16 +48,17 @@ def _memory_table(sizing: Sizing) -> list[str]:
     stage_of = {c: sizing.heaviest(c) for c in CONFIGURATIONS}
     out = ["", "Memory per rank (GB = 1e9 bytes, MB = 1e6; the largest rank"
            + (", of the heaviest pipeline stage" if staged else "")
-           + "; activations and Newton–Schulz workspace not included)", "",
+           + "; activations not included)", "",
            "| | " + " | ".join(CONFIGURATIONS) + " |", "|---" * (len(CONFIGURATIONS) + 1) + "|"]
     rows = [("parameters", lambda m: m.params), ("gradients", lambda m: m.grads),
             ("optimizer state", lambda m: m.optimizer_state),
             ("DMuon buffers between steps", lambda m: m.buffers_between_steps),
-            ("DMuon buffers, peak", lambda m: m.buffers_peak)]
+            ("DMuon buffers, peak", lambda m: m.buffers_peak),
+            ("DMuon's Muon-step workspace (kept between steps)", lambda m: m.workspace)]
     if staged:
         rows.append(("gradients held over the micro-batches (estimate)", lambda m: m.unreduced_grads))
     rows += [("FSDP2's gathered weights + a layer's reduce buffer (estimate)", lambda m: m.gathered_peak),
-             ("**persistent**: parameters, gradients, state, buffers between steps", lambda m: m.persistent),
+             ("**persistent**: parameters, gradients, state, buffers between steps, workspace", lambda m: m.persistent),
              ("**peak without activations**", lambda m: m.peak)]
     unit = max(stage_of[c].memory[c].peak for c in CONFIGURATIONS)
     for label, get in rows:
@@ -107,5 +108,5 @@ def _newton_schulz_lines(sizing: Sizing, tflops: float) -> list[str]:
             f"- busiest rank {_flop(sizing.ns_max)}, mean {_flop(mean)}, max/mean "
             f"{sizing.ns_max / mean if mean else 1.0:.3f}",
             f"- critical path at {tflops:g} TFLOP/s: {_ms(sizing.ns_max / rate)} (the busiest rank); floor "
-            f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: no plan goes below it)",
+            f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: no one-owner plan goes below it; owner groups can)",
             "- FSDP2 + AdamW runs none; naive FSDP2 + Muon runs every matrix on every rank"]

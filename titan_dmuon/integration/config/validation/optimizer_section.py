@@ -24,7 +24,7 @@ ADAMW_EXAMPLE = "train_configs/debug_model_adamw.toml"
 
 
 # Muon-family keys only DMuon runs (the benchmarks' naive_muon baseline does not): their off values
-DMUON_ONLY_DEFAULTS = {"normuon_beta2": None, "ns_dtype": "bfloat16", "ns_blocks": "matrix"}
+DMUON_ONLY_DEFAULTS = {"normuon_beta2": None, "ns_dtype": "bfloat16", "ns_blocks": "matrix", "ns_graphs": False}
 
 
 def validate_owner_groups(opt, names: Naming) -> None:
