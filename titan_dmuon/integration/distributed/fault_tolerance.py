@@ -261,8 +261,22 @@ class DMuonFaultTolerantTrainer(DMuonTrainer, FaultTolerantTrainer):
         groups' means: with 2 groups it logged twice the loss)."""
         self._decisions_seen = drop_gathers_after_syncs(self.ft_manager, dmuon_handles(self.optimizers),
                                                         self._decisions_seen)
+        let_outer_optimizers_step(self.optimizers)
         with _replaced(titan_dist_utils, "dist_sum", _mean_of_group_means(titan_dist_utils.dist_sum)):
             return super().train_step(data_iterator)
+
+
+def let_outer_optimizers_step(container) -> None:
+    """DiLoCo's outer optimizers (TorchTitan builds a torch SGD over every parameter, TorchFT steps it at each
+    sync) update the dedicated weights by design: on each owner its whole weight, from the pseudo-gradient
+    TorchFT averaged over the groups. ``runtime/usage_checks.py`` refuses a torch optimizer over dedicated
+    weights at its first step, so they are marked as DMuon's partners; TorchFT registers them with the step
+    post-hook it puts on the inner optimizer (this container), which is where they are found."""
+    for hook in getattr(container, "_optimizer_step_post_hooks", {}).values():
+        for fragment in getattr(getattr(hook, "__self__", None), "_fragments", ()):
+            outer = getattr(fragment, "_outer_optimizer", None)
+            if outer is not None:
+                outer.steps_dedicated_weights = True
 
 
 def drop_gathers_after_syncs(ft_manager, handles, seen: int) -> int:
