@@ -122,12 +122,28 @@ seed = {seed}
 """
 
 
-def job_toml(optimizer: str, *, steps: int, reshard: str = "always", warmup_steps: int = 2, seed: int = 0,
-             local_batch: int = 2, seq_len: int = 256) -> str:
+def job_toml(
+    optimizer: str,
+    *,
+    steps: int,
+    reshard: str = "always",
+    warmup_steps: int = 2,
+    seed: int = 0,
+    local_batch: int = 2,
+    seq_len: int = 256,
+) -> str:
     """The llama3 debug job every benchmark of this model runs, with this ``[optimizer]`` table
     (``local_batch`` sequences of ``seq_len`` tokens per rank per step)."""
-    return TEMPLATE.format(optimizer=optimizer, steps=steps, reshard=reshard, warmup_steps=warmup_steps, seed=seed,
-                           local_batch=local_batch, seq_len=seq_len)
+    return TEMPLATE.format(
+        optimizer=optimizer,
+        steps=steps,
+        reshard=reshard,
+        warmup_steps=warmup_steps,
+        seed=seed,
+        local_batch=local_batch,
+        seq_len=seq_len,
+    )
+
 
 LINE = re.compile(
     r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
@@ -144,9 +160,23 @@ def seed_checkpoint(config_path: str, workdir: str, extra: tuple = ()) -> str:
     folder = os.path.join(workdir, "seed")
     env = {**os.environ, "CONFIG_FILE": config_path, "NGPU": "1", "PYTHON": sys.executable}
     out = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", folder, "--checkpoint.enable", "true",
-         "--checkpoint.create_seed_checkpoint", "true", "--parallelism.data_parallel_shard_degree", "1", *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        [
+            "./run_train.sh",
+            "--job.dump_folder",
+            folder,
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.create_seed_checkpoint",
+            "true",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if out.returncode != 0:
         sys.exit(f"seed checkpoint failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
@@ -164,8 +194,15 @@ def train_args(workdir: str, seed: str | None, tag: str) -> list[str]:
     return args
 
 
-def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None, configs=CONFIGS,
-        batch: "Batch | None" = None) -> list[dict]:
+def run(
+    name: str,
+    steps: int,
+    ngpu: int,
+    workdir: str,
+    seed: str | None = None,
+    configs=CONFIGS,
+    batch: "Batch | None" = None,
+) -> list[dict]:
     optimizer, reshard = configs[name]
     path = os.path.join(workdir, re.sub(r"\W+", "_", name) + ".toml")
     shape = {} if batch is None else {"local_batch": batch.local, "seq_len": batch.seq}
@@ -174,24 +211,39 @@ def run(name: str, steps: int, ngpu: int, workdir: str, seed: str | None = None,
     env = {**os.environ, **job_env(path, optimizer), "NGPU": str(ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     rows = []
     for m in LINE.finditer(out.stdout + out.stderr):
-        rows.append({
-            "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
-            "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
-            # launches per rank per step as NCCL runs them (a DMuon group once; gloo runs it one by one)
-            "launches": float(m[8]), "launch_dmuon": float(m[9]) if m[9] else None,
-            "buffers_mb": float(m[10]) if m[10] else 0.0,
-            "host_ms": float(m[11]) if m[11] else None, "first_wait_ms": float(m[12]) if m[12] else None,
-        })
+        rows.append(
+            {
+                "step": int(m[1]),
+                "loss": float(m[2]),
+                "rss_gib": float(m[3]),
+                "step_s": float(m[4]),
+                "opt_ms": float(m[5]),
+                "comm_m": float(m[6]),
+                "comm_mb": float(m[7]),
+                # launches per rank per step as NCCL runs them (a DMuon group once; gloo runs it one by one)
+                "launches": float(m[8]),
+                "launch_dmuon": float(m[9]) if m[9] else None,
+                "buffers_mb": float(m[10]) if m[10] else 0.0,
+                "host_ms": float(m[11]) if m[11] else None,
+                "first_wait_ms": float(m[12]) if m[12] else None,
+            }
+        )
     return rows
 
 
-MODEL_DIM = 256  # llama3 debugmodel's width d (TorchTitan's _debugmodel): Newton–Schulz costs ~5d/B of the model's FLOPs
+MODEL_DIM = (
+    256  # llama3 debugmodel's width d (TorchTitan's _debugmodel): Newton–Schulz costs ~5d/B of the model's FLOPs
+)
 
 
 @dataclass(frozen=True)
@@ -225,16 +277,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ngpu", type=int, default=2)
-    parser.add_argument("--batches", nargs="+", type=Batch.parse, default=[Batch.parse(b) for b in DEFAULT_BATCHES],
-                        help="tokens per rank per step, <local_batch_size>x<seq_len> (default: %(default)s)")
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        type=Batch.parse,
+        default=[Batch.parse(b) for b in DEFAULT_BATCHES],
+        help="tokens per rank per step, <local_batch_size>x<seq_len> (default: %(default)s)",
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
-        "--seed-checkpoint", action="store_true",
+        "--seed-checkpoint",
+        action="store_true",
         help="start every run from one TorchTitan seed checkpoint (the same [debug] seed gives the same weights too)",
     )
-    parser.add_argument("--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's debug_model_raw.json")
-    parser.add_argument("--ns-methods", nargs="+", default=["torch"], choices=list(NS_METHODS),
-                        help="a DMuon-Z3 and a DMuon-Z2 row per Newton–Schulz method")
+    parser.add_argument(
+        "--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's debug_model_raw.json"
+    )
+    parser.add_argument(
+        "--ns-methods",
+        nargs="+",
+        default=["torch"],
+        choices=list(NS_METHODS),
+        help="a DMuon-Z3 and a DMuon-Z2 row per Newton–Schulz method",
+    )
     parser.add_argument("--no-naive", action="store_true", help="leave out the naive FSDP2+Muon rows")
     parser.add_argument("--no-z2", action="store_true", help="only the Z3 rows (blocks reshard after forward)")
     args = parser.parse_args()
@@ -250,8 +315,10 @@ def main() -> None:
             json.dump({"rounds": args.rounds, "steps": args.steps, "ngpu": args.ngpu, "rows": rows}, f, indent=1)
 
     summary = {batch: {name: summarize(data) for name, data in by_name.items()} for batch, by_name in rows.items()}
-    title = (f"llama3 debug model (d = {MODEL_DIM}), {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps "
-             "(step times: medians of steps 3+)")
+    title = (
+        f"llama3 debug model (d = {MODEL_DIM}), {args.ngpu} ranks, {args.rounds} rounds x {args.steps} steps "
+        "(step times: medians of steps 3+)"
+    )
     table = text_table(summary, title, args.ngpu)
     markdown = markdown_table(summary, args.ngpu, args.steps)
     print(table)
@@ -280,8 +347,9 @@ def measure(args) -> dict[str, dict[str, list[dict]]]:
             for r in range(args.rounds):
                 for name in configs:
                     print(f"{batch} tokens/rank, round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                    by_name[name] += [{**row, "round": r}
-                                      for row in run(name, args.steps, args.ngpu, workdir, seed, configs, batch)]
+                    by_name[name] += [
+                        {**row, "round": r} for row in run(name, args.steps, args.ngpu, workdir, seed, configs, batch)
+                    ]
     return rows
 
 
@@ -307,12 +375,18 @@ def summarize(data: list[dict]) -> dict:
     steady = [d for d in data if d["step"] > 2]
     step = _median(steady, "step_s")
     out = {
-        "step_s": step, "opt_share": _median(steady, "opt_ms") / 1e3 / step, "comm_m": _median(steady, "comm_m"),
-        "comm_mb": _median(steady, "comm_mb"), "rss_gib": max(d["rss_gib"] for d in data),
-        "buffers_mb": max(d["buffers_mb"] for d in data), "losses": mean_losses(data),
+        "step_s": step,
+        "opt_share": _median(steady, "opt_ms") / 1e3 / step,
+        "comm_m": _median(steady, "comm_m"),
+        "comm_mb": _median(steady, "comm_mb"),
+        "rss_gib": max(d["rss_gib"] for d in data),
+        "buffers_mb": max(d["buffers_mb"] for d in data),
+        "losses": mean_losses(data),
     }
     out["loss"] = out["losses"][-1]
-    per_round = [statistics.median(d["step_s"] for d in steady if d["round"] == r) for r in sorted({d["round"] for d in steady})]
+    per_round = [
+        statistics.median(d["step_s"] for d in steady if d["round"] == r) for r in sorted({d["round"] for d in steady})
+    ]
     out["round_spread"] = (min(per_round), max(per_round))  # step-time medians of the single rounds
     for key in ("launches", "launch_dmuon", "host_ms", "first_wait_ms"):
         out[key] = _median(steady, key)
@@ -382,8 +456,15 @@ def markdown_table(summary: dict, ranks: int, steps: int) -> str:
             base = _base(by_name, name)
             label = name.replace("FSDP2+AdamW", "FSDP2 + AdamW,").replace("naive FSDP2+Muon", "naive FSDP2 + Muon,")
             if name.startswith("DMuon"):  # "DMuon Z3 gram" -> "DMuon-Z3, ns_method gram"
-                label = "**" + re.sub(r"^DMuon (Z[23])(?: (\w+))?$",
-                                      lambda m: f"DMuon-{m[1]}" + (f", ns_method {m[2]}" if m[2] else ""), name) + "**"
+                label = (
+                    "**"
+                    + re.sub(
+                        r"^DMuon (Z[23])(?: (\w+))?$",
+                        lambda m: f"DMuon-{m[1]}" + (f", ns_method {m[2]}" if m[2] else ""),
+                        name,
+                    )
+                    + "**"
+                )
             reach, ratio = _reach(s, base) if base is not s else ("–", "–")
             lines.append(
                 f"| {local} x {seq} | {100 * share:.1f} % | {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.3f} "
@@ -403,16 +484,23 @@ def plot(summary: dict, path: str, ranks: int) -> None:
             base = _base(by_name, name)
             reached = time_to_loss(s, base)
             flat[f"{batch} ({share:.1f}%): {name}"] = {
-                **s, "step_vs_adamw": s["step_s"] / base["step_s"],
+                **s,
+                "step_vs_adamw": s["step_s"] / base["step_s"],
                 "reach_vs_adamw": (reached[1] / (len(base["losses"]) * base["step_s"])) if reached else float("nan"),
             }
     compared = "DMuon vs FSDP2+AdamW" + (" vs naive FSDP2+Muon" if any("naive" in n for n in flat) else "")
-    bar_panels(flat, [
-        ("step time vs AdamW", "step_vs_adamw", 1),
-        ("optimizer step share (%)", "opt_share", 100),
-        ("communication per rank per step (MB)", "comm_mb", 1),
-        ("time to AdamW's final loss\n(vs AdamW's run)", "reach_vs_adamw", 1),
-    ], path, f"llama3 debug model per batch (tokens/rank, ~5d/B):\n{compared}", height=0.8 + 0.26 * len(flat))
+    bar_panels(
+        flat,
+        [
+            ("step time vs AdamW", "step_vs_adamw", 1),
+            ("optimizer step share (%)", "opt_share", 100),
+            ("communication per rank per step (MB)", "comm_mb", 1),
+            ("time to AdamW's final loss\n(vs AdamW's run)", "reach_vs_adamw", 1),
+        ],
+        path,
+        f"llama3 debug model per batch (tokens/rank, ~5d/B):\n{compared}",
+        height=0.8 + 0.26 * len(flat),
+    )
 
 
 def bar_panels(summary: dict, panels: list[tuple[str, str, float]], path: str, title: str, *, height: float) -> None:
@@ -425,8 +513,9 @@ def bar_panels(summary: dict, panels: list[tuple[str, str, float]], path: str, t
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.6 + height * len(panels)), squeeze=False,
-                             layout="constrained")  # keeps the suptitle clear of the first chart
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(7.5, 0.6 + height * len(panels)), squeeze=False, layout="constrained"
+    )  # keeps the suptitle clear of the first chart
     colors = ["#7f7f7f" if "AdamW" in n else "#d62728" if "naive" in n else "#1f77b4" for n in names]
     for ax, (panel, key, scale) in zip(axes[:, 0], panels):
         values = [scale * summary[n][key] for n in names]

@@ -85,7 +85,9 @@ count_all_comm = true
 seed = 0
 """
 
-DMUON_LINE = re.compile(r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms")
+DMUON_LINE = re.compile(
+    r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms"
+)
 
 
 def optimizer_table(name: str) -> str:
@@ -103,7 +105,11 @@ def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[di
     env = {**os.environ, **job_env(path, optimizer_table(name)), "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     out = subprocess.run(
         ["./run_train.sh", *job_args(train_args(workdir, seed, re.sub(r"\W+", "_", name)), optimizer_table(name))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     log = out.stdout + out.stderr
     if out.returncode != 0:
@@ -111,14 +117,24 @@ def run(name: str, args, workdir: str, seed: str | None = None) -> tuple[list[di
     rows = {}
     for m in LINE.finditer(log):
         rows[int(m[1])] = {
-            "step": int(m[1]), "loss": float(m[2]), "rss_gib": float(m[3]), "step_s": float(m[4]),
-            "opt_ms": float(m[5]), "comm_m": float(m[6]), "comm_mb": float(m[7]),
-            "launches": float(m[8]), "launch_dmuon": float(m[9]) if m[9] else None,
+            "step": int(m[1]),
+            "loss": float(m[2]),
+            "rss_gib": float(m[3]),
+            "step_s": float(m[4]),
+            "opt_ms": float(m[5]),
+            "comm_m": float(m[6]),
+            "comm_mb": float(m[7]),
+            "launches": float(m[8]),
+            "launch_dmuon": float(m[9]) if m[9] else None,
         }
     for m in DMUON_LINE.finditer(log):
         if int(m[1]) in rows:
             rows[int(m[1])].update(
-                dmuon_m=float(m[2]), dmuon_mb=float(m[3]), design_m=float(m[4]), ns_matrices=int(m[5]), ns_ms=float(m[6])
+                dmuon_m=float(m[2]),
+                dmuon_mb=float(m[3]),
+                design_m=float(m[4]),
+                ns_matrices=int(m[5]),
+                ns_ms=float(m[6]),
             )
     return [rows[k] for k in sorted(rows)], log
 
@@ -130,8 +146,22 @@ def summarize(data: list[dict]) -> dict:
         values = [d[key] for d in steady if d.get(key) is not None]
         return statistics.median(values) if values else None
 
-    s = {k: med(k) for k in ("step_s", "opt_ms", "comm_m", "comm_mb", "launches", "launch_dmuon",
-                             "dmuon_m", "dmuon_mb", "design_m", "ns_matrices", "ns_ms")}
+    s = {
+        k: med(k)
+        for k in (
+            "step_s",
+            "opt_ms",
+            "comm_m",
+            "comm_mb",
+            "launches",
+            "launch_dmuon",
+            "dmuon_m",
+            "dmuon_mb",
+            "design_m",
+            "ns_matrices",
+            "ns_ms",
+        )
+    }
     s["opt_share"] = s["opt_ms"] / 1e3 / s["step_s"]
     s["rss_gib"] = max(d["rss_gib"] for d in data)
     s["losses"] = [d["loss"] for d in data]
@@ -146,10 +176,13 @@ def _f(value, spec: str) -> str:
 
 def tables(summary: dict, title: str) -> tuple[str, str]:
     base = summary["FSDP2+AdamW"]
-    text = [title, (
-        f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
-        f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}{'loss':>8}"
-    )]
+    text = [
+        title,
+        (
+            f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
+            f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}{'loss':>8}"
+        ),
+    ]
     md = [
         "| configuration | step time | vs AdamW | optimizer share | comm / rank / step | vs AdamW "
         "| launches / rank / step (DMuon's) | peak RSS | vs AdamW | loss per step |",
@@ -190,11 +223,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run only these configurations")
-    parser.add_argument("--ns-methods", nargs="+", default=["torch"], choices=list(NS_METHODS),
-                        help="a DMuon row per Newton–Schulz method")
+    parser.add_argument(
+        "--ns-methods",
+        nargs="+",
+        default=["torch"],
+        choices=list(NS_METHODS),
+        help="a DMuon row per Newton–Schulz method",
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
-        "--seed-checkpoint", action="store_true",
+        "--seed-checkpoint",
+        action="store_true",
         help="start every configuration from one TorchTitan seed checkpoint (same initial weights; "
         "without it DMuon's runs initialise other weights than TorchTitan's own for the same seed)",
     )
@@ -213,8 +252,11 @@ def main() -> None:
             print("seed checkpoint ...", flush=True)
             path = os.path.join(workdir, "seed.toml")
             with open(path, "w") as f:
-                f.write(TEMPLATE.format(optimizer=optimizer_table("FSDP2+AdamW"), steps=args.steps, seq=args.seq,
-                                        batch=args.batch))
+                f.write(
+                    TEMPLATE.format(
+                        optimizer=optimizer_table("FSDP2+AdamW"), steps=args.steps, seq=args.seq, batch=args.batch
+                    )
+                )
             seed = seed_checkpoint(path, workdir)
         for name in names:
             print(f"{name} ...", flush=True)
@@ -236,12 +278,18 @@ def main() -> None:
 
 
 def plot(summary: dict, path: str, title: str) -> None:
-    bar_panels(summary, [
-        ("step time (s)", "step_s", 1),
-        ("optimizer step share (%)", "opt_share", 100),
-        ("communication per rank per step (MB)", "comm_mb", 1),
-        (f"loss at step {len(next(iter(summary.values()))['losses'])}", "loss", 1),
-    ], path, title, height=1.6)
+    bar_panels(
+        summary,
+        [
+            ("step time (s)", "step_s", 1),
+            ("optimizer step share (%)", "opt_share", 100),
+            ("communication per rank per step (MB)", "comm_mb", 1),
+            (f"loss at step {len(next(iter(summary.values()))['losses'])}", "loss", 1),
+        ],
+        path,
+        title,
+        height=1.6,
+    )
 
 
 if __name__ == "__main__":

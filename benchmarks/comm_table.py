@@ -48,7 +48,11 @@ def muon_elements(kind, mode, theory: str, rank: int, world: int, hsdp: bool) ->
     p_m = sum(p.numel() for p in muon_targets(model))
     p_other = sum(p.numel() for p in model.parameters()) - p_m
     mesh = make_mesh("hsdp" if hsdp else "z3", world)
-    setup = distribute(model, mode, world, mesh=mesh) if kind == "dmuon" else baseline(model, kind, world, mesh=mesh, reshard=bool(mode))
+    setup = (
+        distribute(model, mode, world, mesh=mesh)
+        if kind == "dmuon"
+        else baseline(model, kind, world, mesh=mesh, reshard=bool(mode))
+    )
     data = batches(4, global_batch=world, vocab=DIMS["vocab_size"])
     ledger = CommLedger()
     for i, batch in enumerate(data):
@@ -63,7 +67,9 @@ def muon_elements(kind, mode, theory: str, rank: int, world: int, hsdp: bool) ->
         return ledger.elements(source=CommLabel.DMUON) / 2, p_m, design_elements_per_rank(setup.handle)
     # baselines move every parameter: subtract what the same collectives cost for the rest
     n = world
-    rest = {"naive": (3 if mode else 2) * Fraction(n - 1, n) * p_other, "ddp_muon": 2 * Fraction(n - 1, n) * p_other}[kind]
+    rest = {"naive": (3 if mode else 2) * Fraction(n - 1, n) * p_other, "ddp_muon": 2 * Fraction(n - 1, n) * p_other}[
+        kind
+    ]
     return ledger.elements() / 2 - rest, p_m, baseline_elements_per_rank(theory, shard_size=n, numel=p_m)
 
 
@@ -89,8 +95,12 @@ def main() -> None:
     header = "| configuration | " + " | ".join(f"N = {n}" for n in args.n) + " | design (elements/rank/step) |"
     lines = [header, "|---" * (len(args.n) + 2) + "|"]
     formulas = {
-        "naive_fsdp_z2": "3(N-1)/N", "naive_fsdp_z3": "4(N-1)/N", "ddp_muon": "2(N-1)/N", "dmuon_z2": "2(N-1)/N",
-        "dmuon_z3": "(3 - 1/L)(N-1)/N", "dmuon_ddp": "2(N-1)/N",
+        "naive_fsdp_z2": "3(N-1)/N",
+        "naive_fsdp_z3": "4(N-1)/N",
+        "ddp_muon": "2(N-1)/N",
+        "dmuon_z2": "2(N-1)/N",
+        "dmuon_z3": "(3 - 1/L)(N-1)/N",
+        "dmuon_ddp": "2(N-1)/N",
     }
     for label, build, theory, replicate in ROWS:
         cells = []
@@ -100,8 +110,10 @@ def main() -> None:
             cells.append(f"{float(measured / p_m):.4f}{mark}")
         formula = formulas[theory] + (" + 2(R-1)/R / N" if replicate > 1 else "")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {formula} x P_M |")
-    print(f"Muon-target communication per rank per step, in units of P_M, measured by the CommLedger "
-          f"(L = {DIMS['n_layers']} layers of equal size; Z3 keeps the last one from forward to backward)")
+    print(
+        f"Muon-target communication per rank per step, in units of P_M, measured by the CommLedger "
+        f"(L = {DIMS['n_layers']} layers of equal size; Z3 keeps the last one from forward to backward)"
+    )
     print("\n".join(lines))
 
 

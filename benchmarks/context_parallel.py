@@ -33,8 +33,14 @@ RUNS = {  # name -> (TOML, ranks, overrides)
 
 def run_train(config: str, ngpu: int, args: list[str]) -> str:
     env = {**os.environ, "CONFIG_FILE": f"train_configs/{config}", "NGPU": str(ngpu), "PYTHON": sys.executable}
-    out = subprocess.run(["./run_train.sh", "--metrics.disable_color_printing", "true", *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=3600)
+    out = subprocess.run(
+        ["./run_train.sh", "--metrics.disable_color_printing", "true", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if out.returncode != 0:
         sys.exit(f"run_train.sh {' '.join(args)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     return out.stdout + out.stderr
@@ -47,15 +53,37 @@ def main() -> None:
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     seed = os.path.join(out, "seed")
-    run_train("debug_model_adamw.toml", 1, ["--job.dump_folder", seed, "--parallelism.data_parallel_shard_degree", "1",
-                                            "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"])
+    run_train(
+        "debug_model_adamw.toml",
+        1,
+        [
+            "--job.dump_folder",
+            seed,
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint",
+        ],
+    )
     curves, comm = {}, {}
     for name, (config, ngpu, overrides) in RUNS.items():
         tag = re.sub(r"\W+", "_", name)
-        log = run_train(config, ngpu, ["--job.dump_folder", os.path.join(out, tag), "--training.steps", str(args.steps),
-                                       "--checkpoint.enable", "--checkpoint.interval", str(10 * args.steps),
-                                       "--checkpoint.initial_load_path", os.path.join(seed, "checkpoint", "step-0"),
-                                       *overrides])
+        log = run_train(
+            config,
+            ngpu,
+            [
+                "--job.dump_folder",
+                os.path.join(out, tag),
+                "--training.steps",
+                str(args.steps),
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                str(10 * args.steps),
+                "--checkpoint.initial_load_path",
+                os.path.join(seed, "checkpoint", "step-0"),
+                *overrides,
+            ],
+        )
         curves[name] = {int(s): (float(loss), float(norm)) for s, loss, norm in STEP.findall(log)}
         comm[name] = [(float(m), float(d)) for m, _, d in COMM.findall(log)]
     print(f"llama3 debug model, {args.steps} steps from one seed checkpoint; loss / grad norm per step")
@@ -68,8 +96,10 @@ def main() -> None:
         a, b = curves[f"{optimizer}, FSDP 2"], curves[f"{optimizer}, CP 2 x FSDP 2"]
         loss = max(abs(a[s][0] - b[s][0]) / a[s][0] for s in a)
         norm = max(abs(a[s][1] - b[s][1]) / a[s][1] for s in a)
-        print(f"{optimizer}: CP vs no CP, step 1 loss {a[1][0]:.5f} vs {b[1][0]:.5f}, grad norm {a[1][1]:.4f} vs "
-              f"{b[1][1]:.4f}; largest relative difference over {args.steps} steps: loss {loss:.1e}, grad norm {norm:.1e}")
+        print(
+            f"{optimizer}: CP vs no CP, step 1 loss {a[1][0]:.5f} vs {b[1][0]:.5f}, grad norm {a[1][1]:.4f} vs "
+            f"{b[1][1]:.4f}; largest relative difference over {args.steps} steps: loss {loss:.1e}, grad norm {norm:.1e}"
+        )
     for name in ("DMuon, FSDP 2", "DMuon, CP 2 x FSDP 2"):
         measured, design = comm[name][-1]
         print(f"{name}: DMuon's communication per rank per step {measured}M elements (design {design}M)")

@@ -64,14 +64,20 @@ def train(name: str, optimizer: str, seed: int, args, workdir: str) -> tuple[lis
         f.write(job_toml(optimizer, steps=args.steps, warmup_steps=10, seed=seed))
     env = {**os.environ, "CONFIG_FILE": path, "NGPU": str(args.ngpu), "PYTHON": sys.executable}
     extra = ["--training.local_batch_size", str(args.local_batch_size)] if args.local_batch_size else []
-    out = subprocess.run(["./run_train.sh", *train_args(workdir, None, tag), *extra], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=12 * 3600)
+    out = subprocess.run(
+        ["./run_train.sh", *train_args(workdir, None, tag), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=12 * 3600,
+    )
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     losses = {int(m[1]): float(m[2]) for m in LOSS.finditer(out.stdout + out.stderr)}
     if sorted(losses) != list(range(1, args.steps + 1)):
         sys.exit(f"{name}: expected a loss for each of steps 1..{args.steps}, got {sorted(losses)[:5]}...")
-    times = [float(m[1]) for m in OPTIMIZER_MS.finditer(out.stdout + out.stderr)][min(args.last, args.steps - 1):]
+    times = [float(m[1]) for m in OPTIMIZER_MS.finditer(out.stdout + out.stderr)][min(args.last, args.steps - 1) :]
     return [losses[s] for s in range(1, args.steps + 1)], (statistics.median(times) if times else None)
 
 
@@ -81,11 +87,16 @@ def table(curves: dict[str, list[float]], last: int, times: dict[str, float | No
     times = times or {}
     base = statistics.fmean(curves["FSDP2+AdamW"][-last:])
     base_time = times.get(BASE)
-    text = [f"{'run':<42}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"
-            f"{'optimizer ms':>14}{'vs DMuon':>10}"]
+    text = [
+        f"{'run':<42}{'mean loss, last ' + str(last):>22}{'vs AdamW':>10}{'final loss':>12}"
+        f"{'optimizer ms':>14}{'vs DMuon':>10}"
+    ]
     steps = len(next(iter(curves.values())))
-    md = [f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {steps} | optimizer step, ms "
-          "(median) | vs DMuon's |", "|---|---|---|---|---|---|"]
+    md = [
+        f"| run | mean loss over the last {last} steps | vs AdamW | loss at step {steps} | optimizer step, ms "
+        "(median) | vs DMuon's |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, losses in curves.items():
         mean = statistics.fmean(losses[-last:])
         ms = times.get(name)
@@ -111,8 +122,14 @@ def plot(curves: dict[str, list[float]], last: int, path: str, title: str) -> No
         steps = range(1, len(losses) + 1)
         (line,) = ax.plot(steps, losses, alpha=0.25, linewidth=0.8)
         window = [statistics.fmean(losses[max(0, i - last + 1) : i + 1]) for i in range(len(losses))]
-        ax.plot(steps, window, color=line.get_color(), linewidth=1.8, label=name,
-                linestyle="--" if "seed 1" in name else "-")
+        ax.plot(
+            steps,
+            window,
+            color=line.get_color(),
+            linewidth=1.8,
+            label=name,
+            linestyle="--" if "seed 1" in name else "-",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (faint: per step; bold: mean of the last {last})")
     ax.set_ylim(top=min(max(c[min(5, len(c) - 1)] for c in curves.values()) * 1.05, ax.get_ylim()[1]))
@@ -130,11 +147,16 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--last", type=int, default=20, help="the table's mean is over this many last steps")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
-    parser.add_argument("--runs", choices=("all", "methods", "variants"), default="all",
-                        help="AdamW and DMuon, plus the other Newton–Schulz methods, the variants, or both")
+    parser.add_argument(
+        "--runs",
+        choices=("all", "methods", "variants"),
+        default="all",
+        help="AdamW and DMuon, plus the other Newton–Schulz methods, the variants, or both",
+    )
     parser.add_argument("--local-batch-size", type=int, default=None, help="the batch per rank (default: the job's 2)")
-    parser.add_argument("--from-raw", metavar="JSON",
-                        help="only print the tables (and PNG) of an earlier run's raw file")
+    parser.add_argument(
+        "--from-raw", metavar="JSON", help="only print the tables (and PNG) of an earlier run's raw file"
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:

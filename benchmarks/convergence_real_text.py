@@ -46,8 +46,11 @@ from titan_dmuon.integration import shakespeare_corpus  # noqa: E402
 
 ASSETS = "./assets/shakespeare"
 VARIANTS = {  # name -> the [optimizer] keys added to DMuon's
-    "polar_express": 'ns_method = "polar_express"', "gram": 'ns_method = "gram"',
-    "normuon": "normuon_beta2 = 0.95", "heads": 'ns_blocks = "heads"', "float16": 'ns_dtype = "float16"',
+    "polar_express": 'ns_method = "polar_express"',
+    "gram": 'ns_method = "gram"',
+    "normuon": "normuon_beta2 = 0.95",
+    "heads": 'ns_blocks = "heads"',
+    "float16": 'ns_dtype = "float16"',
 }
 ADAMW, DMUON = "AdamW", "DMuon"
 TEMPLATE = """
@@ -106,13 +109,29 @@ def train(name: str, optimizer: str, seed: int, args, workdir: str) -> dict:
     tag = re.sub(r"\W+", "_", name)
     path = os.path.join(workdir, tag + ".toml")
     with open(path, "w") as f:
-        f.write(TEMPLATE.format(assets=ASSETS, optimizer=optimizer, warmup=max(1, args.steps // 10),
-                                local=args.batch.local, seq=args.batch.seq, steps=args.steps,
-                                val_every=args.val_every, val_steps=args.val_steps, seed=seed))
+        f.write(
+            TEMPLATE.format(
+                assets=ASSETS,
+                optimizer=optimizer,
+                warmup=max(1, args.steps // 10),
+                local=args.batch.local,
+                seq=args.batch.seq,
+                steps=args.steps,
+                val_every=args.val_every,
+                val_steps=args.val_steps,
+                seed=seed,
+            )
+        )
     env = {**os.environ, "CONFIG_FILE": path, "NGPU": "2", "PYTHON": sys.executable, "TITAN_DMUON_PRECHECK": "0"}
     started = time.perf_counter()
-    out = subprocess.run(["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out", tag)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=6 * 3600)
+    out = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", os.path.join(workdir, "out", tag)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=6 * 3600,
+    )
     log = out.stdout + out.stderr
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{log[-4000:]}")
@@ -130,11 +149,17 @@ def parse_log(log: str, steps: int) -> dict:
     held_out = {int(s): float(v) for s, v in VALIDATION.findall(log)}
     times = STEP_TIME.findall(log)
     if sorted(losses) != list(range(1, steps + 1)) or len(times) != steps or steps not in held_out:
-        raise ValueError(f"expected a loss and a step time for each of steps 1..{steps} and a held-out loss at "
-                         f"step {steps}; got {len(losses)} losses, {len(times)} times, "
-                         f"validations at {sorted(held_out)}")
-    return {"loss": [losses[s] for s in range(1, steps + 1)], "step_s": [float(s) for s, _ in times],
-            "optimizer_ms": [float(ms) for _, ms in times], "held_out": sorted(held_out.items())}
+        raise ValueError(
+            f"expected a loss and a step time for each of steps 1..{steps} and a held-out loss at "
+            f"step {steps}; got {len(losses)} losses, {len(times)} times, "
+            f"validations at {sorted(held_out)}"
+        )
+    return {
+        "loss": [losses[s] for s in range(1, steps + 1)],
+        "step_s": [float(s) for s, _ in times],
+        "optimizer_ms": [float(ms) for _, ms in times],
+        "held_out": sorted(held_out.items()),
+    }
 
 
 def study(args) -> dict:
@@ -149,9 +174,12 @@ def study(args) -> dict:
         result.update(config=name)
         runs.append(result)
         training = sum(result["step_s"])
-        print(f"  held-out loss {result['held_out'][-1][1]:.4f} at step {args.steps}; "
-              f"the run took {result['run_s']:.0f} s: {training:.0f} s in its steps, "
-              f"{result['run_s'] - training:.0f} s outside them (start-up, validation)", flush=True)
+        print(
+            f"  held-out loss {result['held_out'][-1][1]:.4f} at step {args.steps}; "
+            f"the run took {result['run_s']:.0f} s: {training:.0f} s in its steps, "
+            f"{result['run_s'] - training:.0f} s outside them (start-up, validation)",
+            flush=True,
+        )
 
     with tempfile.TemporaryDirectory() as workdir:
         for lr in args.adamw_lrs:
@@ -167,9 +195,16 @@ def study(args) -> dict:
             for seed in args.seeds:
                 table = optimizer_table(DMUON, best_dmuon, best_adamw, variant)
                 run(f"{DMUON} lr {best_dmuon:g} {variant}", table, seed)
-    return {"batch": str(args.batch), "steps": args.steps, "tokens_per_step": tokens_per_step,
-            "adamw_lrs": args.adamw_lrs, "dmuon_lrs": args.dmuon_lrs, "best": {ADAMW: best_adamw, DMUON: best_dmuon},
-            "variants": args.variants, "runs": runs}
+    return {
+        "batch": str(args.batch),
+        "steps": args.steps,
+        "tokens_per_step": tokens_per_step,
+        "adamw_lrs": args.adamw_lrs,
+        "dmuon_lrs": args.dmuon_lrs,
+        "best": {ADAMW: best_adamw, DMUON: best_dmuon},
+        "variants": args.variants,
+        "runs": runs,
+    }
 
 
 def final(runs: list[dict], config: str) -> float:
@@ -200,9 +235,12 @@ def tables(raw: dict) -> str:
     """The sweep table and the comparison, as text and markdown."""
     runs, per_step = raw["runs"], raw["tokens_per_step"]
     best = raw["best"]
-    lines = [f"Sweep (seed {runs[0]['seed']}; final held-out loss at step {raw['steps']}, "
-             f"{raw['steps'] * per_step / 1e6:.3f}M tokens):",
-             "| optimizer | lr | final held-out loss |", "|---|---|---|"]
+    lines = [
+        f"Sweep (seed {runs[0]['seed']}; final held-out loss at step {raw['steps']}, "
+        f"{raw['steps'] * per_step / 1e6:.3f}M tokens):",
+        "| optimizer | lr | final held-out loss |",
+        "|---|---|---|",
+    ]
     for kind, lrs in ((ADAMW, raw["adamw_lrs"]), (DMUON, raw["dmuon_lrs"])):
         for lr in lrs:
             mark = " (best" + (", at the grid's edge" if lr in (lrs[0], lrs[-1]) and len(lrs) > 1 else "") + ")"
@@ -213,12 +251,15 @@ def tables(raw: dict) -> str:
     target = final(runs, adamw)
     own = raw["steps"] * per_step, statistics.fmean(sum(r["step_s"]) for r in adamw_runs)  # (tokens, seconds)
     configs = [adamw, f"{DMUON} lr {best[DMUON]:g}"] + [f"{DMUON} lr {best[DMUON]:g} {v}" for v in raw["variants"]]
-    lines += ["", "Comparison (the best lr of each; DMuon's AdamW-updated weights at AdamW's best lr "
-              f"{best[ADAMW]:g}); "
-              f"target: {adamw}'s final held-out loss {target:.4f} (mean over its seeds)",
-              "| run | seeds | final held-out loss (mean) | seeds' spread (max - min) | vs AdamW | step time (median) "
-              "| tokens to AdamW's final loss | vs AdamW | training seconds to it | vs AdamW |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Comparison (the best lr of each; DMuon's AdamW-updated weights at AdamW's best lr "
+        f"{best[ADAMW]:g}); "
+        f"target: {adamw}'s final held-out loss {target:.4f} (mean over its seeds)",
+        "| run | seeds | final held-out loss (mean) | seeds' spread (max - min) | vs AdamW | step time (median) "
+        "| tokens to AdamW's final loss | vs AdamW | training seconds to it | vs AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
         if not mine:
@@ -237,9 +278,11 @@ def tables(raw: dict) -> str:
             to_tokens = to_seconds = f"not reached ({len(mine) - len(got)} of {len(mine)} seeds)"
             vs_tokens = vs_seconds = "-"
         step = statistics.median(s for r in mine for s in r["step_s"][2:])
-        lines.append(f"| {config} | {', '.join(str(r['seed']) for r in mine)} | {statistics.fmean(finals):.4f} "
-                     f"| {max(finals) - min(finals):.4f} | {statistics.fmean(finals) - target:+.4f} | {step:.3f} s "
-                     f"| {to_tokens} | {vs_tokens} | {to_seconds} | {vs_seconds} |")
+        lines.append(
+            f"| {config} | {', '.join(str(r['seed']) for r in mine)} | {statistics.fmean(finals):.4f} "
+            f"| {max(finals) - min(finals):.4f} | {statistics.fmean(finals) - target:+.4f} | {step:.3f} s "
+            f"| {to_tokens} | {vs_tokens} | {to_seconds} | {vs_seconds} |"
+        )
     return "\n".join(lines)
 
 
@@ -290,9 +333,13 @@ def plots(raw: dict, out: str) -> list[str]:
         curves.legend()
         finals = [[r["held_out"][-1][1] for r in runs if r["config"] == c] for c in configs]
         means = [statistics.fmean(f) for f in finals]
-        bars.barh([c.replace(base, "DMuon") for c in configs], means,
-                  xerr=[[m - min(f) for m, f in zip(means, finals)], [max(f) - m for m, f in zip(means, finals)]],
-                  color="#1f77b4", capsize=4)
+        bars.barh(
+            [c.replace(base, "DMuon") for c in configs],
+            means,
+            xerr=[[m - min(f) for m, f in zip(means, finals)], [max(f) - m for m, f in zip(means, finals)]],
+            color="#1f77b4",
+            capsize=4,
+        )
         bars.set_xlim(min(min(f) for f in finals) - 0.05, max(max(f) for f in finals) + 0.05)
         bars.invert_yaxis()
         bars.set(xlabel="final held-out loss\n(bar: mean over seeds; whiskers: their range)")
@@ -315,12 +362,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
-    parser.add_argument("--from-raw", metavar="JSON",
-                        help="only print the tables (and PNGs) of an earlier run's raw file")
+    parser.add_argument(
+        "--from-raw", metavar="JSON", help="only print the tables (and PNGs) of an earlier run's raw file"
+    )
     args = parser.parse_args()
     if args.steps % args.val_every:
-        parser.error(f"--steps {args.steps} is not a multiple of --val-every {args.val_every}: "
-                     "the last step must validate")
+        parser.error(
+            f"--steps {args.steps} is not a multiple of --val-every {args.val_every}: the last step must validate"
+        )
     os.makedirs(args.out, exist_ok=True)
     if args.from_raw:
         with open(args.from_raw) as f:

@@ -35,10 +35,20 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dmuon_ft_bench_") as folder:
         # (the tests give the lighthouse 10 s, for a loaded machine)
-        run = kill_restart_kill(Path(folder, "faults"), ranks=args.ranks, steps=args.steps, kill_in=args.kill_in,
-                                kill_after=args.kill_after, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
-        clean = uninterrupted(Path(folder, "clean"), ranks=args.ranks, steps=args.steps,
-                              heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+        run = kill_restart_kill(
+            Path(folder, "faults"),
+            ranks=args.ranks,
+            steps=args.steps,
+            kill_in=args.kill_in,
+            kill_after=args.kill_after,
+            heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS,
+        )
+        clean = uninterrupted(
+            Path(folder, "clean"),
+            ranks=args.ranks,
+            steps=args.steps,
+            heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS,
+        )
         report(run, clean, args)
 
 
@@ -52,31 +62,51 @@ def report(run: dict, clean: dict, args) -> None:
     after_between = min(k for k in survivor if survivor[k]["time"] > run["kill_between"])
     b2 = run["logs"]["b2"]
     first = min(healed[0])
-    equal = all((healed[r][k]["weights"], healed[r][k]["state"]) == (run["survivor"][r][k]["weights"],
-                                                                     run["survivor"][r][k]["state"])
-                for r in healed for k in healed[r])
+    equal = all(
+        (healed[r][k]["weights"], healed[r][k]["state"])
+        == (run["survivor"][r][k]["weights"], run["survivor"][r][k]["state"])
+        for r in healed
+        for k in healed[r]
+    )
     ft_loss, clean_loss = losses(run["logs"]["a"]), losses(clean["log"])
     last = args.steps
     after = [k for k in ft_loss if k >= first]
     rows = [
-        ("killed in a step: the survivor's failed step ended after the kill", f"{survivor[failed]['time'] - run['kill_mid']:.1f} s"),
-        ("killed in a step: the survivor's next committed step ended after the kill",
-         f"{survivor[next_commit]['time'] - run['kill_mid']:.1f} s"),
+        (
+            "killed in a step: the survivor's failed step ended after the kill",
+            f"{survivor[failed]['time'] - run['kill_mid']:.1f} s",
+        ),
+        (
+            "killed in a step: the survivor's next committed step ended after the kill",
+            f"{survivor[next_commit]['time'] - run['kill_mid']:.1f} s",
+        ),
         ("steps lost: killed in a step / between steps", f"{lost_in_step} / {lost_between}"),
-        ("killed between steps: the survivor's next step ended after the kill",
-         f"{survivor[after_between]['time'] - run['kill_between']:.1f} s"),
-        ("healing: state transfer (TorchFT's fetch and load)",
-         f"{log_time(b2, 'Loaded state dict') - log_time(b2, 'healing required'):.2f} s"),
-        ("healing: restart to the end of its first committed step (process start, model build, quorum, transfer)",
-         f"{healed[0][first]['time'] - run['restart']:.1f} s (step {first})"),
-        ("healed group vs survivor, every rank and step after healing (weights, momentum, AdamW)",
-         "bitwise equal" if equal else "DIFFERENT"),
+        (
+            "killed between steps: the survivor's next step ended after the kill",
+            f"{survivor[after_between]['time'] - run['kill_between']:.1f} s",
+        ),
+        (
+            "healing: state transfer (TorchFT's fetch and load)",
+            f"{log_time(b2, 'Loaded state dict') - log_time(b2, 'healing required'):.2f} s",
+        ),
+        (
+            "healing: restart to the end of its first committed step (process start, model build, quorum, transfer)",
+            f"{healed[0][first]['time'] - run['restart']:.1f} s (step {first})",
+        ),
+        (
+            "healed group vs survivor, every rank and step after healing (weights, momentum, AdamW)",
+            "bitwise equal" if equal else "DIFFERENT",
+        ),
         (f"loss at step {last}: after the faults / uninterrupted", f"{ft_loss[last]:.5f} / {clean_loss[last]:.5f}"),
-        (f"largest loss difference over steps {min(after)}-{last}",
-         f"{max(abs(ft_loss[k] - clean_loss[k]) for k in after):.5f}"),
+        (
+            f"largest loss difference over steps {min(after)}-{last}",
+            f"{max(abs(ft_loss[k] - clean_loss[k]) for k in after):.5f}",
+        ),
     ]
-    print(f"\nTorchFT, 2 groups x {args.ranks} ranks, llama3 debug model with DMuon-Z3, {args.steps} steps; group 1 "
-          f"killed in step {args.kill_in} and restarted, then killed after step {args.kill_after} for good\n")
+    print(
+        f"\nTorchFT, 2 groups x {args.ranks} ranks, llama3 debug model with DMuon-Z3, {args.steps} steps; group 1 "
+        f"killed in step {args.kill_in} and restarted, then killed after step {args.kill_after} for good\n"
+    )
     print("| figure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

@@ -73,10 +73,20 @@ TITAN_TORCH = (2, 14)  # TorchTitan 0.3.0's torch
 
 # one transformer block: (name, rows, cols, row blocks of its fused q/k/v)
 LLAMA3_LAYERS = {
-    "llama3 8B": [("wqkv", 6144, 4096, [4096, 1024, 1024]), ("wo", 4096, 4096, None), ("w1", 14336, 4096, None),
-                  ("w2", 4096, 14336, None), ("w3", 14336, 4096, None)],
-    "llama3 70B": [("wqkv", 10240, 8192, [8192, 1024, 1024]), ("wo", 8192, 8192, None), ("w1", 28672, 8192, None),
-                   ("w2", 8192, 28672, None), ("w3", 28672, 8192, None)],
+    "llama3 8B": [
+        ("wqkv", 6144, 4096, [4096, 1024, 1024]),
+        ("wo", 4096, 4096, None),
+        ("w1", 14336, 4096, None),
+        ("w2", 4096, 14336, None),
+        ("w3", 14336, 4096, None),
+    ],
+    "llama3 70B": [
+        ("wqkv", 10240, 8192, [8192, 1024, 1024]),
+        ("wo", 8192, 8192, None),
+        ("w1", 28672, 8192, None),
+        ("w2", 8192, 28672, None),
+        ("w3", 28672, 8192, None),
+    ],
 }
 TINY_LAYERS = {"tiny": [("wqkv", 24, 16, [16, 4, 4]), ("w1", 40, 16, None), ("w2", 16, 40, None)]}
 PEAK_SIZE = {"cuda": 8192, "cpu": 256}  # the square bf16 matmul whose TFLOP/s is the peak
@@ -153,18 +163,27 @@ def newton_schulz_rows(layers=LLAMA3_LAYERS, device=None, reps: int = 3, *, peak
             tflops = flops / (ms / 1e3) / 1e12
             # batched 'torch' against the per-matrix iteration, every other method against batched 'torch'
             against = runs[0][0] if method == "torch" else runs[1][0]
-            relative = (f"; {ms / times[against]:.2f}x the time of {against}"
-                        if against in times and against != what else "")
-            rows.append((check, what, f"{ms:.2f} ms" if finite else "FAIL: a non-finite output",
-                         f"{tflops:.3g} TFLOP/s = {100 * tflops / peak_tflops:.0f}% of the bf16 peak; {len(shapes)} "
-                         f"matrices, {flops / 1e12:.3g} TFLOP{relative}"))
+            relative = (
+                f"; {ms / times[against]:.2f}x the time of {against}" if against in times and against != what else ""
+            )
+            rows.append(
+                (
+                    check,
+                    what,
+                    f"{ms:.2f} ms" if finite else "FAIL: a non-finite output",
+                    f"{tflops:.3g} TFLOP/s = {100 * tflops / peak_tflops:.0f}% of the bf16 peak; {len(shapes)} "
+                    f"matrices, {flops / 1e12:.3g} TFLOP{relative}",
+                )
+            )
     return rows
 
 
 def _time_newton_schulz(matrices, method: str, ns_mode: str, device, reps: int) -> tuple[float, bool, int]:
     """(ms per call, every output finite, FLOPs) of ``orthogonalise`` on ``matrices`` (bf16; the
     per-matrix path normalises them in place, which leaves them the same matrices up to scale)."""
-    orthogonalise = with_method(muon_update.orthogonalise, method) if ns_mode == "batched" else muon_update.orthogonalise
+    orthogonalise = (
+        with_method(muon_update.orthogonalise, method) if ns_mode == "batched" else muon_update.orthogonalise
+    )
     flops = sum(with_method(ns_math.ns_flops, method)(*m.shape) for m in matrices)
     outputs: list = []
 
@@ -181,7 +200,9 @@ def graph_rows(device, *, cpu: bool) -> list[tuple]:
 
     model = "tiny" if cpu else "llama3 8B"
     try:
-        return ns_graph_rows(layer_matrices((TINY_LAYERS if cpu else LLAMA3_LAYERS)[model]), f"one {model} layer", device)
+        return ns_graph_rows(
+            layer_matrices((TINY_LAYERS if cpu else LLAMA3_LAYERS)[model]), f"one {model} layer", device
+        )
     except Exception as e:  # noqa: BLE001 - a row, and the other checks still run
         from benchmarks.gpu_runtime import first_line
 
@@ -231,7 +252,7 @@ def runtime_rows(checks, env: dict, timeout: float | None, *, device: str = "cud
     rows, done = [], set()
     for line in out.splitlines():
         if line.startswith(ROW_PREFIX):
-            report = json.loads(line[len(ROW_PREFIX):])
+            report = json.loads(line[len(ROW_PREFIX) :])
             done.add(report["check"])
             rows += [tuple(r) for r in report["rows"]]
     for check in checks:
@@ -249,8 +270,15 @@ def run_command(command: list[str], env: dict, timeout: float, *, merge: bool = 
     (in the order they came), else stdout then stderr. The command runs in its own session, so that
     on a timeout its whole process group goes (torchrun's workers too, which would otherwise keep
     the GPU), not only the process started here."""
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return out + (err or ""), proc.returncode
@@ -322,19 +350,71 @@ class Job:
 
 DEBUG = "train_configs/debug_model.toml"
 JOBS = (
-    Job("z3_eager", "llama3 debug, DMuon-Z3, compile off", DEBUG,
-        ("--training.steps", "6", "--metrics.log_freq", "100", "--compile.enable", "false"), SYNC_DEBUG, 150, 30),
-    Job("z3_compile_accum2", "llama3 debug, DMuon-Z3, compile on, grad accumulation 2", DEBUG,
-        ("--training.steps", "6", "--metrics.log_freq", "1", "--compile.enable", "true", "--training.global_batch_size", "4"),
-        {**SYNC_DEBUG, **COMPILE_LOGS}, 240, 90),
-    Job("z2_compile", "llama3 debug, DMuon-Z2, compile on", "train_configs/debug_model_z2.toml",
-        ("--training.steps", "6", "--metrics.log_freq", "1", "--compile.enable", "true"), COMPILE_LOGS, 200, 55),
-    Job("1b_dmuon", "llama3 1B, DMuon", "benchmarks.gpu_configs:llama3_1b_dmuon", ("--training.steps", "4"), {}, 180, 45),
-    Job("1b_adamw", "llama3 1B, AdamW", "benchmarks.gpu_configs:llama3_1b_adamw", ("--training.steps", "4"), {}, 180, 40),
-    *(Job(f"adamw_graphs_{state}", f"llama3 debug, AdamW, CUDA graphs {state}", "train_configs/debug_model_adamw.toml",
-          ("--training.steps", "20", "--metrics.log_freq", "1", "--training.local_batch_size", "2",
-           "--training.seq_len", "256", "--training.disable_cuda_graphs", disable), {}, 120, 25)
-      for state, disable in (("on", "false"), ("off", "true"))),
+    Job(
+        "z3_eager",
+        "llama3 debug, DMuon-Z3, compile off",
+        DEBUG,
+        ("--training.steps", "6", "--metrics.log_freq", "100", "--compile.enable", "false"),
+        SYNC_DEBUG,
+        150,
+        30,
+    ),
+    Job(
+        "z3_compile_accum2",
+        "llama3 debug, DMuon-Z3, compile on, grad accumulation 2",
+        DEBUG,
+        (
+            "--training.steps",
+            "6",
+            "--metrics.log_freq",
+            "1",
+            "--compile.enable",
+            "true",
+            "--training.global_batch_size",
+            "4",
+        ),
+        {**SYNC_DEBUG, **COMPILE_LOGS},
+        240,
+        90,
+    ),
+    Job(
+        "z2_compile",
+        "llama3 debug, DMuon-Z2, compile on",
+        "train_configs/debug_model_z2.toml",
+        ("--training.steps", "6", "--metrics.log_freq", "1", "--compile.enable", "true"),
+        COMPILE_LOGS,
+        200,
+        55,
+    ),
+    Job(
+        "1b_dmuon", "llama3 1B, DMuon", "benchmarks.gpu_configs:llama3_1b_dmuon", ("--training.steps", "4"), {}, 180, 45
+    ),
+    Job(
+        "1b_adamw", "llama3 1B, AdamW", "benchmarks.gpu_configs:llama3_1b_adamw", ("--training.steps", "4"), {}, 180, 40
+    ),
+    *(
+        Job(
+            f"adamw_graphs_{state}",
+            f"llama3 debug, AdamW, CUDA graphs {state}",
+            "train_configs/debug_model_adamw.toml",
+            (
+                "--training.steps",
+                "20",
+                "--metrics.log_freq",
+                "1",
+                "--training.local_batch_size",
+                "2",
+                "--training.seq_len",
+                "256",
+                "--training.disable_cuda_graphs",
+                disable,
+            ),
+            {},
+            120,
+            25,
+        )
+        for state, disable in (("on", "false"), ("off", "true"))
+    ),
 )
 
 
@@ -391,8 +471,15 @@ def compile_messages(out: str, after_step: int = 2) -> dict:
         step = STEP.search(line)
         if mark_index is None and step and int(step.group(1)) == after_step:
             mark_index = i
-    found = {"step_seen": mark_index is not None, "lines_after": 0, "messages_before": 0, "messages_after": 0,
-             "graphs_before": 0, "graphs_after": 0, "first_after": ""}
+    found = {
+        "step_seen": mark_index is not None,
+        "lines_after": 0,
+        "messages_before": 0,
+        "messages_after": 0,
+        "graphs_before": 0,
+        "graphs_after": 0,
+        "first_after": "",
+    }
     for i, line in enumerate(lines):
         m = TORCH_LOG.search(line)
         if not m:
@@ -436,8 +523,14 @@ def job_rows(results: dict[str, dict]) -> list[tuple]:
     for key in ("z3_eager", "z3_compile_accum2"):
         if key in results:
             job = results[key]
-            rows.append((f"(b) {titles[key]}", "sync debug 'error', steps 3-6",
-                         "no host sync" if job["code"] == 0 else _failed(job), f"losses {_losses(job)}"))
+            rows.append(
+                (
+                    f"(b) {titles[key]}",
+                    "sync debug 'error', steps 3-6",
+                    "no host sync" if job["code"] == 0 else _failed(job),
+                    f"losses {_losses(job)}",
+                )
+            )
     for key in ("z3_compile_accum2", "z2_compile"):
         if key in results:
             job = results[key]
@@ -445,7 +538,12 @@ def job_rows(results: dict[str, dict]) -> list[tuple]:
                 rows.append((f"(4) {titles[key]}", "TORCH_LOGS lines after step 2", _failed(job), ""))
                 continue
             logs = compile_messages(job["output"])
-            clean = logs["step_seen"] and logs["lines_after"] == 0 and logs["graphs_after"] == 0 and logs["graphs_before"] > 0
+            clean = (
+                logs["step_seen"]
+                and logs["lines_after"] == 0
+                and logs["graphs_after"] == 0
+                and logs["graphs_before"] > 0
+            )
             if clean:
                 result = "pass (0 lines)"
             elif not logs["step_seen"]:
@@ -453,16 +551,30 @@ def job_rows(results: dict[str, dict]) -> list[tuple]:
             elif logs["graphs_before"] == 0:
                 result = "FAIL: no graph compiled in the log (TORCH_LOGS not reaching it, or compile off)"
             else:
-                result = f"FAIL: {logs['lines_after']} lines, {logs['graphs_after']} graphs compiled: {logs['first_after']}"
-            rows.append((f"(4) {titles[key]}", "TORCH_LOGS lines after step 2", result,
-                         f"{logs['graphs_before']} graphs compiled and {logs['messages_before']} recompile/graph-break "
-                         f"messages up to step 2, {logs['messages_after']} after; FlexAttention; losses {_losses(job)}"))
+                result = (
+                    f"FAIL: {logs['lines_after']} lines, {logs['graphs_after']} graphs compiled: {logs['first_after']}"
+                )
+            rows.append(
+                (
+                    f"(4) {titles[key]}",
+                    "TORCH_LOGS lines after step 2",
+                    result,
+                    f"{logs['graphs_before']} graphs compiled and {logs['messages_before']} recompile/graph-break "
+                    f"messages up to step 2, {logs['messages_after']} after; FlexAttention; losses {_losses(job)}",
+                )
+            )
     for key in ("1b_dmuon", "1b_adamw"):
         if key in results:
             job = results[key]
             peak = max((mem for _, mem, _ in job["steps"].values()), default=float("nan"))
-            rows.append((f"(c) {titles[key]}", "peak reserved GiB", f"{peak:.2f}" if job["code"] == 0 else _failed(job),
-                         f"losses {_losses(job)}"))
+            rows.append(
+                (
+                    f"(c) {titles[key]}",
+                    "peak reserved GiB",
+                    f"{peak:.2f}" if job["code"] == 0 else _failed(job),
+                    f"losses {_losses(job)}",
+                )
+            )
     medians = {}
     for state in ("on", "off"):
         key = f"adamw_graphs_{state}"
@@ -472,8 +584,14 @@ def job_rows(results: dict[str, dict]) -> list[tuple]:
             detail = f"median of steps 3-{max(job['steps'], default=0)}, from tokens/s"
             if state == "off" and math.isfinite(medians.get("on", math.nan)) and math.isfinite(medians["off"]):
                 detail += f"; turning capture off costs {100 * (medians['off'] / medians['on'] - 1):+.1f}%"
-            rows.append((f"(6) {titles[key]}", "median step ms", f"{medians[state]:.2f}" if job["code"] == 0 else _failed(job),
-                         detail))
+            rows.append(
+                (
+                    f"(6) {titles[key]}",
+                    "median step ms",
+                    f"{medians[state]:.2f}" if job["code"] == 0 else _failed(job),
+                    detail,
+                )
+            )
     return rows
 
 
@@ -496,8 +614,10 @@ def titan_blocker(*, cpu: bool = False, skip: bool = False) -> str | None:
     if skip:
         return "--skip-jobs"
     if importlib.util.find_spec("torchtitan") is None:
-        return (f"TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch >= 2.14, this one has "
-                f"torch {torch.__version__}")
+        return (
+            f"TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch >= 2.14, this one has "
+            f"torch {torch.__version__}"
+        )
     if torch_version() < TITAN_TORCH:
         return f"TorchTitan 0.3.0 needs torch >= 2.14; this python has torch {torch.__version__}"
     if cpu:
@@ -506,16 +626,24 @@ def titan_blocker(*, cpu: bool = False, skip: bool = False) -> str | None:
 
 
 def titan_skipped_row(reason: str) -> tuple:
-    return ("(b) (c) (4) (6) TorchTitan jobs", "./run_train.sh with NGPU=1", f"skipped: {reason}",
-            "sync debug in the main job, recompiles and graph breaks, llama3 1B memory, CUDA graphs on/off")
+    return (
+        "(b) (c) (4) (6) TorchTitan jobs",
+        "./run_train.sh with NGPU=1",
+        f"skipped: {reason}",
+        "sync debug in the main job, recompiles and graph breaks, llama3 1B memory, CUDA graphs on/off",
+    )
 
 
 def environment_row(device) -> tuple:
     titan = importlib.util.find_spec("torchtitan")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
-    return ("environment", "torch, CUDA, Python, device", f"torch {torch.__version__}",
-            f"CUDA {torch.version.cuda}, Python {platform.python_version()}, {where}; "
-            f"TorchTitan {'installed' if titan else 'not installed'}")
+    return (
+        "environment",
+        "torch, CUDA, Python, device",
+        f"torch {torch.__version__}",
+        f"CUDA {torch.version.cuda}, Python {platform.python_version()}, {where}; "
+        f"TorchTitan {'installed' if titan else 'not installed'}",
+    )
 
 
 def failed(row) -> bool:
@@ -527,33 +655,51 @@ def estimate_s(*, jobs: bool = True, methods: int | None = None) -> int:
     """The planned wall time on one H200: Newton–Schulz (~5 s per implementation timed), the
     runtime subprocesses, the TorchTitan jobs where they run."""
     implementations = 1 + (len(ns_methods()) if methods is None else methods)
-    return (10 + 5 * implementations + sum(run[3] for run in RUNTIME_RUNS)
-            + (sum(job.estimate_s for job in JOBS) if jobs else 0))
+    return (
+        10
+        + 5 * implementations
+        + sum(run[3] for run in RUNTIME_RUNS)
+        + (sum(job.estimate_s for job in JOBS) if jobs else 0)
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-jobs", action="store_true", help="no TorchTitan jobs ((b), (c), (4), (6))")
     parser.add_argument("--skip-runtime", action="store_true", help="no runtime checks ((1), (2), (3), (5), (7))")
-    parser.add_argument("--cpu", action="store_true",
-                        help="the same flow on the CPU with tiny sizes (what the CPU tests run); no TorchTitan jobs")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the same flow on the CPU with tiny sizes (what the CPU tests run); no TorchTitan jobs",
+    )
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
-        print(f"gpu_check needs an NVIDIA GPU (torch.cuda.is_available() is False with torch {torch.__version__}); "
-              "nothing was run. --cpu runs the same flow on the CPU with tiny sizes.")
+        print(
+            f"gpu_check needs an NVIDIA GPU (torch.cuda.is_available() is False with torch {torch.__version__}); "
+            "nothing was run. --cpu runs the same flow on the CPU with tiny sizes."
+        )
         return 2
     device = torch.device("cpu" if args.cpu else "cuda")
     blocker = titan_blocker(cpu=args.cpu, skip=args.skip_jobs)
     budget, started = Budget(), time.monotonic()
     rows = [environment_row(device)]
-    print(f"gpu_check: {rows[0][2]}, {rows[0][3]}; planned ~{estimate_s(jobs=blocker is None)} s of {BUDGET_S}",
-          flush=True)
+    print(
+        f"gpu_check: {rows[0][2]}, {rows[0][3]}; planned ~{estimate_s(jobs=blocker is None)} s of {BUDGET_S}",
+        flush=True,
+    )
     try:
         peak = matmul_peak_tflops(device)
-        rows.append(("(a) bf16 matmul peak", f"torch.mm, {PEAK_SIZE[device.type]}^3, bf16", f"{peak:.3g} TFLOP/s",
-                     "best of 3 timings of 10; the Newton–Schulz rows' share is of this"))
-        rows += newton_schulz_rows(TINY_LAYERS if args.cpu else LLAMA3_LAYERS, device, 1 if args.cpu else 3,
-                                   peak_tflops=peak)
+        rows.append(
+            (
+                "(a) bf16 matmul peak",
+                f"torch.mm, {PEAK_SIZE[device.type]}^3, bf16",
+                f"{peak:.3g} TFLOP/s",
+                "best of 3 timings of 10; the Newton–Schulz rows' share is of this",
+            )
+        )
+        rows += newton_schulz_rows(
+            TINY_LAYERS if args.cpu else LLAMA3_LAYERS, device, 1 if args.cpu else 3, peak_tflops=peak
+        )
     except Exception as e:  # noqa: BLE001 - a row, and the other checks still run
         from benchmarks.gpu_runtime import first_line
 
@@ -564,8 +710,9 @@ def main(argv=None) -> int:
     progress(f"(a), (8) done at {time.monotonic() - started:.0f} s")
     if not args.skip_runtime:
         for checks, env, own_s, _ in RUNTIME_RUNS:
-            rows += runtime_rows(checks, env if device.type == "cuda" else {}, budget.timeout(own_s),
-                                 device=device.type, tiny=args.cpu)
+            rows += runtime_rows(
+                checks, env if device.type == "cuda" else {}, budget.timeout(own_s), device=device.type, tiny=args.cpu
+            )
             progress(f"{', '.join(checks)} done at {time.monotonic() - started:.0f} s")
     if blocker is not None:
         rows.append(titan_skipped_row(blocker))
@@ -577,8 +724,12 @@ def main(argv=None) -> int:
     rows.append(("total", "wall time", f"{time.monotonic() - started:.0f} s", f"budget {BUDGET_S} s"))
     print(table(rows))
     bad = [row for row in rows if failed(row)]
-    print(f"gpu_check: {len(bad)} of {len(rows)} rows did not pass" if bad else f"gpu_check: every row that ran passed "
-          f"({len(rows)} rows)", flush=True)
+    print(
+        f"gpu_check: {len(bad)} of {len(rows)} rows did not pass"
+        if bad
+        else f"gpu_check: every row that ran passed ({len(rows)} rows)",
+        flush=True,
+    )
     return 1 if bad else 0
 
 

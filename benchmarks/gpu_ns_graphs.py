@@ -32,8 +32,19 @@ def _run(shapes, device, steps: int, graphs: bool):
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        muon_step(params, grads, buffers, [row_blocks(p.shape) for p in params], lr=0.02, weight_decay=0.1,
-                  momentum=0.95, nesterov=True, ns_steps=5, scratch=workspace, ns_runner=runner)
+        muon_step(
+            params,
+            grads,
+            buffers,
+            [row_blocks(p.shape) for p in params],
+            lr=0.02,
+            weight_decay=0.1,
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            scratch=workspace,
+            ns_runner=runner,
+        )
         seconds.append(time.perf_counter() - start)
         if device.type == "cuda":
             torch.cuda.synchronize()  # (between steps: a step's host time is its launches)
@@ -49,11 +60,22 @@ def ns_graph_rows(shapes: list[tuple[int, int]], what: str, device, steps: int =
     diff = max(float((a - b).abs().max()) for a, b in zip(eager, graph))
     equal = all(torch.equal(a, b) for a, b in zip(eager, graph))
     eager_ms, graph_ms = (1e3 * statistics.median(s[2:]) for s in (eager_s, graph_s))
-    how = (f"graphs: {ran} batches run eagerly, {captured} captured, {replayed} replays" if device.type == "cuda"
-           else f"{device.type}: NSGraphs runs eagerly (the same path, no graph)")
+    how = (
+        f"graphs: {ran} batches run eagerly, {captured} captured, {replayed} replays"
+        if device.type == "cuda"
+        else f"{device.type}: NSGraphs runs eagerly (the same path, no graph)"
+    )
     return [
-        (CHECK, f"{what}: weights after {steps} steps, graph vs eager",
-         "bitwise equal" if equal else f"FAIL: max |diff| {diff:.3g}", how),
-        (CHECK, f"{what}: host ms per step (median of steps 3-{steps})", f"{graph_ms:.2f} ms graph",
-         f"{eager_ms:.2f} ms eager: {eager_ms / graph_ms:.2f}x"),
+        (
+            CHECK,
+            f"{what}: weights after {steps} steps, graph vs eager",
+            "bitwise equal" if equal else f"FAIL: max |diff| {diff:.3g}",
+            how,
+        ),
+        (
+            CHECK,
+            f"{what}: host ms per step (median of steps 3-{steps})",
+            f"{graph_ms:.2f} ms graph",
+            f"{eager_ms:.2f} ms eager: {eager_ms / graph_ms:.2f}x",
+        ),
     ]

@@ -303,28 +303,47 @@ def launch_check(device: torch.device, *, sleep_ms: float = 50.0, numel: int = 1
         counted = stats.pop().get("gpu_check.launch", (0, 0, 0))[2]
         values_ok = bool((a == 7).all() and (b == 11).all() and (c == 77).all())
     rows = [
-        (check, "launches counted (CommStats)",
-         verdict(counted == 1 and (coalesce or not cuda), f"{counted} launches, coalesced: {coalesce}"),
-         f"1 broadcast + 1 reduce; coalesced: {coalesce}; waits on {works} work(s)"
-         f"{' and one event on the issuing stream' if event is not None else ''}"),
-        (check, "values after synchronize", verdict(values_ok, "a, b or a*b wrong"),
-         "broadcast 7, reduce 11 (one rank), and 7 * 11 computed on the compute stream after wait()"),
+        (
+            check,
+            "launches counted (CommStats)",
+            verdict(counted == 1 and (coalesce or not cuda), f"{counted} launches, coalesced: {coalesce}"),
+            f"1 broadcast + 1 reduce; coalesced: {coalesce}; waits on {works} work(s)"
+            f"{' and one event on the issuing stream' if event is not None else ''}",
+        ),
+        (
+            check,
+            "values after synchronize",
+            verdict(values_ok, "a, b or a*b wrong"),
+            "broadcast 7, reduce 11 (one rank), and 7 * 11 computed on the compute stream after wait()",
+        ),
     ]
     if not cuda:
-        return rows + [(check, what, f"{SKIP_CPU}: gloo's wait() blocks the host; no streams", "")
-                       for what in ("host not blocked", "compute stream waits", "no host sync (sync debug 'error')")]
+        return rows + [
+            (check, what, f"{SKIP_CPU}: gloo's wait() blocks the host; no streams", "")
+            for what in ("host not blocked", "compute stream waits", "no host sync (sync debug 'error')")
+        ]
     host_ms = 1e3 * ((t1 - t0) + (t3 - t2))
     in_time = checked_at_ms < 0.8 * sleep_ms
     rows += [
-        (check, "host not blocked", verdict(host_ms < sleep_ms / 4, f"{host_ms:.1f} ms on the host"),
-         f"Launch {1e3 * (t1 - t0):.2f} ms + wait() {1e3 * (t3 - t2):.2f} ms on the host; side stream asleep {sleep_ms:.0f} ms"),
-        (check, "compute stream waits",
-         verdict(in_time and compute_was_free and event_pending and after_pending,
-                 "checked too late" if not in_time else
-                 f"compute free before wait: {compute_was_free}, Launch event pending: {event_pending}, "
-                 f"event after wait() pending: {after_pending}"),
-         f"checked {checked_at_ms:.1f} ms into the {sleep_ms:.0f} ms sleep: an event before wait() completed, "
-         "the Launch's event and one recorded after wait() on the compute stream did not"),
+        (
+            check,
+            "host not blocked",
+            verdict(host_ms < sleep_ms / 4, f"{host_ms:.1f} ms on the host"),
+            f"Launch {1e3 * (t1 - t0):.2f} ms + wait() {1e3 * (t3 - t2):.2f} ms on the host; side stream asleep {sleep_ms:.0f} ms",
+        ),
+        (
+            check,
+            "compute stream waits",
+            verdict(
+                in_time and compute_was_free and event_pending and after_pending,
+                "checked too late"
+                if not in_time
+                else f"compute free before wait: {compute_was_free}, Launch event pending: {event_pending}, "
+                f"event after wait() pending: {after_pending}",
+            ),
+            f"checked {checked_at_ms:.1f} ms into the {sleep_ms:.0f} ms sleep: an event before wait() completed, "
+            "the Launch's event and one recorded after wait() on the compute stream did not",
+        ),
         (check, "no host sync (sync debug 'error')", "pass", "Launch, wait() and the compute after it"),
     ]
     return rows
@@ -384,7 +403,9 @@ def fake_pg_check(device: torch.device, *, runs=FAKE_PG_RUNS, steps: int = 5, si
             with sanitizer_reports() as races:
                 memory = _fake_pg_run(device, kind, world, steps, sizes, names)
         except Exception as e:  # noqa: BLE001 - a table row, not a crash
-            rows.append((check, what, f"FAILED: {describe_race(e, names, races)}", f"sanitizer {'on' if sanitizer else 'off'}"))
+            rows.append(
+                (check, what, f"FAILED: {describe_race(e, names, races)}", f"sanitizer {'on' if sanitizer else 'off'}")
+            )
             continue
         if not cuda:
             rows.append((check, what, "pass", f"{steps} steps on the CPU; {SKIP_CPU}: sanitizer and device memory"))
@@ -392,8 +413,14 @@ def fake_pg_check(device: torch.device, *, runs=FAKE_PG_RUNS, steps: int = 5, si
         flat = all(m == memory[1] for m in memory[1:])
         mib = ", ".join(f"{m / 2**20:.3f}" for m in memory)
         ok = flat and sanitizer
-        rows.append((check, what, verdict(ok, "memory grew" if not flat else "sanitizer was not on"),
-                     f"sanitizer {'on' if sanitizer else 'OFF'}; memory_allocated MiB after steps 1-{steps}: {mib}"))
+        rows.append(
+            (
+                check,
+                what,
+                verdict(ok, "memory grew" if not flat else "sanitizer was not on"),
+                f"sanitizer {'on' if sanitizer else 'OFF'}; memory_allocated MiB after steps 1-{steps}: {mib}",
+            )
+        )
     return rows
 
 
@@ -410,8 +437,13 @@ def _fake_pg_run(device, kind, world, steps, sizes, names) -> list[int]:
                     names[getattr(streams, name).cuda_stream] = name
         memory = []
         data = batches(steps, global_batch=2 * world, vocab=sizes.get("vocab_size", 64))
-        _train(setup, data, device, world,
-               after_step=lambda i: memory.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0))
+        _train(
+            setup,
+            data,
+            device,
+            world,
+            after_step=lambda i: memory.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0),
+        )
         _sync(device)
         if setup.handle is not None:
             setup.handle.remove()
@@ -436,8 +468,9 @@ def describe_race(error: BaseException, names: dict[int, str], races=()) -> str:
 
 
 # ---- (3) race amplification at world 1 ------------------------------------------------------------------------
-def race_check(device: torch.device, *, modes=("z3", "z2"), steps: int = 3, sleep_ms: float = 5.0,
-               sizes: dict | None = None) -> list[tuple]:
+def race_check(
+    device: torch.device, *, modes=("z3", "z2"), steps: int = 3, sleep_ms: float = 5.0, sizes: dict | None = None
+) -> list[tuple]:
     """World 1 on a real group (NCCL; gloo on the CPU). With the size-1 shortcut bypassed every
     Launch issues its collectives; on CUDA, sleeps injected at every side-stream block and buffer
     free must leave the final weights bitwise unchanged (a determinism control run first), with
@@ -457,29 +490,50 @@ def race_check(device: torch.device, *, modes=("z3", "z2"), steps: int = 3, slee
                 plain, alone = with_bypass["state"], without["state"]
                 launches, none_launched = with_bypass["launches"], without["launches"]
                 diff = max_diff(plain, alone)
-                rows.append((check, "bypass vs none: max |diff|",
-                             verdict(diff <= TOLERANCE and launches > 0 and none_launched == 0,
-                                     f"{diff:.2e}, launches {launches} vs {none_launched}"),
-                             f"{diff:.2e} (tolerance {TOLERANCE}); {launches} launches with the bypass, "
-                             f"{none_launched} without, {steps} steps"))
+                rows.append(
+                    (
+                        check,
+                        "bypass vs none: max |diff|",
+                        verdict(
+                            diff <= TOLERANCE and launches > 0 and none_launched == 0,
+                            f"{diff:.2e}, launches {launches} vs {none_launched}",
+                        ),
+                        f"{diff:.2e} (tolerance {TOLERANCE}); {launches} launches with the bypass, "
+                        f"{none_launched} without, {steps} steps",
+                    )
+                )
                 if not cuda:
-                    rows += [(check, what, f"{SKIP_CPU}: no streams to race", "") for what in
-                             ("sleeps vs none, bypass (bitwise)", "sleeps vs none, no bypass (bitwise)")]
+                    rows += [
+                        (check, what, f"{SKIP_CPU}: no streams to race", "")
+                        for what in ("sleeps vs none, bypass (bitwise)", "sleeps vs none, no bypass (bitwise)")
+                    ]
                     continue
                 for bypass, reference in ((True, plain), (False, alone)):
                     what = f"sleeps vs none, {'bypass' if bypass else 'no bypass (as NGPU=1 runs)'} (bitwise)"
                     control = _world1_run(device, mode, steps, sizes, bypass=bypass)["state"]
                     if not bitwise_equal(control, reference):
-                        rows.append((check, what, "INCONCLUSIVE: two runs without sleeps differ",
-                                     f"max |diff| {max_diff(control, reference):.2e}: nondeterministic kernels, or a "
-                                     "race that opens without sleeps"))
+                        rows.append(
+                            (
+                                check,
+                                what,
+                                "INCONCLUSIVE: two runs without sleeps differ",
+                                f"max |diff| {max_diff(control, reference):.2e}: nondeterministic kernels, or a "
+                                "race that opens without sleeps",
+                            )
+                        )
                         continue
                     run = _world1_run(device, mode, steps, sizes, bypass=bypass, cycles=cycles)
                     slept, counts = run["state"], run["sleeps"]
                     same = bitwise_equal(slept, reference)
-                    rows.append((check, what, verdict(same, f"max |diff| {max_diff(slept, reference):.2e}"),
-                                 f"{counts['side_stream_blocks']} side-stream blocks and {counts['frees']} frees each "
-                                 f"began with a {sleep_ms:.0f} ms sleep; control run bitwise equal"))
+                    rows.append(
+                        (
+                            check,
+                            what,
+                            verdict(same, f"max |diff| {max_diff(slept, reference):.2e}"),
+                            f"{counts['side_stream_blocks']} side-stream blocks and {counts['frees']} frees each "
+                            f"began with a {sleep_ms:.0f} ms sleep; control run bitwise equal",
+                        )
+                    )
             except Exception as e:  # noqa: BLE001
                 rows.append((check, "final weights", f"FAILED: {first_line(e)}", ""))
     return rows
@@ -534,19 +588,40 @@ def profile_check(device: torch.device, *, sizes: dict | None = None, warmup: in
                 rows.append((check, "profile", f"FAILED: {first_line(e)}", ""))
                 continue
             own = summary["dmuon_ms"] if kind == "z3" else summary["fsdp_ms"]
-            rows.append((check, f"host ms in {'DMuon' if kind == 'z3' else 'FSDP'}::* hooks", f"{own:.2f}",
-                         f"DMuon::* {summary['dmuon_ms']:.2f} ms, FSDP::* {summary['fsdp_ms']:.2f} ms; "
-                         f"step {summary['wall_ms']:.1f} ms on the host; {sequences} x {seq} tokens, {layers} layers"))
+            rows.append(
+                (
+                    check,
+                    f"host ms in {'DMuon' if kind == 'z3' else 'FSDP'}::* hooks",
+                    f"{own:.2f}",
+                    f"DMuon::* {summary['dmuon_ms']:.2f} ms, FSDP::* {summary['fsdp_ms']:.2f} ms; "
+                    f"step {summary['wall_ms']:.1f} ms on the host; {sequences} x {seq} tokens, {layers} layers",
+                )
+            )
             if not cuda:
-                rows += [(check, what, f"{SKIP_CPU}: no CUDA kernels", "") for what in ("CUDA kernels per layer", "compute-stream idle ms")]
+                rows += [
+                    (check, what, f"{SKIP_CPU}: no CUDA kernels", "")
+                    for what in ("CUDA kernels per layer", "compute-stream idle ms")
+                ]
                 continue
-            rows.append((check, "CUDA kernels per layer", f"{summary['kernels'] / layers:.1f}",
-                         f"{summary['kernels']} kernels + {summary['copies']} memcpy/memset in the step; NCCL kernels "
-                         f"{summary['nccl']} ({summary['nccl_on_compute']} on the compute stream), "
-                         f"{summary['streams']} streams used"))
-            rows.append((check, "compute-stream idle ms", f"{summary['idle_ms']:.2f}",
-                         f"gaps between consecutive kernels, over a {summary['span_ms']:.2f} ms span "
-                         f"from the step's first kernel to its last ({summary['gaps']} gaps)"))
+            rows.append(
+                (
+                    check,
+                    "CUDA kernels per layer",
+                    f"{summary['kernels'] / layers:.1f}",
+                    f"{summary['kernels']} kernels + {summary['copies']} memcpy/memset in the step; NCCL kernels "
+                    f"{summary['nccl']} ({summary['nccl_on_compute']} on the compute stream), "
+                    f"{summary['streams']} streams used",
+                )
+            )
+            rows.append(
+                (
+                    check,
+                    "compute-stream idle ms",
+                    f"{summary['idle_ms']:.2f}",
+                    f"gaps between consecutive kernels, over a {summary['span_ms']:.2f} ms span "
+                    f"from the step's first kernel to its last ({summary['gaps']} gaps)",
+                )
+            )
     return rows
 
 
@@ -599,9 +674,14 @@ def summarize(events, *, wall_s: float = 0.0) -> dict:
         elif e.device_type() == torch.autograd.DeviceType.CUDA:
             kind = device_activity(e)
             if kind != "annotation":
-                device_events.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name(),
-                                      kind == "copy"))
-    out = {"dmuon_ms": _union_ns(cpu["DMuon::"]) / 1e6, "fsdp_ms": _union_ns(cpu["FSDP::"]) / 1e6, "wall_ms": 1e3 * wall_s}
+                device_events.append(
+                    (e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name(), kind == "copy")
+                )
+    out = {
+        "dmuon_ms": _union_ns(cpu["DMuon::"]) / 1e6,
+        "fsdp_ms": _union_ns(cpu["FSDP::"]) / 1e6,
+        "wall_ms": 1e3 * wall_s,
+    }
     markers = [ev for ev in device_events if MARKER in ev[3]]
     work = [ev for ev in device_events if MARKER not in ev[3]]
     copies = [ev for ev in work if ev[4]]
@@ -618,9 +698,14 @@ def summarize(events, *, wall_s: float = 0.0) -> dict:
             gaps += 1
     nccl = [ev for ev in kernels if "nccl" in ev[3].lower()]
     out.update(
-        kernels=len(kernels), copies=len(copies), streams=len(by_stream), nccl=len(nccl),
+        kernels=len(kernels),
+        copies=len(copies),
+        streams=len(by_stream),
+        nccl=len(nccl),
         nccl_on_compute=sum(1 for ev in nccl if ev[2] == compute),
-        idle_ms=idle / 1e6, gaps=gaps, span_ms=(timeline[-1][1] - timeline[0][0]) / 1e6 if timeline else 0.0,
+        idle_ms=idle / 1e6,
+        gaps=gaps,
+        span_ms=(timeline[-1][1] - timeline[0][0]) / 1e6 if timeline else 0.0,
     )
     return out
 
@@ -652,8 +737,9 @@ STEP_RUNS = (  # (label, kind, size-1 shortcut bypassed)
 )
 
 
-def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: int = 10,
-                    reference_steps: int = 3) -> list[tuple]:
+def fsdp_step_check(
+    device: torch.device, *, sizes: dict | None = None, steps: int = 10, reference_steps: int = 3
+) -> list[tuple]:
     """FSDP2 + DMuon-Z3 set up from plain PyTorch (no TorchTitan) on a real 1-rank group, beside
     FSDP2 + AdamW. (i) fp32: the weights after ``reference_steps`` steps (shortcut bypassed) against
     the single-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` reference, within TOLERANCE
@@ -667,8 +753,13 @@ def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: i
     rows, runs = [], {}
     with process_group(backend_for(device)):
         try:
-            rows.append((check, reference_what, *_against_reference(device, SIZES["race"] if sizes is None else sizes,
-                                                                    reference_steps)))
+            rows.append(
+                (
+                    check,
+                    reference_what,
+                    *_against_reference(device, SIZES["race"] if sizes is None else sizes, reference_steps),
+                )
+            )
         except Exception as e:  # noqa: BLE001
             rows.append((check, reference_what, f"FAILED: {first_line(e)}", ""))
         for label, kind, bypass in STEP_RUNS:
@@ -681,23 +772,42 @@ def fsdp_step_check(device: torch.device, *, sizes: dict | None = None, steps: i
         return rows + [(check, "bf16 mixed-precision steps", f"FAILED: {'; '.join(failed)}"[:300], "")]
     adamw, bypassed, alone = (runs[label] for label, _, _ in STEP_RUNS)
     sequences, seq = STEP_BATCH[device.type]
-    rows.append((check, f"median step ms (steps 3-{steps}), bf16 mixed precision",
-                 f"DMuon {bypassed['step_ms'] / adamw['step_ms']:.2f}x AdamW",
-                 f"FSDP2 + AdamW {adamw['step_ms']:.2f} ms; DMuon-Z3 {bypassed['step_ms']:.2f} ms (shortcut bypassed), "
-                 f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, "
-                 f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}"))
+    rows.append(
+        (
+            check,
+            f"median step ms (steps 3-{steps}), bf16 mixed precision",
+            f"DMuon {bypassed['step_ms'] / adamw['step_ms']:.2f}x AdamW",
+            f"FSDP2 + AdamW {adamw['step_ms']:.2f} ms; DMuon-Z3 {bypassed['step_ms']:.2f} ms (shortcut bypassed), "
+            f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, "
+            f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}",
+        )
+    )
     if not cuda:
-        return rows + [(check, what, f"{SKIP_CPU}: no device memory or sync debug mode", "")
-                       for what in ("peak memory_allocated GiB", "no host sync from step 3 (sync debug 'warn')")]
+        return rows + [
+            (check, what, f"{SKIP_CPU}: no device memory or sync debug mode", "")
+            for what in ("peak memory_allocated GiB", "no host sync from step 3 (sync debug 'warn')")
+        ]
     gib = 2**30
-    rows.append((check, "peak memory_allocated GiB", f"{bypassed['peak'] / gib:.2f} vs {adamw['peak'] / gib:.2f}",
-                 f"DMuon-Z3 (shortcut bypassed) vs FSDP2 + AdamW, above the empty device; DMuon as NGPU=1 "
-                 f"{alone['peak'] / gib:.2f}"))
-    dmuon_syncs = [f"{label}: {runs[label]['sync']}" for label, kind, _ in STEP_RUNS
-                   if kind == "z3" and runs[label]["sync"]]
-    rows.append((check, "no host sync from step 3 (sync debug 'warn')",
-                 verdict(not dmuon_syncs, "; ".join(dmuon_syncs)),
-                 f"forward, backward, step, {steps - 2} steps; FSDP2 + AdamW: {adamw['sync'] or 'no host sync'}"[:300]))
+    rows.append(
+        (
+            check,
+            "peak memory_allocated GiB",
+            f"{bypassed['peak'] / gib:.2f} vs {adamw['peak'] / gib:.2f}",
+            f"DMuon-Z3 (shortcut bypassed) vs FSDP2 + AdamW, above the empty device; DMuon as NGPU=1 "
+            f"{alone['peak'] / gib:.2f}",
+        )
+    )
+    dmuon_syncs = [
+        f"{label}: {runs[label]['sync']}" for label, kind, _ in STEP_RUNS if kind == "z3" and runs[label]["sync"]
+    ]
+    rows.append(
+        (
+            check,
+            "no host sync from step 3 (sync debug 'warn')",
+            verdict(not dmuon_syncs, "; ".join(dmuon_syncs)),
+            f"forward, backward, step, {steps - 2} steps; FSDP2 + AdamW: {adamw['sync'] or 'no host sync'}"[:300],
+        )
+    )
     return rows
 
 
@@ -705,8 +815,10 @@ def _against_reference(device: torch.device, sizes: dict, steps: int) -> tuple[s
     """(result, detail): DMuon-Z3's fp32 weights at world 1 (shortcut bypassed) vs the reference."""
     from tests.support.helpers import TOLERANCE, batches, full_state, max_diff, reference_train, toy_model
 
-    data = [tuple(t.to(device) for t in batch)
-            for batch in batches(steps, global_batch=8, seq=16, vocab=sizes.get("vocab_size", 64))]
+    data = [
+        tuple(t.to(device) for t in batch)
+        for batch in batches(steps, global_batch=8, seq=16, vocab=sizes.get("vocab_size", 64))
+    ]
     with bypass_size_one_shortcut():
         setup = _setup("z3", _mesh(device, "z3", 1), 1, device, sizes)
         _train(setup, data, device, 1)
@@ -715,9 +827,11 @@ def _against_reference(device: torch.device, sizes: dict, steps: int) -> tuple[s
         setup.handle.remove()
     expected, _, _ = reference_train(toy_model(**sizes).to(device), data)
     diff = max_diff(state, expected)
-    return (verdict(diff <= TOLERANCE and launches > 0, f"max |diff| {diff:.2e}, {launches} launches"),
-            f"max |diff| {diff:.2e} (tolerance {TOLERANCE}: batched bf16 Newton–Schulz vs per matrix); "
-            f"{launches} DMuon launches (shortcut bypassed); the reference is one process, no FSDP2")
+    return (
+        verdict(diff <= TOLERANCE and launches > 0, f"max |diff| {diff:.2e}, {launches} launches"),
+        f"max |diff| {diff:.2e} (tolerance {TOLERANCE}: batched bf16 Newton–Schulz vs per matrix); "
+        f"{launches} DMuon launches (shortcut bypassed); the reference is one process, no FSDP2",
+    )
 
 
 def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypass: bool) -> dict:
@@ -730,8 +844,10 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
 
     cuda = device.type == "cuda"
     sequences, seq = STEP_BATCH[device.type]
-    data = [tuple(t.to(device) for t in batch)  # on the device first: a host-to-device copy synchronises
-            for batch in batches(steps, global_batch=sequences, seq=seq, vocab=sizes.get("vocab_size", 64))]
+    data = [
+        tuple(t.to(device) for t in batch)  # on the device first: a host-to-device copy synchronises
+        for batch in batches(steps, global_batch=sequences, seq=seq, vocab=sizes.get("vocab_size", 64))
+    ]
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -740,8 +856,11 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
     marks: list = []
 
     def after_step(i: int) -> None:
-        marks.append(torch.cuda.current_stream(device).record_event(torch.cuda.Event(enable_timing=True))
-                     if cuda else time.perf_counter())
+        marks.append(
+            torch.cuda.current_stream(device).record_event(torch.cuda.Event(enable_timing=True))
+            if cuda
+            else time.perf_counter()
+        )
         if cuda and i == 1:
             torch.cuda.set_sync_debug_mode("warn")  # from step 3
 
@@ -762,27 +881,46 @@ def _timed_run(device: torch.device, kind: str, sizes: dict, steps: int, *, bypa
             setup.handle.remove()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     times = [a.elapsed_time(b) if cuda else 1e3 * (b - a) for a, b in itertools.pairwise(marks)]
-    return {"step_ms": statistics.median(times[2:] or times), "loss": last_loss.item(), "params": params,
-            "peak": torch.cuda.max_memory_allocated(device) - empty if cuda else 0,
-            "sync": f"{len(syncs)} syncs, the first {str(syncs[0].message).splitlines()[0][:80]} at "
-                    f"{_short_path(syncs[0].filename)}:{syncs[0].lineno}" if syncs else None}
+    return {
+        "step_ms": statistics.median(times[2:] or times),
+        "loss": last_loss.item(),
+        "params": params,
+        "peak": torch.cuda.max_memory_allocated(device) - empty if cuda else 0,
+        "sync": f"{len(syncs)} syncs, the first {str(syncs[0].message).splitlines()[0][:80]} at "
+        f"{_short_path(syncs[0].filename)}:{syncs[0].lineno}"
+        if syncs
+        else None,
+    }
 
 
 def _short_path(path: str) -> str:
     """A source file's path from its package on (titan_dmuon/..., torch/...)."""
     for marker in ("site-packages/", f"{ROOT}/"):
         if marker in path:
-            return path[path.rindex(marker) + len(marker):]
+            return path[path.rindex(marker) + len(marker) :]
     return path
 
-CHECKS = {"launch": launch_check, "fake_pg": fake_pg_check, "race": race_check, "profile": profile_check,
-          "fsdp_step": fsdp_step_check}
-LABELS = {"launch": "(1) coalesced Launch on a 1-rank group", "fake_pg": "(2) fake PG under the sanitizer",
-          "race": "(3) race amplification", "profile": "(5) profiled step",
-          "fsdp_step": "(7) plain PyTorch FSDP2 + DMuon vs FSDP2 + AdamW"}
+
+CHECKS = {
+    "launch": launch_check,
+    "fake_pg": fake_pg_check,
+    "race": race_check,
+    "profile": profile_check,
+    "fsdp_step": fsdp_step_check,
+}
+LABELS = {
+    "launch": "(1) coalesced Launch on a 1-rank group",
+    "fake_pg": "(2) fake PG under the sanitizer",
+    "race": "(3) race amplification",
+    "profile": "(5) profiled step",
+    "fsdp_step": "(7) plain PyTorch FSDP2 + DMuon vs FSDP2 + AdamW",
+}
 TINY_KWARGS = {  # --tiny: each check's arguments on the CPU (tests/e2e/test_gpu_check.py)
-    "launch": dict(numel=1024), "fake_pg": dict(sizes=TINY, steps=3), "race": dict(sizes=TINY, steps=2),
-    "profile": dict(sizes=TINY, warmup=1), "fsdp_step": dict(sizes=TINY, steps=3, reference_steps=2),
+    "launch": dict(numel=1024),
+    "fake_pg": dict(sizes=TINY, steps=3),
+    "race": dict(sizes=TINY, steps=2),
+    "profile": dict(sizes=TINY, warmup=1),
+    "fsdp_step": dict(sizes=TINY, steps=3, reference_steps=2),
 }
 
 
@@ -799,8 +937,10 @@ def main(argv=None) -> None:
             rows = CHECKS[name](device, **(TINY_KWARGS[name] if args.tiny else {}))
         except Exception as e:  # noqa: BLE001 - one check's failure must not stop the next
             rows = [(LABELS[name], name, f"FAILED: {first_line(e)}", "")]
-        rows = [list(r[:3]) + [f"{r[3]} [{time.perf_counter() - start:.0f} s]" if i == len(rows) - 1 else r[3]]
-                for i, r in enumerate(rows)]
+        rows = [
+            list(r[:3]) + [f"{r[3]} [{time.perf_counter() - start:.0f} s]" if i == len(rows) - 1 else r[3]]
+            for i, r in enumerate(rows)
+        ]
         print(ROW_PREFIX + json.dumps({"check": name, "rows": rows}), flush=True)
 
 

@@ -40,7 +40,9 @@ def _one(layers: int, world: int, optimizer: str, steps: int) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        model, container = th.build(th.tiny_llama3(n_layers=layers, dim=64), th.parallel_dims(world), optimizer=optimizer, lr=0.02)
+        model, container = th.build(
+            th.tiny_llama3(n_layers=layers, dim=64), th.parallel_dims(world), optimizer=optimizer, lr=0.02
+        )
         tokens = torch.randint(0, th.VOCAB, (2, th.SEQ + 1))
 
         def step():
@@ -51,7 +53,9 @@ def _one(layers: int, world: int, optimizer: str, steps: int) -> dict:
             container.step()
             return time.perf_counter() - begin
 
-        handles = [h for o in container.dmuon_optimizers() for h in o.dedicated_handles()] if optimizer == "dmuon" else []
+        handles = (
+            [h for o in container.dmuon_optimizers() for h in o.dedicated_handles()] if optimizer == "dmuon" else []
+        )
         for _ in range(steps - 1):  # warm-up: lazy init, the recorded layer order, optimizer state
             step()
         for handle in handles:
@@ -75,13 +79,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    print("| structure | ranks | configuration | step (host) | optimizer step | in DMuon:: labels | in FSDP:: labels | DMuon launches |")
+    print(
+        "| structure | ranks | configuration | step (host) | optimizer step | in DMuon:: labels | in FSDP:: labels | DMuon launches |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, layers, world in CASES:
         for label, optimizer in (("FSDP2-Z3 + AdamW", "AdamW"), ("DMuon-Z3", "dmuon")):
             r = _one(layers, world, optimizer, args.steps)
-            print(f"| {name} | {world} | {label} | {1e3 * r['wall']:.1f} ms | {1e3 * r['step']:.1f} ms | "
-                  f"{1e3 * r['DMuon']:.1f} ms | {1e3 * r['FSDP']:.1f} ms | {r['launches']} |", flush=True)
+            print(
+                f"| {name} | {world} | {label} | {1e3 * r['wall']:.1f} ms | {1e3 * r['step']:.1f} ms | "
+                f"{1e3 * r['DMuon']:.1f} ms | {1e3 * r['FSDP']:.1f} ms | {r['launches']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

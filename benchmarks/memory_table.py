@@ -126,7 +126,7 @@ def _timeline(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
             memory.append((e.start_ns(), e.nbytes()))
         elif e.name().startswith("bench::"):
-            ranges[e.name()[len("bench::"):]] = (e.start_ns(), e.start_ns() + e.duration_ns())
+            ranges[e.name()[len("bench::") :]] = (e.start_ns(), e.start_ns() + e.duration_ns())
     memory.sort()
     return memory, ranges
 
@@ -172,7 +172,14 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
         if kind == "dmuon":
             setup = distribute(model, mode, world, mp_policy=policy)
         else:
-            setup = baseline(model, kind, world, mesh=make_mesh("hsdp" if mode == "hsdp" else "z3", world), reshard=mode != "z2", mp_policy=policy)
+            setup = baseline(
+                model,
+                kind,
+                world,
+                mesh=make_mesh("hsdp" if mode == "hsdp" else "z3", world),
+                reshard=mode != "z2",
+                mp_policy=policy,
+            )
         del model
         holder["setup"] = setup
         for i, batch in enumerate(data):
@@ -192,8 +199,12 @@ def _measure(rank: int, world: int, build: tuple[str, str], dims: dict, steps: i
     st_start, _, st_peak = _live_and_peak(memory, *ranges["step"])
     p_m = sum(p.numel() for p in muon_targets(toy_model(**dims)))
     result = {
-        "persistent": persistent, "fwd_bwd": fb_peak - fb_start, "step": st_peak - st_start, **breakdown,
-        "p_m": p_m, "high_water": max(fb_peak, st_peak),
+        "persistent": persistent,
+        "fwd_bwd": fb_peak - fb_start,
+        "step": st_peak - st_start,
+        **breakdown,
+        "p_m": p_m,
+        "high_water": max(fb_peak, st_peak),
     }
     result["other"] = persistent - sum(breakdown.values())
     del holder, setup
@@ -219,11 +230,15 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
             pass
         seen: set = set()
         params = list(model.parameters())
-        handles = [h for o in container.dmuon_optimizers() for h in o.dedicated_handles()] if optimizer == "dmuon" else []
+        handles = (
+            [h for o in container.dmuon_optimizers() for h in o.dedicated_handles()] if optimizer == "dmuon" else []
+        )
         breakdown = {
             "params": _storages(params, seen),
             "grads": _storages([p.grad for p in params], seen),
-            "opt_state": _storages([v for o in container.optimizers for st in o.state.values() for v in st.values()], seen),
+            "opt_state": _storages(
+                [v for o in container.optimizers for st in o.state.values() for v in st.values()], seen
+            ),
             "dmuon_buffers": sum(h.buffer_bytes for h in handles),
         }
     gc.enable()
@@ -231,8 +246,14 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
     _, persistent, _ = _live_and_peak(memory, 0, ranges["end"][0])
     fb_start, _, fb_peak = _live_and_peak(memory, *ranges["fwd_bwd"])
     st_start, _, st_peak = _live_and_peak(memory, *ranges["step"])
-    result = {"persistent": persistent, "fwd_bwd": fb_peak - fb_start, "step": st_peak - st_start, **breakdown,
-              "p_m": 0, "high_water": max(fb_peak, st_peak)}
+    result = {
+        "persistent": persistent,
+        "fwd_bwd": fb_peak - fb_start,
+        "step": st_peak - st_start,
+        **breakdown,
+        "p_m": 0,
+        "high_water": max(fb_peak, st_peak),
+    }
     result["other"] = persistent - sum(breakdown.values())
     del model, container
     gc.collect()
@@ -242,8 +263,9 @@ def _measure_moe(rank: int, world: int, optimizer: str, steps: int, seq: int) ->
 def _moe_steps(rank: int, world: int, model, container, steps: int, seq: int, mark) -> None:
     """``steps`` training steps of the moe_debug job on this rank's slice of a global batch of 2 x world
     sequences; ``mark(name)`` wraps the phases (the last step's "bench::fwd_bwd" and "bench::step")."""
-    data = [torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i))
-            for i in range(steps)]
+    data = [
+        torch.randint(0, 2048, (2 * world, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(steps)
+    ]
     for i, tokens in enumerate(data):
         last = i == len(data) - 1
         if last:
@@ -253,8 +275,9 @@ def _moe_steps(rank: int, world: int, model, container, steps: int, seq: int, ma
         local = tokens[rank * b : (rank + 1) * b]
         with mark("bench::fwd_bwd" if last else "bench::warmup"):
             logits = model(local[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten(),
-                                                     reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), local[:, 1:].flatten(), reduction="sum"
+            )
             (loss / tokens[:, 1:].numel()).backward()
             del logits, loss
         with mark("bench::step" if last else "bench::warmup_step"):
@@ -308,12 +331,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-hsdp", action="store_true", help="skip the 4-rank HSDP rows")
     parser.add_argument(
-        "--gloo", action="store_true",
+        "--gloo",
+        action="store_true",
         help="run on real gloo ranks instead (frees on gloo's threads are invisible to the profiler: noisy)",
     )
-    parser.add_argument("--only", choices=["z2", "z3", "hsdp"], nargs="+", help="only these modes (with their baselines)")
     parser.add_argument(
-        "--moe", action="store_true",
+        "--only", choices=["z2", "z3", "hsdp"], nargs="+", help="only these modes (with their baselines)"
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
         help="TorchTitan's qwen3 moe_debug model instead (2 ranks, FSDP2 + AdamW vs DMuon-Z3; --seq applies)",
     )
     args = parser.parse_args()
@@ -376,27 +403,48 @@ def main() -> None:
 def _moe_table(args) -> None:
     results = {}
     for label, optimizer in (("FSDP2 + AdamW (TorchTitan's container)", "AdamW"), ("DMuon-Z3", "dmuon")):
-        print(f"measuring {label} on qwen3 moe_debug: 2 ranks simulated one by one on the fake process group ...", flush=True)
-        results[label] = [on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)]
+        print(
+            f"measuring {label} on qwen3 moe_debug: 2 ranks simulated one by one on the fake process group ...",
+            flush=True,
+        )
+        results[label] = [
+            on_fake_pg(rank, 2, optimizer, {}, args.steps, args.seq, measure=_measure_moe) for rank in range(2)
+        ]
         for rank, result in enumerate(results[label]):
             result["resident"] = _in_fresh_process(_resident_moe, rank, 2, optimizer, args.steps, args.seq)
-    keys = ["params", "grads", "opt_state", "dmuon_buffers", "other", "persistent", "fwd_bwd", "step", "high_water",
-            "resident"]
+    keys = [
+        "params",
+        "grads",
+        "opt_state",
+        "dmuon_buffers",
+        "other",
+        "persistent",
+        "fwd_bwd",
+        "step",
+        "high_water",
+        "resident",
+    ]
     base = {k: max(r[k] for r in results["FSDP2 + AdamW (TorchTitan's container)"]) for k in (*PHASES, "resident")}
-    print(f"TorchTitan qwen3 moe_debug (316M parameters; 64 experts of [768, 256] in 8 layers), 2 ranks, local batch "
-          f"2 x seq {args.seq}, bf16 compute / fp32 reduce; MB = 1e6 bytes per rank, max over ranks\n")
-    print("| configuration | params | grads | optimizer state | DMuon buffers | other | **persistent** | vs AdamW "
-          "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW "
-          "| resident peak (RSS) | vs AdamW |")
+    print(
+        f"TorchTitan qwen3 moe_debug (316M parameters; 64 experts of [768, 256] in 8 layers), 2 ranks, local batch "
+        f"2 x seq {args.seq}, bf16 compute / fp32 reduce; MB = 1e6 bytes per rank, max over ranks\n"
+    )
+    print(
+        "| configuration | params | grads | optimizer state | DMuon buffers | other | **persistent** | vs AdamW "
+        "| fwd+bwd peak | vs AdamW | optimizer-step peak | vs AdamW | **high-water** | vs AdamW "
+        "| resident peak (RSS) | vs AdamW |"
+    )
     print("|---" * 16 + "|")
     for label, per_rank in results.items():
         cell = {k: max(r[k] for r in per_rank) for k in keys}
         ratio = {k: f"{cell[k] / base[k]:.{3 if k == 'resident' else 2}f}" for k in (*PHASES, "resident")}
-        print(f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
-              f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
-              f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "
-              f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} | {cell['resident'] / 2**30:.2f} GiB "
-              f"| {ratio['resident']} |")
+        print(
+            f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
+            f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
+            f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "
+            f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} | {cell['resident'] / 2**30:.2f} GiB "
+            f"| {ratio['resident']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from titan_dmuon.integration import cpu
 cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 
 from titan_dmuon.integration.assets import ensure_debug_assets  # noqa: E402
+from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.integration.config.toml_file import load_config  # noqa: E402
 from titan_dmuon.integration.names import NAIVE_MUON  # noqa: E402
-from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer  # noqa: E402
 from titan_dmuon.testing.baselines import NaiveFSDPMuon  # noqa: E402
 
 CONFIG_FILE_ENV = "NAIVE_MUON_CONFIG_FILE"
@@ -37,7 +37,9 @@ def build_naive_fsdp_muon(param_groups, *, muon_patterns, ns_method):
     match ``optimizer.muon_params``, AdamW on the rest."""
     patterns = [re.compile(p) for p in muon_patterns]
     targets = [
-        p for group in param_groups for p, name in zip(group["params"], group["param_names"])
+        p
+        for group in param_groups
+        for p, name in zip(group["params"], group["param_names"])
         if any(pattern.search(name) for pattern in patterns)
     ]
     return NaiveFSDPMuon(param_groups, muon_params=targets, ns_method=ns_method)

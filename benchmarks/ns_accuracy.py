@@ -101,7 +101,7 @@ def debug_model_momenta(steps: int = 5, seed: int = 0) -> list[torch.Tensor]:
     adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=8e-4)
     batch, seq = 4, 256
     for step in range(steps):
-        chunk = tokens[step * batch * (seq + 1):(step + 1) * batch * (seq + 1)].view(batch, seq + 1)
+        chunk = tokens[step * batch * (seq + 1) : (step + 1) * batch * (seq + 1)].view(batch, seq + 1)
         logits = model(chunk[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten())
         loss.backward()
@@ -148,8 +148,10 @@ def runs(short: int, long: int, restarts: bool):
 
     out = [("torch.optim.Muon", lambda x: _zeropower_via_newtonschulz(x[0], ns_methods.NS_COEFFICIENTS, 5, 1e-7)[None])]
     out += [(m, lambda x, m=m: ns_methods.newton_schulz(x, ns_method=m)) for m in ns_methods.NS_METHODS]
-    out += [(f"{m}, float16", lambda x, m=m: ns_methods.newton_schulz(x, ns_method=m, ns_dtype="float16"))
-            for m in ns_methods.NS_METHODS]
+    out += [
+        (f"{m}, float16", lambda x, m=m: ns_methods.newton_schulz(x, ns_method=m, ns_dtype="float16"))
+        for m in ns_methods.NS_METHODS
+    ]
     if restarts and ns_methods.uses_gram(short, long):
         schedule = ns_methods.ns_schedule("gram", 5)
 
@@ -158,6 +160,7 @@ def runs(short: int, long: int, restarts: bool):
                 x = x.bfloat16()  # (a copy: x is float32)
                 ns_methods._normalise_(x, ns_methods.NS_EPS, ns_methods.POLAR_EXPRESS_SAFETY)
                 return ns_methods._gram_newton_schulz(x, schedule, restarts=chosen)
+
             return run
 
         out += [("gram, restart before 2", gram_with((2,))), ("gram, restarts before 2, 4", gram_with((2, 4)))]
@@ -231,10 +234,12 @@ def main() -> None:
     started = time.monotonic()
     real = debug_model_momenta() if any(s in SHAPES["debug"] for s in shapes) else []
     labels = [label for label, _ in runs(*max(shapes, key=lambda s: ns_methods.uses_gram(*s)), args.restarts)]
-    print(f"Newton–Schulz (5 steps, bf16; the float16 columns in float16) vs the exact polar factor U Vᵀ, {device.type}, "
-          f"torch {torch.__version__}: "
-          "per method, the output's smallest–largest singular value (over the input's rank) / "
-          "‖X − U Vᵀ‖_F / ‖U Vᵀ‖_F")
+    print(
+        f"Newton–Schulz (5 steps, bf16; the float16 columns in float16) vs the exact polar factor U Vᵀ, {device.type}, "
+        f"torch {torch.__version__}: "
+        "per method, the output's smallest–largest singular value (over the input's rank) / "
+        "‖X − U Vᵀ‖_F / ‖U Vᵀ‖_F"
+    )
     print("| shape | input | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
     bad, float16 = [], []
@@ -250,21 +255,33 @@ def main() -> None:
                 if not finite or (kind == "zero" and distance != 0.0):
                     bad.append((short, long, kind, label))
             if cells:
-                print(f"| {short} x {long} | {kind} | " + " | ".join(cells.get(label, "") for label in labels) + " |",
-                      flush=True)
-    print(f"{len(shapes)} shapes in {time.monotonic() - started:.0f} s; "
-          + ("every output finite, a zero matrix gives zero" if not bad else f"FAILED: {bad}"))
+                print(
+                    f"| {short} x {long} | {kind} | " + " | ".join(cells.get(label, "") for label in labels) + " |",
+                    flush=True,
+                )
+    print(
+        f"{len(shapes)} shapes in {time.monotonic() - started:.0f} s; "
+        + ("every output finite, a zero matrix gives zero" if not bad else f"FAILED: {bad}")
+    )
     methods = [label for label in labels if label.endswith("float16")]
-    print("\nfloat16: the largest magnitude of any intermediate (float16 overflows at 65504), and the share of the "
-          "normalised input's nonzero entries below float16's smallest normal number (6.1e-5: fewer significant bits)")
+    print(
+        "\nfloat16: the largest magnitude of any intermediate (float16 overflows at 65504), and the share of the "
+        "normalised input's nonzero entries below float16's smallest normal number (6.1e-5: fewer significant bits)"
+    )
     print("| shape | input | " + " | ".join(methods) + " | below 6.1e-5 |")
     print("|---|---|" + "---|" * (len(methods) + 1))
     for short, long, kind, peaks in float16:
-        print(f"| {short} x {long} | {kind} | " + " | ".join(f"{peaks[m]:.3g}" for m in methods)
-              + f" | {peaks['subnormal']:.1%} |")
+        print(
+            f"| {short} x {long} | {kind} | "
+            + " | ".join(f"{peaks[m]:.3g}" for m in methods)
+            + f" | {peaks['subnormal']:.1%} |"
+        )
     overall = max(peaks[m] for *_, peaks in float16 for m in methods)
-    print(f"largest float16 intermediate over every row: {overall:.3g} ({65504 / overall:.0f}x below float16's maximum)"
-          if overall < float("inf") else "FAILED: a float16 intermediate overflowed")
+    print(
+        f"largest float16 intermediate over every row: {overall:.3g} ({65504 / overall:.0f}x below float16's maximum)"
+        if overall < float("inf")
+        else "FAILED: a float16 intermediate overflowed"
+    )
 
 
 if __name__ == "__main__":

@@ -64,11 +64,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = sorted({s for group in args.shapes for s in SHAPES[group]})
-    print(f"Newton–Schulz (5 steps, bf16) per call, {args.rounds} interleaved rounds, {device.type}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"Newton–Schulz (5 steps, bf16) per call, {args.rounds} interleaved rounds, {device.type}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     methods = ns_methods.NS_METHODS
-    print("| shape | batch | gram runs | " + " | ".join(f"{m} (s)" for m in methods) + " | "
-          + " | ".join(f"torch / {m}: time (FLOPs)" for m in methods[1:]) + " |")
+    print(
+        "| shape | batch | gram runs | "
+        + " | ".join(f"{m} (s)" for m in methods)
+        + " | "
+        + " | ".join(f"torch / {m}: time (FLOPs)" for m in methods[1:])
+        + " |"
+    )
     print("|---|---|---|" + "---|" * (2 * len(methods) - 1))
     for short, long in shapes:
         times = time_methods(short, long, args.rounds, device)

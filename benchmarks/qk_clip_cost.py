@@ -35,8 +35,8 @@ def main() -> None:
     from torchtitan.models.llama3 import model_registry
 
     from titan_dmuon.integration.models.attention_clip import attention_descriptions
-    from titan_dmuon.optim.qk_clip import _capture
     from titan_dmuon.math.qk_clip_factors import clip_factors, role_exponent, row_map, scale_rows
+    from titan_dmuon.optim.qk_clip import _capture
 
     config = model_registry("debugmodel").model
     cpu.use_sdpa_attention(config)
@@ -63,8 +63,10 @@ def main() -> None:
     for i in range(2 * args.iters):
         on = i % 2 == 1
         if on:
-            hooks = [d.capture.register_forward_hook(functools.partial(_capture, running, slot, d), with_kwargs=True)
-                     for slot, d in enumerate(descriptions)]
+            hooks = [
+                d.capture.register_forward_hook(functools.partial(_capture, running, slot, d), with_kwargs=True)
+                for slot, d in enumerate(descriptions)
+            ]
         start = time.perf_counter()
         step()
         times["on" if on else "off"].append(time.perf_counter() - start)
@@ -72,14 +74,18 @@ def main() -> None:
             h.remove()
         hooks = []
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    print(f"forward+backward, batch {args.batch} x seq {args.seq}: without capture {1e3 * off:.1f} ms, "
-          f"with capture {1e3 * on:.1f} ms (+{1e3 * (on - off):.1f} ms, {100 * (on - off) / off:.1f}%)")
+    print(
+        f"forward+backward, batch {args.batch} x seq {args.seq}: without capture {1e3 * off:.1f} ms, "
+        f"with capture {1e3 * on:.1f} ms (+{1e3 * (on - off):.1f} ms, {100 * (on - off) / off:.1f}%)"
+    )
 
     weights = []
     for slot, d in enumerate(descriptions):
         by_param = {}
         for part in d.rows:
-            by_param.setdefault(part.param, []).append((part.heads, role_exponent(part.role, alpha=0.5, shared_keys=d.shared_keys)))
+            by_param.setdefault(part.param, []).append(
+                (part.heads, role_exponent(part.role, alpha=0.5, shared_keys=d.shared_keys))
+            )
         for param, parts in by_param.items():
             weights.append((slot, param, *row_map(param.shape[0], parts)))
     running.fill_(1.0)

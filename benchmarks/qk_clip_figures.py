@@ -32,9 +32,23 @@ def run(tau: str, steps: int, extra: tuple, folder: str) -> list[tuple[int, floa
     """(step, loss, S, heads clipped) per step of one run of the main job."""
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable), "TITAN_DMUON_PRECHECK": "0"}
     out = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", folder, "--metrics.disable_color_printing", "true",
-         "--training.steps", str(steps), "--optimizer.qk_clip_threshold", tau, *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+        [
+            "./run_train.sh",
+            "--job.dump_folder",
+            folder,
+            "--metrics.disable_color_printing",
+            "true",
+            "--training.steps",
+            str(steps),
+            "--optimizer.qk_clip_threshold",
+            tau,
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     text = out.stdout + out.stderr
     if out.returncode != 0:
@@ -48,7 +62,11 @@ def table(results: dict[str, tuple[list, list]]) -> str:
     """docs/qk-clip.md's table: per step, for each model, S and heads clipped with the clip, S without it
     and the loss with and without it."""
     models = list(results)
-    head = "| step | " + " | ".join(f"{m}: S | heads clipped | S without the clip | loss with, without the clip" for m in models) + " |"
+    head = (
+        "| step | "
+        + " | ".join(f"{m}: S | heads clipped | S without the clip | loss with, without the clip" for m in models)
+        + " |"
+    )
     lines = [head, "|---|" + "---|" * 4 * len(models)]
     for step in range(1, max(len(clipped) for clipped, _ in results.values()) + 1):
         cells = []
@@ -70,8 +88,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qk_clip_figures_") as work:
         for model in args.models:
             tau, steps, extra = JOBS[model]
-            results[model] = (run(tau, steps, extra, os.path.join(work, f"{model}_clip")),
-                              run(NEVER, steps, extra, os.path.join(work, f"{model}_free")))
+            results[model] = (
+                run(tau, steps, extra, os.path.join(work, f"{model}_clip")),
+                run(NEVER, steps, extra, os.path.join(work, f"{model}_free")),
+            )
             print(f"{model}: tau = {tau}, {steps} steps", flush=True)
     print(table(results))
 

@@ -29,8 +29,10 @@ from tests.support.tp_moe_jobs import LAYOUTS, MUON_WEIGHTS, tp_moe_model, train
 def main() -> None:
     pool = WorkerPool(8)
     try:
-        print(f"{'model':<12}{'layout':<22}{'step-1 loss':>13}{'grad norm':>11}{'NS/step':>9}"
-              f"{'comm/rank':>12}{'design':>12}{'max Muon diff':>15}{'max AdamW diff':>16}")
+        print(
+            f"{'model':<12}{'layout':<22}{'step-1 loss':>13}{'grad norm':>11}{'NS/step':>9}"
+            f"{'comm/rank':>12}{'design':>12}{'max Muon diff':>15}{'max AdamW diff':>16}"
+        )
         for family, experts in LAYOUTS.items():
             state = th.initial_state(tp_moe_model(family, experts))
             runs = {"HSDP 2 x 4": pool.run(train_tp_moe, family, experts, state, 1, 1, None, 3, "dmuon", 2)}
@@ -46,9 +48,11 @@ def main() -> None:
                 muon = max(d for k, d in diff.items() if k.endswith(MUON_WEIGHTS))
                 adamw = max(d for k, d in diff.items() if not k.endswith(MUON_WEIGHTS))
                 moved = sum(Fraction(r["moved"]) for r in results) / len(results)
-                print(f"{family:<12}{layout:<22}{results[0]['losses'][0]:>13.6f}{results[0]['norms'][0]:>11.6f}"
-                      f"{sum(r['ns'] for r in results):>9}{float(moved):>12.1f}{float(results[0]['design']):>12.1f}"
-                      f"{muon:>15.2e}{adamw:>16.2e}")
+                print(
+                    f"{family:<12}{layout:<22}{results[0]['losses'][0]:>13.6f}{results[0]['norms'][0]:>11.6f}"
+                    f"{sum(r['ns'] for r in results):>9}{float(moved):>12.1f}{float(results[0]['design']):>12.1f}"
+                    f"{muon:>15.2e}{adamw:>16.2e}"
+                )
     finally:
         pool.close()
 

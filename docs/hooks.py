@@ -31,7 +31,7 @@ def _present(entries, docs_dir: str) -> list:
     kept = []
     for entry in entries:
         if isinstance(entry, dict):
-            (title, target), = entry.items()
+            ((title, target),) = entry.items()
             if isinstance(target, list):
                 children = _present(target, docs_dir)
                 if children:
@@ -65,10 +65,10 @@ def _relink(text: str, config) -> str:
         if "://" in target or target.startswith("#"):
             return match.group(0)
         if target.startswith("docs/"):
-            return f"[{label}]({target[len('docs/'):]})"
+            return f"[{label}]({target[len('docs/') :]})"
         for page, source in GENERATED_PAGES.items():
             if target.split("#")[0] == source:
-                return f"[{label}]({page}{target[len(source):]})"
+                return f"[{label}]({page}{target[len(source) :]})"
         if repo_url:
             kind = "tree" if os.path.isdir(os.path.join(_repo_root(config), target.split("#")[0])) else "blob"
             return f"[{label}]({repo_url}/{kind}/main/{target})"
@@ -113,4 +113,5 @@ def on_page_content(content, page, config, files):
 
     content = _MATH.sub(render, content)
     return _STANDALONE_IMAGE.sub(
-        lambda m: f'<p><a href="{m.group(2)}" title="Open the full-size image">{m.group(1)}</a></p>', content)
+        lambda m: f'<p><a href="{m.group(2)}" title="Open the full-size image">{m.group(1)}</a></p>', content
+    )

@@ -17,16 +17,16 @@ The TorchTitan-free core:
 imported on first use, so ``import titan_dmuon`` never imports TorchTitan.
 """
 
-from titan_dmuon.plan.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
-from titan_dmuon.runtime.ddp import wrap_ddp
 from titan_dmuon.optim.grad_clip import clip_grad_norm_
-from titan_dmuon.plan.owner_groups import GroupOptions
-from titan_dmuon.runtime.gradient_sync import set_requires_gradient_sync
-from titan_dmuon.tools.ledger import CommLedger
 from titan_dmuon.optim.optimizer import DMuon
 from titan_dmuon.options import DMuonOptions
+from titan_dmuon.plan.cost_model import baseline_elements_per_rank, dmuon_elements_per_rank
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.plan.ownership import OwnershipPlan
 from titan_dmuon.runtime import DedicatedParams, DedicationMode, UnitOrderError, dedicate_params
+from titan_dmuon.runtime.ddp import wrap_ddp
+from titan_dmuon.runtime.gradient_sync import set_requires_gradient_sync
+from titan_dmuon.tools.ledger import CommLedger
 
 __all__ = [
     "CommLedger",

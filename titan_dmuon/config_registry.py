@@ -34,12 +34,25 @@ from titan_dmuon.integration.config.python_config import with_dmuon as _with_dmu
 
 _DEBUG_ASSETS = "./assets/debug"
 _DEBUG_DMUON = dict(  # train_configs/debug_model*.toml [optimizer]
-    lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
-    adamw_lr=8e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1,
+    lr=0.05,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    adamw_lr=8e-4,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=0.1,
 )
 _CLUSTER_DMUON = dict(  # train_configs/llama3_*b.toml [optimizer], less lr / adamw_lr
-    adjust_lr_fn="match_rms_adamw", weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
-    adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1,
+    adjust_lr_fn="match_rms_adamw",
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=0.1,
 )
 
 
@@ -61,8 +74,12 @@ def llama3_debugmodel_dmuon_hsdp():
 
 def llama3_debugmodel_dmuon_pp():
     """debug_model_pp.toml: DMuon with pipeline parallelism 2 (Interleaved1F1B) x FSDP 2 (4 ranks)."""
-    job = _debug_job(data_parallel_shard_degree=2, pipeline_parallel_degree=2,
-                     pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1)
+    job = _debug_job(
+        data_parallel_shard_degree=2,
+        pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="Interleaved1F1B",
+        pipeline_parallel_microbatch_size=1,
+    )
     return _with_dmuon(job, **_DEBUG_DMUON)
 
 
@@ -76,8 +93,14 @@ def llama3_debugmodel_dmuon_ft():
     _set(job.checkpoint, enable=True, interval=1000)  # TorchFT transfers what the checkpointer registers
     config = FaultTolerantTrainer.Config(
         **{f.name: getattr(job, f.name) for f in _dataclasses.fields(job)},
-        fault_tolerance=FaultTolerance(enable=True, group_size=2, replica_id=0, min_replica_size=1,
-                                       process_group="gloo", process_group_timeout_ms=10000),
+        fault_tolerance=FaultTolerance(
+            enable=True,
+            group_size=2,
+            replica_id=0,
+            min_replica_size=1,
+            process_group="gloo",
+            process_group_timeout_ms=10000,
+        ),
     )
     return _with_dmuon(config, **_DEBUG_DMUON, reshard_after_forward=True)
 
@@ -91,8 +114,12 @@ def llama3_8b_dmuon():
     # DMuon's hooks run every step; TorchTitan's default CUDA-graph capture would skip them
     _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=1000, disable_cuda_graphs=True)
     _set(config.dataloader, dataset="c4", dataset_path="./data/c4")
-    _set(config.parallelism, data_parallel_replicate_degree=4, data_parallel_shard_degree=8,
-         fsdp_reshard_after_forward="default")
+    _set(
+        config.parallelism,
+        data_parallel_replicate_degree=4,
+        data_parallel_shard_degree=8,
+        fsdp_reshard_after_forward="default",
+    )
     config.activation_checkpoint = _SelectiveAC.Config()
     _set(config.checkpoint, enable=True, folder="checkpoint", interval=500)
     _set(config.metrics, log_freq=10, enable_tensorboard=True)
@@ -107,8 +134,13 @@ def llama3_70b_dmuon():
     _set(config.lr_scheduler, warmup_steps=2000, decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1)
     _set(config.training, local_batch_size=1, seq_len=8192, max_norm=1.0, steps=10000, disable_cuda_graphs=True)
     _set(config.dataloader, dataset="c4", dataset_path="./data/c4")
-    _set(config.parallelism, data_parallel_replicate_degree=8, data_parallel_shard_degree=8,
-         tensor_parallel_degree=1, fsdp_reshard_after_forward="default")
+    _set(
+        config.parallelism,
+        data_parallel_replicate_degree=8,
+        data_parallel_shard_degree=8,
+        tensor_parallel_degree=1,
+        fsdp_reshard_after_forward="default",
+    )
     config.activation_checkpoint = _FullAC.Config()
     _set(config.checkpoint, enable=True, folder="checkpoint", interval=500)
     _set(config.metrics, log_freq=10, enable_tensorboard=True)
@@ -163,7 +195,9 @@ def _moe_cluster_job(config, hf_name: str, *, lr: float, steps: int, ep: int):
     config.activation_checkpoint = _FullAC.Config()
     _set(config.checkpoint, enable=True, folder="checkpoint", interval=500)
     _set(config.metrics, log_freq=10, enable_tensorboard=True)
-    return _with_dmuon(config, lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=0.1, adamw_lr=lr, adamw_weight_decay=0.1)
+    return _with_dmuon(
+        config, lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=0.1, adamw_lr=lr, adamw_weight_decay=0.1
+    )
 
 
 def _local_assets(config):
@@ -183,8 +217,15 @@ def _debug_job(**parallelism):
     _set(config.lr_scheduler, warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
     _set(config.training, local_batch_size=2, seq_len=256, max_norm=1.0, steps=20)
     _set(config.dataloader, dataset="c4_test", dataset_path=f"{_DEBUG_ASSETS}/text")
-    _set(config.parallelism, **{"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
-                                "fsdp_reshard_after_forward": "default", **parallelism})
+    _set(
+        config.parallelism,
+        **{
+            "data_parallel_replicate_degree": 1,
+            "data_parallel_shard_degree": -1,
+            "fsdp_reshard_after_forward": "default",
+            **parallelism,
+        },
+    )
     config.activation_checkpoint = _SelectiveAC.Config()
     _set(config.checkpoint, enable=False, folder="checkpoint", interval=10)
     _set(config.metrics, log_freq=1, enable_tensorboard=False)

@@ -14,8 +14,9 @@ from typing import Literal
 
 import torch
 
-from titan_dmuon.math.muon_update import ADJUST_LR_FNS, NS_MODES, exact_mode_refusal
+from titan_dmuon.math.muon_update import NS_MODES
 from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_METHODS, NS_STEPS
+from titan_dmuon.math.update_rules import ADJUST_LR_FNS, exact_mode_refusal
 
 ADJUST_LR_FN_NAMES = tuple(f for f in ADJUST_LR_FNS if f is not None)  # (unset: None)
 LR_KEYS = ("lr", "adamw_lr")  # may be a 1-element tensor, as torch.optim.Muon's and AdamW's lr
@@ -125,25 +126,39 @@ class DMuonOptions:
         if self.ns_method not in NS_METHODS:
             raise OptionError("ns_method", self.ns_method, f"one of {NS_METHODS}")
         if self.ns_mode == "exact" and self.ns_method != "torch":
-            raise OptionError("ns_method", self.ns_method,
-                              "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
+            raise OptionError(
+                "ns_method",
+                self.ns_method,
+                "'torch' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'",
+            )
         if not isinstance(self.ns_graphs, bool):
             raise OptionError("ns_graphs", self.ns_graphs, "true or false")
         if self.ns_graphs and self.ns_mode == "exact":
-            raise OptionError("ns_graphs", self.ns_graphs,
-                              "false with ns_mode 'exact' (torch.optim.Muon's own update, one matrix at a time), "
-                              "or ns_mode 'batched'")
+            raise OptionError(
+                "ns_graphs",
+                self.ns_graphs,
+                "false with ns_mode 'exact' (torch.optim.Muon's own update, one matrix at a time), "
+                "or ns_mode 'batched'",
+            )
         if self.ns_dtype not in NS_DTYPES:
             raise OptionError("ns_dtype", self.ns_dtype, f"one of {NS_DTYPES}")
         if self.ns_mode == "exact" and self.ns_dtype != "bfloat16":
-            raise OptionError("ns_dtype", self.ns_dtype,
-                              "'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'")
-        if self.normuon_beta2 is not None and (not _is_number(self.normuon_beta2) or not 0.0 <= self.normuon_beta2 < 1.0):
+            raise OptionError(
+                "ns_dtype",
+                self.ns_dtype,
+                "'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'",
+            )
+        if self.normuon_beta2 is not None and (
+            not _is_number(self.normuon_beta2) or not 0.0 <= self.normuon_beta2 < 1.0
+        ):
             raise OptionError("normuon_beta2", self.normuon_beta2, "a number in [0, 1), or unset (Muon)")
         if self.ns_method != "torch" and self.ns_coefficients != NS_COEFFICIENTS:
-            raise OptionError("ns_coefficients", self.ns_coefficients,
-                              f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own "
-                              "per-step schedule), or ns_method 'torch'")
+            raise OptionError(
+                "ns_coefficients",
+                self.ns_coefficients,
+                f"torch.optim.Muon's {NS_COEFFICIENTS} with ns_method {self.ns_method!r} (its own "
+                "per-step schedule), or ns_method 'torch'",
+            )
         if len(self.adamw_betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in self.adamw_betas):
             raise OptionError("adamw_betas", self.adamw_betas, "two numbers in [0, 1)")
         if self.qk_clip_threshold is not None and (
@@ -183,16 +198,25 @@ def whole_matrix_rules(*, ns_mode: str, ns_dtype: str, normuon_beta2: float | No
     if ns_mode == "exact":
         rules.append(("ns_mode 'exact' is torch.optim.Muon's own update on one owner", "or use ns_mode 'batched'"))
     if normuon_beta2 is not None:
-        rules.append(("NorMuon (normuon_beta2) normalises each row of the whole orthogonalised matrix on one owner",
-                      "or leave normuon_beta2 unset"))
+        rules.append(
+            (
+                "NorMuon (normuon_beta2) normalises each row of the whole orthogonalised matrix on one owner",
+                "or leave normuon_beta2 unset",
+            )
+        )
     if ns_dtype != "bfloat16":
-        rules.append((f"ns_dtype {ns_dtype!r} iterates on one owner (an owner group's Newton–Schulz runs in "
-                      "bfloat16)", "or use ns_dtype 'bfloat16'"))
+        rules.append(
+            (
+                f"ns_dtype {ns_dtype!r} iterates on one owner (an owner group's Newton–Schulz runs in bfloat16)",
+                "or use ns_dtype 'bfloat16'",
+            )
+        )
     return rules
 
 
-def check_whole_matrix_rules(param_groups: list[dict], handles: list, *, ns_dtype: str,
-                             normuon_beta2: float | None) -> None:
+def check_whole_matrix_rules(
+    param_groups: list[dict], handles: list, *, ns_dtype: str, normuon_beta2: float | None
+) -> None:
     """ValueError (on every rank: the plan and the options are the same everywhere) when a weight of an
     owner group is to get a rule that needs its whole matrix on one rank (``whole_matrix_rules``; ns_mode
     is a param group's)."""
@@ -206,4 +230,5 @@ def check_whole_matrix_rules(param_groups: list[dict], handles: list, *, ns_dtyp
                     raise ValueError(
                         f"{rule}, and the plan split {member.fqn!r} over an owner group of {member.group.size} "
                         "ranks: dedicate with owner_groups=None (TorchTitan: optimizer.owner_groups = false, which "
-                        f"these settings imply there), {other}")
+                        f"these settings imply there), {other}"
+                    )

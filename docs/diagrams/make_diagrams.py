@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 480
 INK, MUTED, LINE = "#1f2328", "#57606a", "#8c959f"
 WEIGHT_COLOURS = {"A": "#4c78a8", "B": "#f58518", "C": "#54a24b"}
-FONT = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
+FONT = 'font-family="DejaVu Sans, Helvetica, Arial, sans-serif"'
 
 
 class Svg:
@@ -30,30 +30,40 @@ class Svg:
         self.height, self.title, self.parts = height, title, []
 
     def text(self, x, y, s, *, size=15, anchor="middle", weight="normal", fill=INK):
-        self.parts.append(f'<text x="{x}" y="{y}" font-size="{size}" text-anchor="{anchor}" '
-                          f'font-weight="{weight}" fill="{fill}">{escape(s)}</text>')
+        self.parts.append(
+            f'<text x="{x}" y="{y}" font-size="{size}" text-anchor="{anchor}" '
+            f'font-weight="{weight}" fill="{fill}">{escape(s)}</text>'
+        )
 
     def box(self, x, y, w, h, *, fill="#ffffff", stroke=LINE, label=None, size=15, colour=INK, dash=False):
         extra = ' stroke-dasharray="5 4"' if dash else ""
-        self.parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="5" fill="{fill}" '
-                          f'stroke="{stroke}" stroke-width="1.5"{extra}/>')
+        self.parts.append(
+            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="5" fill="{fill}" '
+            f'stroke="{stroke}" stroke-width="1.5"{extra}/>'
+        )
         if label is not None:
             self.text(x + w / 2, y + h / 2 + size * 0.35, label, size=size, fill=colour)
 
     def arrow(self, x1, y1, x2, y2, *, colour=INK, width=2.0):
-        self.parts.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" '
-                          f'stroke-width="{width}" marker-end="url(#head)"/>')
+        self.parts.append(
+            f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" '
+            f'stroke-width="{width}" marker-end="url(#head)"/>'
+        )
 
     def line(self, x1, y1, x2, y2, *, colour=LINE, width=1.5):
         self.parts.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" stroke-width="{width}"/>')
 
     def render(self) -> str:
-        head = ('<defs><marker id="head" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
-                f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{INK}"/></marker></defs>')
-        svg = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {self.height}" '
-               f'width="{WIDTH}" height="{self.height}" role="img" aria-label="{escape(self.title)}" {FONT}>\n'
-               f'<title>{escape(self.title)}</title>\n{head}\n'
-               f'<rect width="{WIDTH}" height="{self.height}" fill="#ffffff"/>\n' + "\n".join(self.parts) + "\n</svg>\n")
+        head = (
+            '<defs><marker id="head" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+            f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{INK}"/></marker></defs>'
+        )
+        svg = (
+            f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {self.height}" '
+            f'width="{WIDTH}" height="{self.height}" role="img" aria-label="{escape(self.title)}" {FONT}>\n'
+            f"<title>{escape(self.title)}</title>\n{head}\n"
+            f'<rect width="{WIDTH}" height="{self.height}" fill="#ffffff"/>\n' + "\n".join(self.parts) + "\n</svg>\n"
+        )
         return svg
 
 
@@ -61,8 +71,17 @@ def _packed(svg: Svg, x, y, w, h, prefix=""):
     """A packed per-layer buffer: the layer's three weights side by side."""
     third = w / 3
     for i, name in enumerate("ABC"):
-        svg.box(x + i * third, y, third, h, fill=WEIGHT_COLOURS[name], stroke="#ffffff",
-                label=prefix + name, colour="#ffffff", size=14)
+        svg.box(
+            x + i * third,
+            y,
+            third,
+            h,
+            fill=WEIGHT_COLOURS[name],
+            stroke="#ffffff",
+            label=prefix + name,
+            colour="#ffffff",
+            size=14,
+        )
 
 
 def data_flow() -> Svg:
@@ -79,8 +98,9 @@ def data_flow() -> Svg:
     y = 66
     svg.text(10, y + 12, "1  Forward", size=15, anchor="start", weight="bold")
     for i, (x, name) in enumerate(zip(cols, "ABC")):
-        svg.box(x + 20, y + 24, col_w - 40, 30, fill="#ffffff", stroke=WEIGHT_COLOURS[name],
-                label=f"owns {name}", size=14)
+        svg.box(
+            x + 20, y + 24, col_w - 40, 30, fill="#ffffff", stroke=WEIGHT_COLOURS[name], label=f"owns {name}", size=14
+        )
         svg.arrow(x + col_w / 2, y + 56, x + col_w / 2, y + 78)
     svg.box(20, y + 82, 440, 26, fill="#eef1f4", label="broadcast from the owners (one launch per layer)", size=14)
     for x in cols:
@@ -98,8 +118,17 @@ def data_flow() -> Svg:
     svg.box(20, y + 80, 440, 26, fill="#eef1f4", label="reduce (average) each gradient to its owner", size=14)
     for x, name in zip(cols, "ABC"):
         svg.arrow(x + col_w / 2, y + 108, x + col_w / 2, y + 128)
-        svg.box(x + 20, y + 132, col_w - 40, 28, fill=WEIGHT_COLOURS[name], stroke="#ffffff",
-                label=f"mean ∇{name}", colour="#ffffff", size=14)
+        svg.box(
+            x + 20,
+            y + 132,
+            col_w - 40,
+            28,
+            fill=WEIGHT_COLOURS[name],
+            stroke="#ffffff",
+            label=f"mean ∇{name}",
+            colour="#ffffff",
+            size=14,
+        )
     svg.text(WIDTH / 2, y + 182, "the other ranks drop their copies", size=14, fill=MUTED)
 
     # step
@@ -129,7 +158,7 @@ def _gantt(svg: Svg, y0: int, title: str, keep_until_backward: bool, note: list[
         y = y0 + 50 + (layer - 1) * row
         svg.text(x0 - 8, y + 19, f"layer {layer}", size=14, anchor="end")
         fwd, bwd = layer - 1, 2 * layers - layer  # column of the layer's forward and backward
-        spans = ([(fwd, bwd)] if keep_until_backward or layer == layers else [(fwd, fwd), (bwd, bwd)])
+        spans = [(fwd, bwd)] if keep_until_backward or layer == layers else [(fwd, fwd), (bwd, bwd)]
         for a, b in spans:
             svg.box(x0 + a * cell + 3, y + 4, (b - a + 1) * cell - 6, row - 8, fill="#9ecae9", stroke="#4c78a8")
             svg.parts.append(f'<circle cx="{x0 + a * cell + 12}" cy="{y + row / 2}" r="6" fill="#e45756"/>')
@@ -140,15 +169,25 @@ def _gantt(svg: Svg, y0: int, title: str, keep_until_backward: bool, note: list[
 
 def z2_z3() -> Svg:
     svg = Svg(540, "When each layer's packed buffer is broadcast and held: DMuon-Z2 against DMuon-Z3")
-    svg.parts.append(f'<circle cx="20" cy="20" r="6" fill="#e45756"/>')
+    svg.parts.append('<circle cx="20" cy="20" r="6" fill="#e45756"/>')
     svg.text(32, 25, "broadcast from the owners", size=14, anchor="start")
     svg.box(250, 11, 36, 18, fill="#9ecae9", stroke="#4c78a8")
     svg.text(294, 25, "buffer held", size=14, anchor="start")
-    _gantt(svg, 44, "DMuon-Z2 (reshard_after_forward=False)", True,
-           ["1 broadcast per layer: the traffic floor", "end of forward: every layer's weights (P_M)"])
+    _gantt(
+        svg,
+        44,
+        "DMuon-Z2 (reshard_after_forward=False)",
+        True,
+        ["1 broadcast per layer: the traffic floor", "end of forward: every layer's weights (P_M)"],
+    )
     svg.line(10, 300, WIDTH - 10, 300)
-    _gantt(svg, 306, "DMuon-Z3 (reshard_after_forward=True)", False,
-           ["2 broadcasts per layer, 1 for the last layer", "at most two layers' weights at a time"])
+    _gantt(
+        svg,
+        306,
+        "DMuon-Z3 (reshard_after_forward=True)",
+        False,
+        ["2 broadcasts per layer, 1 for the last layer", "at most two layers' weights at a time"],
+    )
     return svg
 
 

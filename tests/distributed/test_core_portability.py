@@ -44,9 +44,19 @@ def test_the_exact_mode_refuses_an_lr_rule_this_torchs_muon_lacks(monkeypatch):
     DMuonOptions(ns_mode="exact", adjust_lr_fn="match_rms_adamw")
     param, grad = torch.randn(8, 2), torch.randn(8, 2)
     with pytest.raises(ValueError, match="needs torch >= 2.14"):
-        muon_update.muon_step([param], [grad], [torch.zeros_like(param)], [[((0, 8),)]], lr=0.02, weight_decay=0.1,
-                            momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="spectral_unclamped",
-                            ns_mode="exact")
+        muon_update.muon_step(
+            [param],
+            [grad],
+            [torch.zeros_like(param)],
+            [[((0, 8),)]],
+            lr=0.02,
+            weight_decay=0.1,
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            adjust_lr_fn="spectral_unclamped",
+            ns_mode="exact",
+        )
 
 
 BLOCKED = ("torchtitan", "tyro", "datasets", "torchdata", "spmd_types")
@@ -62,17 +72,31 @@ def test_the_core_and_the_gpu_check_import_without_torchtitan():
         package = os.path.relpath(directory, ROOT).replace(os.sep, ".")
         if ".integration" in package or "__pycache__" in package:
             continue
-        core += [f"{package}.{name[:-3]}" for name in sorted(files)
-                 if name.endswith(".py") and name not in ("__init__.py", "__main__.py", "config_registry.py")]
+        core += [
+            f"{package}.{name[:-3]}"
+            for name in sorted(files)
+            if name.endswith(".py") and name not in ("__init__.py", "__main__.py", "config_registry.py")
+        ]
     script = (
         f"import importlib, sys\nsys.modules.update(dict.fromkeys({BLOCKED!r}))\n"
         f"for name in {[*core, 'tests.support.helpers', 'benchmarks.gpu_runtime', 'benchmarks.gpu_check']!r}:\n"
         "    importlib.import_module(name)\n"
         "from benchmarks.gpu_check import titan_blocker\nprint(titan_blocker())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("TorchTitan is not installed for this python"), result.stdout
-    assert len(core) > 40 and {"titan_dmuon.runtime.unit", "titan_dmuon.math.ns_methods", "titan_dmuon.optim.optimizer",
-                                "titan_dmuon.plan.ownership", "titan_dmuon.sizing.figures"} <= set(core)
+    assert len(core) > 40 and {
+        "titan_dmuon.runtime.unit",
+        "titan_dmuon.math.ns_methods",
+        "titan_dmuon.optim.optimizer",
+        "titan_dmuon.plan.ownership",
+        "titan_dmuon.sizing.figures",
+    } <= set(core)

@@ -274,7 +274,9 @@ def _fused_qkv(rank, world):
     got = full_state(setup)
     for prefix in {n.split(".attention.")[0] for n in got if ".attention.wqkv" in n}:
         q, k, v = got.pop(f"{prefix}.attention.wqkv.weight").split(fused.layers[0].attention.splits)
-        got.update({f"{prefix}.attention.wq.weight": q, f"{prefix}.attention.wk.weight": k, f"{prefix}.attention.wv.weight": v})
+        got.update(
+            {f"{prefix}.attention.wq.weight": q, f"{prefix}.attention.wk.weight": k, f"{prefix}.attention.wv.weight": v}
+        )
     return max_diff(got, ref)
 
 

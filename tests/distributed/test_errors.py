@@ -58,8 +58,9 @@ def _bad_dedicate(rank, world, case):
         mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
         stack = next(p for p in targets if p.ndim == 3)
         dims = {p: 0 for p in targets} if case == "tp_dim_of_stack" else {stack: 1}
-        return _error_of(lambda: dedicate_params(model, targets, mesh2["dp_shard"], tp_mesh=mesh2["tp"],
-                                                 tp_shard_dims=dims))
+        return _error_of(
+            lambda: dedicate_params(model, targets, mesh2["dp_shard"], tp_mesh=mesh2["tp"], tp_shard_dims=dims)
+        )
     if case == "plans_differ":  # rank 1 leaves one weight out
         return _error_of(lambda: dedicate_params(model, targets if rank == 0 else targets[:-1], mesh))
     raise ValueError(case)
@@ -110,12 +111,16 @@ def _bad_optimizer(rank, world, options):
         ({"adamw_betas": (0.9,)}, "adamw_betas = (0.9,): expected two numbers"),
         ({"nesterov": "yes"}, "nesterov = 'yes': expected true or false"),
         ({"ns_method": "newton"}, "ns_method = 'newton': expected one of ('torch', 'polar_express', 'gram')"),
-        ({"ns_method": "gram", "ns_mode": "exact"},
-         "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
-         "or ns_mode 'batched'"),
-        ({"ns_method": "polar_express", "ns_coefficients": (3.0, -4.0, 2.0)},
-         "ns_coefficients = (3.0, -4.0, 2.0): expected torch.optim.Muon's (3.4445, -4.775, 2.0315) with ns_method "
-         "'polar_express' (its own per-step schedule), or ns_method 'torch'"),
+        (
+            {"ns_method": "gram", "ns_mode": "exact"},
+            "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
+            "or ns_mode 'batched'",
+        ),
+        (
+            {"ns_method": "polar_express", "ns_coefficients": (3.0, -4.0, 2.0)},
+            "ns_coefficients = (3.0, -4.0, 2.0): expected torch.optim.Muon's (3.4445, -4.775, 2.0315) with ns_method "
+            "'polar_express' (its own per-step schedule), or ns_method 'torch'",
+        ),
         ({"lr": torch.tensor([1e-3, 2e-3])}, "expected a number >= 0 (or a 1-element tensor)"),
     ],
 )
@@ -131,7 +136,9 @@ def test_unknown_group_option(pool2):
 
 def _unknown_group_option(rank, world):
     setup = distribute(toy_model(), "z3", world)
-    return _error_of(lambda: DMuon([{"params": list(setup.model.parameters()), "betas": (0.9, 0.9)}], dedicated=setup.handle))
+    return _error_of(
+        lambda: DMuon([{"params": list(setup.model.parameters()), "betas": (0.9, 0.9)}], dedicated=setup.handle)
+    )
 
 
 def _forward_on_meta(rank, world):

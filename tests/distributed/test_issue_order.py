@@ -31,8 +31,9 @@ from titan_dmuon.plan.owner_groups import GroupOptions
 
 # Cheap sums next to Newton–Schulz (so the plan splits these tiny matrices), nodes of 4 ranks, every figure
 # given (none measured: on the fake process group a measurement would time collectives that move nothing).
-ORDER_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=4, latency_us=0.0, nic_latency_us=0.0, intra_node_gbps=360.0,
-                            nic_gbps=45.0, min_gain=0.0)
+ORDER_GROUPS = GroupOptions(
+    ns_tflops=1e-3, node_size=4, latency_us=0.0, nic_latency_us=0.0, intra_node_gbps=360.0, nic_gbps=45.0, min_gain=0.0
+)
 DIM, ATTENTION, MLP, LAYERS = 16, 512, 1024, 4
 
 
@@ -48,8 +49,11 @@ class OrderBlock(nn.Module):
 
     def forward(self, x):
         h = self.norm(x)
-        return (x + self.attn_out(torch.tanh(self.attn_in(h))) * torch.sigmoid(self.gate(h))
-                + self.proj(self.mlp_out(torch.tanh(self.mlp_in(h)))))
+        return (
+            x
+            + self.attn_out(torch.tanh(self.attn_in(h))) * torch.sigmoid(self.gate(h))
+            + self.proj(self.mlp_out(torch.tanh(self.mlp_in(h))))
+        )
 
 
 class OrderModel(nn.Module):
@@ -97,8 +101,9 @@ def _one_rank(rank: int, world: int, layout: str, param_groups: int) -> list[tup
     with CommLedger() as ledger:
         model = OrderModel(layers=LAYERS - stage, mlp=MLP // (1 + stage))
         attention, mlp = _targets(model)
-        handle = dedicate_params(model, attention + mlp, mesh, reshard_after_forward=layout != "z2",
-                                 owner_groups=ORDER_GROUPS)
+        handle = dedicate_params(
+            model, attention + mlp, mesh, reshard_after_forward=layout != "z2", owner_groups=ORDER_GROUPS
+        )
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=handle.ignored_params, reshard_after_forward=layout != "z2")
         fully_shard(model, mesh=mesh, ignored_params=handle.ignored_params, reshard_after_forward=layout != "z2")
@@ -117,7 +122,8 @@ def _one_rank(rank: int, world: int, layout: str, param_groups: int) -> list[tup
             opt.zero_grad()
     grouped = [e for e in handle.plan.entries if e.group is not None]
     return [(r.kind, r.group_ranks, r.numel, str(r.dtype)) for r in ledger.records], [
-        (e.fqn, e.group.ranks) for e in grouped]
+        (e.fqn, e.group.ranks) for e in grouped
+    ]
 
 
 def record_job(_rank, _world, layout: str, world: int, param_groups: int, planted: bool = False):
@@ -154,7 +160,8 @@ def check_issue_order(sequences: list[list[tuple]]) -> None:
         first = per_rank[ranks[0]]
         for rank in ranks:
             assert per_rank[rank] == first, (
-                f"communicator {ranks}: rank {rank} issues another sequence than rank {ranks[0]}")
+                f"communicator {ranks}: rank {rank} issues another sequence than rank {ranks[0]}"
+            )
     # nodes: (communicator, index); edges: each rank's consecutive operations (a communicator's order is
     # implied: the rank's own sequence on it is its index order)
     after: dict[tuple, set] = {}

@@ -20,13 +20,10 @@ SMALL = dict(dim=32, hidden_dim=48, n_kv_heads=2, vocab_size=64, n_layers=2)  # 
 WIDE = dict(dim=64, hidden_dim=128, n_kv_heads=4, vocab_size=128, n_layers=1)  # divisible by N up to 64
 
 
-
 def _sizes(dims):
     model = toy_model(**dims)
     p_m = sum(p.numel() for p in muon_targets(model))
     return p_m, sum(p.numel() for p in model.parameters()) - p_m
-
-
 
 
 def _mean(results, key):
@@ -44,7 +41,9 @@ def _check_one_d(results, n, dims):
         assert r[f"fsdp_adamw_{mode}"]["total"] == fsdp[mode] * step * (p_m + p_other)
         # naive FSDP2 + Muon: the same plus one all-gather of P_M inside step()
         naive = r[f"naive_{mode}"]
-        assert naive["total"] - fsdp[mode] * step * p_other == baseline_elements_per_rank(f"naive_fsdp_{mode}", shard_size=n, numel=p_m)
+        assert naive["total"] - fsdp[mode] * step * p_other == baseline_elements_per_rank(
+            f"naive_fsdp_{mode}", shard_size=n, numel=p_m
+        )
         assert naive["total"] - fsdp[mode] * step * p_other == (fsdp[mode] + 1) * step * p_m
         assert naive["step"] == step * p_m
         # DMuon: its own collectives hit the theory; FSDP2 handles the rest. Z3 keeps the last
@@ -59,7 +58,12 @@ def _check_one_d(results, n, dims):
         assert dm["step_kinds"] == [(CommLabel.FORWARD_BROADCAST, "broadcast")]
         assert dm["step"] == step * dm["first_unit"]
     ddp = r["dmuon_ddp"]
-    assert ddp["dmuon"] == ddp["design"] == 2 * step * p_m == baseline_elements_per_rank("ddp_muon", shard_size=n, numel=p_m)
+    assert (
+        ddp["dmuon"]
+        == ddp["design"]
+        == 2 * step * p_m
+        == baseline_elements_per_rank("ddp_muon", shard_size=n, numel=p_m)
+    )
     assert ddp["other"] == 2 * step * p_other  # DDP's all-reduce of the rest
     assert ddp["total"] == r["ddp_muon_z2"]["total"] == 2 * step * (p_m + p_other)
     assert ddp["step"] == step * ddp["first_unit"]
@@ -90,7 +94,10 @@ def _check_hsdp(dmuon_results, fsdp_results, r, n, dims):
     assert _mean(dmuon_results, "total") == _mean(fsdp_results, "total") - Fraction(n - 1, n) * kept
     # step() launches the post-step broadcasts to replicate peers and the next forward's first broadcast
     for res in dmuon_results:
-        assert {k for k in res["step_kinds"]} <= {(CommLabel.REPLICATE_BROADCAST, "broadcast"), (CommLabel.FORWARD_BROADCAST, "broadcast")}
+        assert {k for k in res["step_kinds"]} <= {
+            (CommLabel.REPLICATE_BROADCAST, "broadcast"),
+            (CommLabel.FORWARD_BROADCAST, "broadcast"),
+        }
     assert _mean(dmuon_results, "step") == Fraction(r - 1, r) * Fraction(p_m, n) + Fraction(n - 1, n) * first
 
 

@@ -8,7 +8,6 @@ owners' weights remain (P_M/N per rank), plus the first layer's buffer, whose
 broadcast for the next forward starts at the end of the step.
 """
 
-
 from tests.support.helpers import batches, distribute, toy_model, train
 from titan_dmuon.runtime import CommLabel
 

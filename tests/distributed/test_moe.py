@@ -15,19 +15,29 @@ import torch
 import torch.distributed as dist
 
 from tests.support.helpers import (
-    TOLERANCE, batches, distribute, full_state, global_loss, max_diff, reference_train, toy_model, train,
+    TOLERANCE,
+    batches,
+    distribute,
+    full_state,
+    global_loss,
+    max_diff,
+    reference_train,
+    toy_model,
+    train,
 )
 
 STEPS = 4
 
 
-def _moe_vs_reference(rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact",
-                      ns_method="torch"):
+def _moe_vs_reference(
+    rank, world, mode, experts, routed=None, expert_sharding="auto", ns_mode="exact", ns_method="torch"
+):
     data = batches(STEPS)
     model = toy_model(num_experts=experts, routed_experts=routed)
     ref, ref_losses, _ = reference_train(model, data, slices=world, ns_method=ns_method)
-    setup = distribute(model, mode, world, expert_sharding=expert_sharding,
-                       opt_kwargs={"ns_mode": ns_mode, "ns_method": ns_method})
+    setup = distribute(
+        model, mode, world, expert_sharding=expert_sharding, opt_kwargs={"ns_mode": ns_mode, "ns_method": ns_method}
+    )
     log = train(setup, data, rank, world)
     ns = torch.tensor([n for _, _, n in log], dtype=torch.int64)
     dist.all_reduce(ns)
@@ -145,8 +155,10 @@ def _fake_moe(rank0, _world, n, expert_sharding):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         dims = {**MOE_DIMS, "n_layers": 1}
-        return (ledger_figures(0, n, "dmuon_z3", dims, expert_sharding=expert_sharding),
-                ledger_figures(0, n, "fsdp_adamw_z3", dims))
+        return (
+            ledger_figures(0, n, "dmuon_z3", dims, expert_sharding=expert_sharding),
+            ledger_figures(0, n, "fsdp_adamw_z3", dims),
+        )
     finally:
         dist.destroy_process_group()
 

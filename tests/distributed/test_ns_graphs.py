@@ -45,8 +45,19 @@ def _step(device, runner_of, steps=3):
     workspace = Workspace()
     runner = runner_of(workspace)
     for _ in range(steps):
-        muon_step(params, grads, buffers, [row_blocks(p.shape[-2:]) for p in params], lr=0.02, weight_decay=0.1,
-                  momentum=0.95, nesterov=True, ns_steps=5, scratch=workspace, ns_runner=runner)
+        muon_step(
+            params,
+            grads,
+            buffers,
+            [row_blocks(p.shape[-2:]) for p in params],
+            lr=0.02,
+            weight_decay=0.1,
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            scratch=workspace,
+            ns_runner=runner,
+        )
     return params, runner
 
 

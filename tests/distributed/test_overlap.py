@@ -84,8 +84,8 @@ def test_z3_backward_prefetch_comes_before_the_reduce(pool2):
 def _step_events(rank, world, mode):
     """What step 3's optimizer step does, in order: ("ns", unit) for each Newton-Schulz call on a
     dedicated layer, ("send", label) for each launch."""
-    from titan_dmuon.runtime import comm
     from titan_dmuon.optim import whole_update as owner_update
+    from titan_dmuon.runtime import comm
 
     setup = distribute(toy_model(**DIMS), mode, world)
     data = batches(3)
@@ -94,7 +94,10 @@ def _step_events(rank, world, mode):
     loss_fn(setup.module(x), y).backward()
     events = []
     real_step, real_enter = owner_update.muon_step, comm.Launch.__enter__
-    owner_update.muon_step = lambda params, *a, **k: (events.append(("ns", tuple(p.shape for p in params))), real_step(params, *a, **k))[1]
+    owner_update.muon_step = lambda params, *a, **k: (
+        events.append(("ns", tuple(p.shape for p in params))),
+        real_step(params, *a, **k),
+    )[1]
     comm.Launch.__enter__ = lambda self: (events.append(("send", self.source)), real_enter(self))[1]
     try:
         setup.opt.step()

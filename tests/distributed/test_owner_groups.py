@@ -25,7 +25,14 @@ from tests.support.helpers import (
     train,
 )
 from tests.support.owner_groups_parts import (
-    ADAMW_EPS, BATCHED_ULPS, GROUP_RATIO, GROUP_TOLERANCE, STEPS, TINY_GROUPS, dominant_model, dominant_targets,
+    ADAMW_EPS,
+    BATCHED_ULPS,
+    GROUP_RATIO,
+    GROUP_TOLERANCE,
+    STEPS,
+    TINY_GROUPS,
+    dominant_model,
+    dominant_targets,
     exact_iteration,
 )
 from titan_dmuon.math.group_newton_schulz import block_bounds, group_newton_schulz
@@ -44,8 +51,11 @@ def _member_blocks(rank: int, world: int, ns_method: str) -> list[torch.Tensor]:
         tall = shape[0] > shape[1]
         lo, hi = block_bounds(max(shape), world)[rank : rank + 2]
         block = matrices[:, lo:hi] if tall else matrices[:, :, lo:hi]
-        out.append(group_newton_schulz(block, shape=shape, group_size=world, ns_method=ns_method,
-                                       all_reduce=lambda t: dist.all_reduce(t)))
+        out.append(
+            group_newton_schulz(
+                block, shape=shape, group_size=world, ns_method=ns_method, all_reduce=lambda t: dist.all_reduce(t)
+            )
+        )
     return out
 
 
@@ -66,14 +76,6 @@ def test_group_newton_schulz_on_gloo(pool2, ns_method):
 # ---- the runtime: a model with one dominant matrix, its NS and storage over an owner group -----------------
 
 
-
-
-
-
-
-
-
-
 def _train_groups(rank, world, mode, groups, tall=True):
     data = batches(STEPS)
     model = dominant_model(tall=tall)
@@ -81,8 +83,13 @@ def _train_groups(rank, world, mode, groups, tall=True):
     train(setup, data, rank, world)
     plan = setup.handle.plan
     big = next(e for e in plan.entries if e.fqn.endswith("big.weight"))
-    return {"state": full_state(setup), "imbalance": plan.imbalance, "held": plan.numel_per_shard_rank,
-            "group": None if big.group is None else big.group.size, "comm": setup.handle.pop_comm_stats()}
+    return {
+        "state": full_state(setup),
+        "imbalance": plan.imbalance,
+        "held": plan.numel_per_shard_rank,
+        "group": None if big.group is None else big.group.size,
+        "comm": setup.handle.pop_comm_stats(),
+    }
 
 
 def _max_over_mean(values):
@@ -101,8 +108,13 @@ def test_a_dominant_matrix_over_an_owner_group_trains_as_torch_muon(pool4, mode,
         assert alone["imbalance"] > 3 and _max_over_mean(alone["held"]) > 3
         assert grouped["imbalance"] <= 1.3 and _max_over_mean(grouped["held"]) <= 1.3
     model = dominant_model(tall=tall)
-    reference, _, _ = reference_train(model, batches(STEPS), targets_fn=dominant_targets,
-                                      adamw={**ADAMW, **ADAMW_EPS}, slices=4 if mode == "hsdp" else 1)
+    reference, _, _ = reference_train(
+        model,
+        batches(STEPS),
+        targets_fn=dominant_targets,
+        adamw={**ADAMW, **ADAMW_EPS},
+        slices=4 if mode == "hsdp" else 1,
+    )
     assert max_diff(alone["state"], reference) <= TOLERANCE
     assert max_diff(grouped["state"], reference) <= GROUP_TOLERANCE
     assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
@@ -113,12 +125,22 @@ def _train_groups_accumulating(rank, world, sync, groups, bf16=False):
 
     data = batches(STEPS)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=groups,
-                       opt_kwargs=ADAMW_EPS, mp_policy=policy)
+    setup = distribute(
+        dominant_model(),
+        "z3",
+        world,
+        targets_fn=dominant_targets,
+        owner_groups=groups,
+        opt_kwargs=ADAMW_EPS,
+        mp_policy=policy,
+    )
     train(setup, data, rank, world, accumulate=2, sync=sync)
     big = next(e for e in setup.handle.plan.entries if e.fqn.endswith("big.weight"))
-    return {"state": full_state(setup), "group": None if big.group is None else big.group.size,
-            "held": setup.handle.holds_unreduced_gradients}
+    return {
+        "state": full_state(setup),
+        "group": None if big.group is None else big.group.size,
+        "held": setup.handle.holds_unreduced_gradients,
+    }
 
 
 @pytest.mark.parametrize("sync", ["last", "deferred"])
@@ -134,8 +156,9 @@ def test_owner_groups_accumulate_and_reduce_once_as_pipelining_does(pool4, sync)
     alone = pool4.run(_train_groups_accumulating, sync, None)[0]
     assert grouped["group"] is not None and alone["group"] is None
     assert not grouped["held"] and not alone["held"]
-    reference, _, _ = reference_train(dominant_model(), batches(STEPS), targets_fn=dominant_targets,
-                                      adamw={**ADAMW, **ADAMW_EPS})
+    reference, _, _ = reference_train(
+        dominant_model(), batches(STEPS), targets_fn=dominant_targets, adamw={**ADAMW, **ADAMW_EPS}
+    )
     assert max_diff(grouped["state"], reference) <= GROUP_TOLERANCE
     assert max_diff(grouped["state"], alone["state"]) <= GROUP_TOLERANCE
     # bf16 compute, fp32 reduce: the micro-batches' gradients add up in fp32 accumulators (FSDP2's no-sync),
@@ -153,8 +176,9 @@ def _ledger_of_groups(rank, world, mode):
     from titan_dmuon.runtime import CommLabel
 
     data = batches(4)
-    setup = distribute(dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                       opt_kwargs=ADAMW_EPS)
+    setup = distribute(
+        dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+    )
     train(setup, data[:2], rank, world)
     ledger = CommLedger()
     with ledger:
@@ -164,15 +188,20 @@ def _ledger_of_groups(rank, world, mode):
     half = Fraction(1, 2)
     sums = ledger.select(source=CommLabel.GROUP_GRAM)
     mine = [e for e in setup.handle.plan.entries if e.group is not None and rank in e.group.ranks]
-    return {"dmuon": ledger.elements(source=CommLabel.DMUON) * half,
-            "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half, "kinds": {r.kind for r in sums},
-            "groups": {r.group_ranks for r in sums}, "mine": {e.group.ranks for e in mine},
-            "launches": ledger.launches(source=CommLabel.GROUP_GRAM) * half,
-            # (one call per batch: a unit's equally shaped weights of one group; each unit is its own chunk here)
-            "design_launches": sum(gram_all_reduces(*shape, len(ranks)) for _, ranks, shape in
-                                   {(e.unit, e.group.ranks, e.shape) for e in mine}),
-            "design": design_elements_per_rank(setup.handle),
-            "design_gram": owner_group_elements_per_rank(setup.handle.plan)}
+    return {
+        "dmuon": ledger.elements(source=CommLabel.DMUON) * half,
+        "gram": ledger.elements(source=CommLabel.GROUP_GRAM) * half,
+        "kinds": {r.kind for r in sums},
+        "groups": {r.group_ranks for r in sums},
+        "mine": {e.group.ranks for e in mine},
+        "launches": ledger.launches(source=CommLabel.GROUP_GRAM) * half,
+        # (one call per batch: a unit's equally shaped weights of one group; each unit is its own chunk here)
+        "design_launches": sum(
+            gram_all_reduces(*shape, len(ranks)) for _, ranks, shape in {(e.unit, e.group.ranks, e.shape) for e in mine}
+        ),
+        "design": design_elements_per_rank(setup.handle),
+        "design_gram": owner_group_elements_per_rank(setup.handle.plan),
+    }
 
 
 @pytest.mark.parametrize("mode", ["z3", "hsdp"])
@@ -198,8 +227,9 @@ def _clip_and_initialise(rank, world):
     """The global norm clipped at each step (a group's blocks are each counted once, on their members), and
     an initialiser run in FSDP2's form of each weight, whose values each member keeps its block of."""
     data = batches(2)
-    setup = distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                       opt_kwargs=ADAMW_EPS)
+    setup = distribute(
+        dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+    )
     norms = [norm for _, norm, _ in train(setup, data, rank, world, max_norm=0.1)]
     layer = setup.model.layers[1]
     with setup.handle.initialising(layer.big, sharded=True), torch.no_grad():
@@ -215,14 +245,13 @@ def test_the_clip_counts_each_block_once_and_initialisers_keep_their_values(pool
     as test_correctness), within 1e-3 after (weights within GROUP_TOLERANCE); a block counted twice or not
     at all is off by far more. An initialiser's values (FSDP2's shards, assembled) are what the members keep."""
     results = pool4.run(_clip_and_initialise)
-    _, ref_norms = reference_train(dominant_model(), batches(2), targets_fn=dominant_targets, max_norm=0.1,
-                                   adamw={**ADAMW, **ADAMW_EPS})[1:]
+    _, ref_norms = reference_train(
+        dominant_model(), batches(2), targets_fn=dominant_targets, max_norm=0.1, adamw={**ADAMW, **ADAMW_EPS}
+    )[1:]
     for norms, drawn, kept in results:
         assert norms[0] == pytest.approx(ref_norms[0], rel=1e-5) and norms == pytest.approx(ref_norms, rel=1e-3)
         assert all(n > 0.1 for n in ref_norms)  # clipping was active
         assert torch.equal(drawn, kept)
-
-
 
 
 WHOLE_MATRIX_RULES = {  # DMuon keyword -> what its refusal names
@@ -236,8 +265,14 @@ def _whole_matrix_rules_with_groups(rank, world):
     out = {}
     for key, (value, _) in WHOLE_MATRIX_RULES.items():
         try:
-            distribute(dominant_model(), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                       opt_kwargs={key: value})
+            distribute(
+                dominant_model(),
+                "z3",
+                world,
+                targets_fn=dominant_targets,
+                owner_groups=TINY_GROUPS,
+                opt_kwargs={key: value},
+            )
             out[key] = None
         except ValueError as e:
             out[key] = str(e)
@@ -262,12 +297,16 @@ def _groups_made(rank, world, mode):
     from titan_dmuon.runtime import CommLabel
 
     with CommLedger() as ledger:
-        setup = distribute(dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                           opt_kwargs=ADAMW_EPS)
+        setup = distribute(
+            dominant_model(), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+        )
     comm = setup.handle.owner_groups
     warm = [(r.kind, r.group_ranks, r.numel) for r in ledger.select(source=CommLabel.GROUP_WARM_UP)]
-    return {"groups": {ranks: tuple(dist.get_process_group_ranks(g)) for ranks, g in comm.groups.items()},
-            "warm": warm, "sizes": sorted({e.group.size for e in setup.handle.plan.entries if e.group})}
+    return {
+        "groups": {ranks: tuple(dist.get_process_group_ranks(g)) for ranks, g in comm.groups.items()},
+        "warm": warm,
+        "sizes": sorted({e.group.size for e in setup.handle.plan.entries if e.group}),
+    }
 
 
 @pytest.mark.parametrize("mode", ["z3", "hsdp"])
@@ -286,8 +325,6 @@ def test_each_group_size_gets_its_process_groups_once_and_warms_them_up(pool4, m
             expected[tuple(range(start, start + k))] = tuple(range(start, start + k))
         assert r["groups"] == expected, rank
         assert r["warm"] == [("all_reduce", ranks, 1) for ranks in sorted(expected, key=lambda t: (len(t), t))]
-
-
 
 
 def _stages_make_the_same_groups(rank, world):

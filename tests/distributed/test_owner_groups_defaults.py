@@ -34,9 +34,15 @@ def _train_with_defaults(rank, world):
     setup = distribute(six_and_one(), "z3", world, targets_fn=dominant_targets, opt_kwargs=ADAMW_EPS)
     train(setup, batches(3), rank, world)
     plan = setup.handle.plan
-    return {"state": full_state(setup), "imbalance": plan.imbalance, "held": plan.numel_per_shard_rank,
-            "groups": [(e.fqn, e.group.size) for e in plan.entries if e.group is not None],
-            "figures": plan.groups.describe(), "plan": plan.describe(), "pays": _a_group_pays(plan)}
+    return {
+        "state": full_state(setup),
+        "imbalance": plan.imbalance,
+        "held": plan.numel_per_shard_rank,
+        "groups": [(e.fqn, e.group.size) for e in plan.entries if e.group is not None],
+        "figures": plan.groups.describe(),
+        "plan": plan.describe(),
+        "pays": _a_group_pays(plan),
+    }
 
 
 def _max_over_mean(values):
@@ -47,8 +53,8 @@ def _a_group_pays(plan) -> bool:
     """Whether the planner, given the figures the job measured (``plan.groups``), splits a weight of this
     job: the plan rebuilt from its specs by ``build_plan`` alone (the same decision the job made, if the
     runtime planned with its measured figures)."""
-    from titan_dmuon.plan.specs import MatrixSpec
     from titan_dmuon.plan.ownership import build_plan
+    from titan_dmuon.plan.specs import MatrixSpec
 
     specs = [MatrixSpec(fqn=e.fqn, shape=e.shape, unit=e.unit, blocks=e.blocks) for e in plan.entries]
     again = build_plan(specs, replicate_size=1, shard_size=4, groups=plan.groups)
@@ -68,8 +74,9 @@ def test_the_defaults_split_a_dominant_matrix_on_this_machine(pool4):
     first = results[0]
     assert all(r["figures"] == first["figures"] for r in results)  # (agreed on every rank)
     assert "measured" in first["figures"] and first["figures"] in first["plan"]
-    reference, _, _ = reference_train(six_and_one(), batches(3), targets_fn=dominant_targets,
-                                      adamw={**ADAMW, **ADAMW_EPS})
+    reference, _, _ = reference_train(
+        six_and_one(), batches(3), targets_fn=dominant_targets, adamw={**ADAMW, **ADAMW_EPS}
+    )
     assert max_diff(first["state"], reference) <= DEFAULTS_TOLERANCE
     assert all(r["pays"] == first["pays"] for r in results) and bool(first["groups"]) == first["pays"]
     if not first["pays"]:

@@ -21,8 +21,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tests.support.helpers import ADAMW, MUON, assert_states_equal, batches, distribute, full_state, local_slice, max_diff
-from tests.support.owner_groups_parts import ADAMW_EPS, GROUP_TOLERANCE, STEPS, TINY_GROUPS, dominant_model, dominant_targets
+from tests.support.helpers import (
+    ADAMW,
+    MUON,
+    assert_states_equal,
+    batches,
+    distribute,
+    full_state,
+    local_slice,
+    max_diff,
+)
+from tests.support.owner_groups_parts import (
+    ADAMW_EPS,
+    GROUP_TOLERANCE,
+    STEPS,
+    TINY_GROUPS,
+    dominant_model,
+    dominant_targets,
+)
 from titan_dmuon.testing.toy_model import loss_fn
 
 LR = (0.02, 0.01)  # attention-like small matrices, then the MLP-like dominant one
@@ -34,13 +50,22 @@ def _user_groups(model) -> list[dict]:
     small = model.layers[0]
     first = [small.wq.weight, small.wk.weight, model.embed.weight]
     chosen = {id(p) for p in first}
-    return [{"params": first, "lr": LR[0]},
-            {"params": [p for p in model.parameters() if id(p) not in chosen], "lr": LR[1]}]
+    return [
+        {"params": first, "lr": LR[0]},
+        {"params": [p for p in model.parameters() if id(p) not in chosen], "lr": LR[1]},
+    ]
 
 
 def _job(mode: str, world: int, seed: int = 0):
-    return distribute(dominant_model(seed), mode, world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS,
-                      opt_kwargs=ADAMW_EPS, param_groups_fn=_user_groups)
+    return distribute(
+        dominant_model(seed),
+        mode,
+        world,
+        targets_fn=dominant_targets,
+        owner_groups=TINY_GROUPS,
+        opt_kwargs=ADAMW_EPS,
+        param_groups_fn=_user_groups,
+    )
 
 
 def _train(setup, rank, world, start, stop):
@@ -60,11 +85,17 @@ def _reference(model) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(model)
     targets = {id(p) for p in dominant_targets(model)}
     groups = _user_groups(model)
-    muon = torch.optim.Muon([{"params": [p for p in g["params"] if id(p) in targets], "lr": g["lr"]} for g in groups],
-                            **{k: v for k, v in MUON.items() if k != "lr"})
-    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in targets], lr=ADAMW["adamw_lr"],
-                              betas=ADAMW["adamw_betas"], eps=ADAMW_EPS["adamw_eps"],
-                              weight_decay=ADAMW["adamw_weight_decay"])
+    muon = torch.optim.Muon(
+        [{"params": [p for p in g["params"] if id(p) in targets], "lr": g["lr"]} for g in groups],
+        **{k: v for k, v in MUON.items() if k != "lr"},
+    )
+    adamw = torch.optim.AdamW(
+        [p for p in model.parameters() if id(p) not in targets],
+        lr=ADAMW["adamw_lr"],
+        betas=ADAMW["adamw_betas"],
+        eps=ADAMW_EPS["adamw_eps"],
+        weight_decay=ADAMW["adamw_weight_decay"],
+    )
     for x, y in batches(STEPS):
         loss_fn(model(x), y).backward()
         muon.step()
@@ -128,8 +159,9 @@ def _straight_and_resumed(rank, world, mode, folder):
 def test_two_param_groups_with_owner_groups_resume_bit_exact_with_pytorch_defaults(pool4, tmp_path, mode):
     """Saved at step 2 with get_state_dict + dcp.save, loaded into a job from another seed with dcp.load +
     set_state_dict (no options): the same losses and weights bit for bit as the job that never stopped."""
-    for rank, (losses, straight, resumed_losses, resumed) in enumerate(pool4.run(_straight_and_resumed, mode,
-                                                                                 str(tmp_path))):
+    for rank, (losses, straight, resumed_losses, resumed) in enumerate(
+        pool4.run(_straight_and_resumed, mode, str(tmp_path))
+    ):
         assert resumed_losses == losses, rank
         assert_states_equal(resumed, straight)
 

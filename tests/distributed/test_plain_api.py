@@ -97,8 +97,9 @@ def _chosen(rank, world):
         elif how == "regex":
             handle = dedicate_params(model, mesh, predicate=r"\.(attention\.w|feed_forward\.w|moe\.)")
         else:
-            handle = dedicate_params(model, mesh, predicate=lambda name, p: p.ndim >= 2 and ".layers." in f".{name}"
-                                     and "norm" not in name)
+            handle = dedicate_params(
+                model, mesh, predicate=lambda name, p: p.ndim >= 2 and ".layers." in f".{name}" and "norm" not in name
+            )
         out.append((handle.fqns, [e.fqn for e in handle.local_experts], handle.plan.describe()))
         handle.remove()
     return out
@@ -106,15 +107,18 @@ def _chosen(rank, world):
 
 def test_a_predicate_chooses_as_a_list_does(pool1):
     """A regular expression and a callable give the plan a list gives (the same weights in module order)."""
-    (by_list, by_regex, by_callable), = pool1.run(_chosen)
+    ((by_list, by_regex, by_callable),) = pool1.run(_chosen)
     assert by_list == by_regex == by_callable
     assert by_list[0] and by_list[1]  # dense weights dedicated, experts kept in place
 
 
 # ---- fully_shard needs nothing; DMuon and the clip find the handle ---------------------------------------------
 def _plain_pytorch_setup(world, explicit: bool, mode="z3"):
-    mesh = init_device_mesh("cpu", (world,)) if mode != "hsdp" else init_device_mesh(
-        "cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = (
+        init_device_mesh("cpu", (world,))
+        if mode != "hsdp"
+        else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    )
     model = toy_model()
     reshard = mode != "z2"
     if explicit:
@@ -227,8 +231,10 @@ BAD = {
     "neither": ("ValueError", ["one way", "it got neither"]),
     "bad_regex": ("ValueError", ["'(attention' is not a valid regular expression"]),
     "after_fully_shard": ("ValueError", ["already sharded by fully_shard", "call dedicate_params first"]),
-    "fully_shard_took_them": ("RuntimeError", ["'layers.0.attention.wq.weight' was sharded by fully_shard",
-                                               "ignored_params=handle.ignored_params"]),
+    "fully_shard_took_them": (
+        "RuntimeError",
+        ["'layers.0.attention.wq.weight' was sharded by fully_shard", "ignored_params=handle.ignored_params"],
+    ),
     "no_sync_of_nothing": ("ValueError", ["found no FSDP2 module, DDP wrapper or DMuon dedication"]),
 }
 

@@ -21,7 +21,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from tests.support.helpers import (
-    assert_states_equal, batches, distribute, full_state, local_slice, merge_rank_states, toy_model,
+    assert_states_equal,
+    batches,
+    distribute,
+    full_state,
+    local_slice,
+    merge_rank_states,
+    toy_model,
 )
 from titan_dmuon.runtime import canonical_fqn
 from titan_dmuon.testing.toy_model import loss_fn
@@ -193,16 +199,6 @@ def test_every_parameter_is_listed_and_momentum_only_on_its_owner(pool2):
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
 
 
 # ---- one consolidated copy of the weights ----------------------------------------------------------------

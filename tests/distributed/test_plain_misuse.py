@@ -122,18 +122,29 @@ def _run_case(case, model, mesh, rank, world):
 REFUSED = "which only DMuon may update"
 MISUSE = {  # case: (error type, phrases) or ("warning", phrases)
     "no_dedicate_params": ("warning", ["DMuon found no dedicated weights", "call dedicate_params"]),
-    "dmuon_before_dedicate_params": ("ValueError", ["'tok_embeddings.weight' is already held by a DMuon",
-                                                    "build DMuon last"]),
-    "dmuon_before_fully_shard": ("RuntimeError", ["'tok_embeddings.weight' was replaced in the model after DMuon",
-                                                  "build DMuon last"]),
+    "dmuon_before_dedicate_params": (
+        "ValueError",
+        ["'tok_embeddings.weight' is already held by a DMuon", "build DMuon last"],
+    ),
+    "dmuon_before_fully_shard": (
+        "RuntimeError",
+        ["'tok_embeddings.weight' was replaced in the model after DMuon", "build DMuon last"],
+    ),
     "torch_optimizer_beside_dmuon": ("RuntimeError", ["AdamW would step the dedicated weight", REFUSED]),
     "torch_optimizer_instead": ("RuntimeError", ["SGD would step the dedicated weight", REFUSED]),
     "two_dmuon": ("RuntimeError", ["is held by two DMuon optimizers", "keep one DMuon"]),
     "dmuon_over_a_subset": ("ValueError", ["DMuon was given 8 of the 14 weights", "'layers.0.feed_forward.w1.weight'"]),
-    "mp_policy_on_fully_shard_only": ("ValueError", ["layer 'layers.0' computes in torch.bfloat16 under fully_shard's",
-                                                     "pass the same mp_policy to dedicate_params"]),
-    "torch_clip_fsdp": ("RuntimeError", ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight",
-                                         "use titan_dmuon.clip_grad_norm_"]),
+    "mp_policy_on_fully_shard_only": (
+        "ValueError",
+        [
+            "layer 'layers.0' computes in torch.bfloat16 under fully_shard's",
+            "pass the same mp_policy to dedicate_params",
+        ],
+    ),
+    "torch_clip_fsdp": (
+        "RuntimeError",
+        ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight", "use titan_dmuon.clip_grad_norm_"],
+    ),
     "torch_clip_ddp": ("RuntimeError", ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight"]),
     "torch_clip_bound_before": ("RuntimeError", ["torch.nn.utils.clip_grad_norm_ was given the dedicated weight"]),
     "torch_clip_with_norm": ("RuntimeError", ["torch.nn.utils.clip_grads_with_norm_ was given the dedicated"]),

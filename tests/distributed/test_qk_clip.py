@@ -11,17 +11,27 @@ helpers.TOLERANCE (1e-3). The same runs without the clip are 2e-2 to 7e-2 away, 
 """
 
 import copy
+
 import pytest
 import torch
 from torch import nn
 
 from tests.support.helpers import (
-    ADAMW, MUON, TOLERANCE, batches, distribute, full_state, global_loss, local_slice, max_diff, toy_model,
+    ADAMW,
+    MUON,
+    TOLERANCE,
+    batches,
+    distribute,
+    full_state,
+    global_loss,
+    local_slice,
+    max_diff,
+    toy_model,
 )
 from titan_dmuon import DMuon, DMuonOptions
-from titan_dmuon.options import OptionError
-from titan_dmuon.optim.qk_clip import QKClipAttention
 from titan_dmuon.math.qk_clip_factors import clip_factors, max_logits, role_exponent, row_map, scale_rows
+from titan_dmuon.optim.qk_clip import QKClipAttention
+from titan_dmuon.options import OptionError
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets, qk_clip_attention
 
 TAU = 1.0  # the toy model's initial per-head maxima are 0.68-1.35: some heads clip, some do not
@@ -59,10 +69,15 @@ def test_chunked_max_equals_naive(heads, kv_heads, chunk, causal):
 def test_chunked_max_more_keys_than_queries_and_bf16():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 9, 4, generator=g)
-    torch.testing.assert_close(max_logits(q, k, scale=1.0, layout="BNLH", chunk_elements=8).double(), _naive_max(q, k, 1.0))
+    torch.testing.assert_close(
+        max_logits(q, k, scale=1.0, layout="BNLH", chunk_elements=8).double(), _naive_max(q, k, 1.0)
+    )
     qb, kb = q.bfloat16(), k.bfloat16()
     torch.testing.assert_close(
-        max_logits(qb, kb, scale=1.0, layout="BNLH").double(), _naive_max(qb.float(), kb.float(), 1.0), rtol=1e-6, atol=1e-6
+        max_logits(qb, kb, scale=1.0, layout="BNLH").double(),
+        _naive_max(qb.float(), kb.float(), 1.0),
+        rtol=1e-6,
+        atol=1e-6,
     )
 
 
@@ -96,7 +111,9 @@ def _factors(attention, alpha, gamma):
     out = {}
     by_param = {}
     for part in attention.rows:
-        by_param.setdefault(part.param, []).append((part.heads, role_exponent(part.role, alpha=alpha, shared_keys=attention.shared_keys)))
+        by_param.setdefault(part.param, []).append(
+            (part.heads, role_exponent(part.role, alpha=alpha, shared_keys=attention.shared_keys))
+        )
     for param, parts in by_param.items():
         head, exponent = row_map(param.shape[0], parts)
         w = torch.ones(param.shape)
@@ -146,7 +163,9 @@ def test_rows_fused_grouped_and_blocks():
 def test_rows_mla():
     # 2 heads, nope 2, rope 1, v 3: wq rows per head [n n r], wkv_b rows per head [kn kn v v v]
     wq, wkv_b = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(10, 4))
-    a = QKClipAttention.mla(nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=3)
+    a = QKClipAttention.mla(
+        nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=3
+    )
     f = _factors(a, 0.5, torch.tensor([0.25, 1.0]))
     assert f[wq].tolist() == [0.5, 0.5, 0.25, 1.0, 1.0, 1.0]  # nope sqrt(gamma), rope gamma
     assert f[wkv_b].tolist() == [0.5, 0.5, 1.0, 1.0, 1.0] + [1.0] * 5  # k nope sqrt(gamma), v untouched
@@ -160,8 +179,9 @@ def test_rows_mla_splits_the_factor_by_alpha(alpha):
     is non-rotary q gamma ** alpha, rotary q gamma, non-rotary k gamma ** (1 - alpha) (their product
     on a nope logit and on a rope logit both gamma), v and the shared rotary key untouched."""
     wq, wkv_b = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(10, 4))
-    a = QKClipAttention.mla(nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1,
-                            v_head_dim=3)
+    a = QKClipAttention.mla(
+        nn.Identity(), wq=wq, wkv_b=wkv_b, n_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=3
+    )
     g = torch.tensor([0.25, 1.0])
     f = _factors(a, alpha, g)
     nope_q, nope_k = g[0] ** alpha, g[0] ** (1.0 - alpha)
@@ -171,15 +191,18 @@ def test_rows_mla_splits_the_factor_by_alpha(alpha):
 
 
 # ---- options --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,key", [
-    ({"qk_clip_threshold": 0.0}, "qk_clip_threshold"),
-    ({"qk_clip_threshold": -1.0}, "qk_clip_threshold"),
-    ({"qk_clip_threshold": float("nan")}, "qk_clip_threshold"),
-    ({"qk_clip_threshold": float("inf")}, "qk_clip_threshold"),
-    ({"qk_clip_threshold": "10"}, "qk_clip_threshold"),
-    ({"qk_clip_alpha": 1.5}, "qk_clip_alpha"),
-    ({"qk_clip_alpha": -0.1}, "qk_clip_alpha"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"qk_clip_threshold": 0.0}, "qk_clip_threshold"),
+        ({"qk_clip_threshold": -1.0}, "qk_clip_threshold"),
+        ({"qk_clip_threshold": float("nan")}, "qk_clip_threshold"),
+        ({"qk_clip_threshold": float("inf")}, "qk_clip_threshold"),
+        ({"qk_clip_threshold": "10"}, "qk_clip_threshold"),
+        ({"qk_clip_alpha": 1.5}, "qk_clip_alpha"),
+        ({"qk_clip_alpha": -0.1}, "qk_clip_alpha"),
+    ],
+)
 def test_option_errors(kwargs, key):
     with pytest.raises(OptionError) as e:
         DMuonOptions(**kwargs)
@@ -233,8 +256,13 @@ def _reference(model, data, *, tau, alpha, muon=MUON, adamw=ADAMW):
     targets = muon_targets(model)
     ids = {id(p) for p in targets}
     opt_muon = torch.optim.Muon(targets, **muon)
-    opt_adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=adamw["adamw_lr"],
-                                  betas=adamw["adamw_betas"], eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"])
+    opt_adamw = torch.optim.AdamW(
+        [p for p in model.parameters() if id(p) not in ids],
+        lr=adamw["adamw_lr"],
+        betas=adamw["adamw_betas"],
+        eps=adamw["adamw_eps"],
+        weight_decay=adamw["adamw_weight_decay"],
+    )
     seen = {}
 
     def hook(i, module, args, kwargs, out):
@@ -242,8 +270,10 @@ def _reference(model, data, *, tau, alpha, muon=MUON, adamw=ADAMW):
         s = _naive_max(q.detach(), k.detach(), q.shape[-1] ** -0.5).float()
         seen[i] = s if i not in seen else torch.maximum(seen[i], s)
 
-    hooks = [layer.attention.inner_attention.register_forward_hook(
-        lambda *a, i=i: hook(i, *a), with_kwargs=True) for i, layer in enumerate(model.layers)]
+    hooks = [
+        layer.attention.inner_attention.register_forward_hook(lambda *a, i=i: hook(i, *a), with_kwargs=True)
+        for i, layer in enumerate(model.layers)
+    ]
     losses, maxima, clipped, per_step_s = [], [], [], []
     for x, y in data:
         seen.clear()
@@ -284,8 +314,12 @@ def _vs_reference(rank, world, mode, kv_heads, alpha, steps=STEPS, tau=TAU, no_g
     unclipped, _, _, _, _ = _reference(model, data, tau=float("inf"), alpha=alpha)
     swapped, _, _, _, _ = _reference(model, data, tau=tau, alpha=1.0 - alpha)
     setup = distribute(copy.deepcopy(model), mode, world, opt_kwargs={"ns_mode": "exact"})
-    opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
-                **{**MUON, **ADAMW, "ns_mode": "exact", "qk_clip_threshold": tau, "qk_clip_alpha": alpha})
+    opt = DMuon(
+        setup.model.parameters(),
+        dedicated=setup.handle,
+        qk_clip_attention=qk_clip_attention(setup.model),
+        **{**MUON, **ADAMW, "ns_mode": "exact", "qk_clip_threshold": tau, "qk_clip_alpha": alpha},
+    )
     losses, maxima, clipped = [], [], []
     for batch in data:
         x, y = local_slice(batch, rank, world)
@@ -301,9 +335,15 @@ def _vs_reference(rank, world, mode, kv_heads, alpha, steps=STEPS, tau=TAU, no_g
         clipped.append(stats["qk_clipped_heads"])
     state = full_state(setup)
     return {
-        "diff": max_diff(state, ref), "unclipped_diff": max_diff(state, unclipped), "swapped_diff": max_diff(state, swapped),
-        "losses": global_loss(losses), "ref_losses": ref_losses,
-        "maxima": maxima, "ref_max": ref_max, "clipped": clipped, "ref_clipped": ref_clipped,
+        "diff": max_diff(state, ref),
+        "unclipped_diff": max_diff(state, unclipped),
+        "swapped_diff": max_diff(state, swapped),
+        "losses": global_loss(losses),
+        "ref_losses": ref_losses,
+        "maxima": maxima,
+        "ref_max": ref_max,
+        "clipped": clipped,
+        "ref_clipped": ref_clipped,
     }
 
 
@@ -320,8 +360,9 @@ def _check(results):
     return results[0]
 
 
-@pytest.mark.parametrize("mode,kv_heads", [("z2", 4), ("z2", 2), ("z3", 2), ("ddp", 2)],
-                         ids=["z2-mha", "z2-gqa", "z3-gqa", "ddp-gqa"])
+@pytest.mark.parametrize(
+    "mode,kv_heads", [("z2", 4), ("z2", 2), ("z3", 2), ("ddp", 2)], ids=["z2-mha", "z2-gqa", "z3-gqa", "ddp-gqa"]
+)
 def test_two_ranks_match_reference(pool2, mode, kv_heads):
     _check(pool2.run(_vs_reference, mode, kv_heads, 0.5 if kv_heads == 4 else 0.3))
 
@@ -334,9 +375,12 @@ def test_alpha_splits_the_factor_between_q_and_k(pool2):
 
 
 def _forward_with_large_logits(setup, x) -> None:
-    scale_qk = [layer.attention.inner_attention.register_forward_pre_hook(
-        lambda module, args, kwargs: ((args[0] * 10, args[1] * 10, *args[2:]), kwargs), with_kwargs=True)
-        for layer in setup.model.layers]
+    scale_qk = [
+        layer.attention.inner_attention.register_forward_pre_hook(
+            lambda module, args, kwargs: ((args[0] * 10, args[1] * 10, *args[2:]), kwargs), with_kwargs=True
+        )
+        for layer in setup.model.layers
+    ]
     with torch.no_grad():
         setup.module(x)
     for hook in scale_qk:
@@ -361,8 +405,10 @@ def test_hsdp_matches_reference(pool4):
 def _attention_inputs(model, x):
     """Each attention layer's input on the global batch x."""
     seen = []
-    hooks = [layer.attention.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
-             for layer in model.layers]
+    hooks = [
+        layer.attention.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+        for layer in model.layers
+    ]
     with torch.no_grad():
         model(x)
     for h in hooks:
@@ -388,8 +434,12 @@ def _invariant(rank, world, kv_heads):
     inputs = _attention_inputs(model, data[0][0])
     zero = {"lr": 0.0, "adamw_lr": 0.0, "ns_mode": "exact"}
     setup = distribute(copy.deepcopy(model), "z3", world, opt_kwargs=zero)
-    opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
-                **{**MUON, **ADAMW, **zero, "qk_clip_threshold": TAU})
+    opt = DMuon(
+        setup.model.parameters(),
+        dedicated=setup.handle,
+        qk_clip_attention=qk_clip_attention(setup.model),
+        **{**MUON, **ADAMW, **zero, "qk_clip_threshold": TAU},
+    )
     x, y = local_slice(data[0], rank, world)
     loss_fn(setup.module(x), y).backward()
     opt.step()
@@ -433,11 +483,16 @@ def _clip_host_syncs(rank, world, mode):
     from tests.support.measure import host_syncs_in_steady_steps
 
     setup = distribute(toy_model(n_kv_heads=4), mode, world)
-    setup.opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
-                      **{**MUON, **ADAMW, "qk_clip_threshold": 0.3})
+    setup.opt = DMuon(
+        setup.model.parameters(),
+        dedicated=setup.handle,
+        qk_clip_attention=qk_clip_attention(setup.model),
+        **{**MUON, **ADAMW, "qk_clip_threshold": 0.3},
+    )
     clipped = []
     syncs = host_syncs_in_steady_steps(  # (the figures are read outside the counted step)
-        setup, rank, world, after_step=lambda: clipped.append(setup.opt.last_step_stats["qk_clipped_heads"]))
+        setup, rank, world, after_step=lambda: clipped.append(setup.opt.last_step_stats["qk_clipped_heads"])
+    )
     return syncs, sum(clipped)
 
 
@@ -470,13 +525,20 @@ def _checkpointed_capture(rank, world, ac):
 
     model = toy_model()
     if ac is not None:
-        kwargs = {"full": {}, "reentrant": {"checkpoint_impl": CheckpointImpl.REENTRANT},
-                  "selective": {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}}[ac]
+        kwargs = {
+            "full": {},
+            "reentrant": {"checkpoint_impl": CheckpointImpl.REENTRANT},
+            "selective": {"context_fn": lambda: create_selective_checkpoint_contexts(policy)},
+        }[ac]
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer, **kwargs)
     setup = distribute(model, "z3", world)
-    opt = DMuon(setup.model.parameters(), dedicated=setup.handle, qk_clip_attention=qk_clip_attention(setup.model),
-                **{**MUON, **ADAMW, "qk_clip_threshold": TAU})
+    opt = DMuon(
+        setup.model.parameters(),
+        dedicated=setup.handle,
+        qk_clip_attention=qk_clip_attention(setup.model),
+        **{**MUON, **ADAMW, "qk_clip_threshold": TAU},
+    )
     captures, real = [], qk_clip_module.max_logits
     qk_clip_module.max_logits = lambda *a, **kw: (captures.append(current[0]), real(*a, **kw))[1]
     current = [1]
@@ -490,8 +552,11 @@ def _checkpointed_capture(rank, world, ac):
         opt.step()
     finally:
         qk_clip_module.max_logits = real
-    return {"captures": captures, "s": opt.qk_clip.max_logits_by_layer(),
-            "ops": [[op for p, op in forward_ops if p == n] for n in (1, 2)]}
+    return {
+        "captures": captures,
+        "s": opt.qk_clip.max_logits_by_layer(),
+        "ops": [[op for p, op in forward_ops if p == n] for n in (1, 2)],
+    }
 
 
 def test_capture_under_activation_checkpointing(pool1):

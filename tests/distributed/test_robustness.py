@@ -44,8 +44,10 @@ class _Branchy(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(64, dim)
-        self.layers = nn.ModuleList(nn.ModuleDict({"used": nn.Linear(dim, dim, bias=False),
-                                                   "branch": nn.Linear(dim, dim, bias=False)}) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"used": nn.Linear(dim, dim, bias=False), "branch": nn.Linear(dim, dim, bias=False)})
+            for _ in range(layers)
+        )
         self.out = nn.Linear(dim, 64, bias=False)
         self.use_branch = True
 
@@ -101,8 +103,9 @@ def _branch_on_rank0(rank, world, mode):
     """Rank 0 uses every layer's branch, the others do not; the reference's slice 0 likewise."""
     data = batches(3)
     model = _BranchyBlocks()
-    ref, _, _ = reference_train(model, data, targets_fn=_layer_targets, slices=world,
-                                before_slice=lambda m, i: setattr(m, "use_branch", i == 0))
+    ref, _, _ = reference_train(
+        model, data, targets_fn=_layer_targets, slices=world, before_slice=lambda m, i: setattr(m, "use_branch", i == 0)
+    )
     model.use_branch = rank == 0
     setup = distribute(model, mode, world, targets_fn=_layer_targets)
     train(setup, data, rank, world)
@@ -241,7 +244,9 @@ def _launch_that_raises(rank0, _world):
     dist.ProcessGroup._start_coalescing = lambda self, device: (calls.append("start"), start(self, device))[1]
     dist.ProcessGroup._end_coalescing = lambda self, device: (calls.append("end"), end(self, device))[1]
     try:
-        with Launch(dist.group.WORLD, 4, torch.device("cpu"), CommLabel.FORWARD_BROADCAST, CommStats(), coalesce=True) as launch:
+        with Launch(
+            dist.group.WORLD, 4, torch.device("cpu"), CommLabel.FORWARD_BROADCAST, CommStats(), coalesce=True
+        ) as launch:
             launch.broadcast(torch.ones(3), src=0)
             raise KeyError("an error between two collectives of one launch")
     except KeyError:

@@ -33,10 +33,7 @@ from titan_dmuon import DMuon, clip_grad_norm_, dedicate_params
 from titan_dmuon.runtime import CommLabel
 from titan_dmuon.testing.toy_model import loss_fn, muon_targets
 
-
 # ---- no host sync in a steady-state step --------------------------------------------------
-
-
 
 
 def _host_syncs(rank, world, mode, ns_method="torch"):
@@ -162,8 +159,13 @@ def _remove_and_collect(rank, world):
 def _dmuon_hooks(setup) -> int:
     count = len(setup.handle.of(setup.model))
     for module in setup.model.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._state_dict_hooks,
-                      module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hooks in (
+            module._forward_pre_hooks,
+            module._forward_hooks,
+            module._state_dict_hooks,
+            module._load_state_dict_pre_hooks,
+            module._load_state_dict_post_hooks,
+        ):
             count += sum("DedicatedParams" in repr(h) or "state_dict_hooks" in repr(h) for h in hooks.values())
     return count
 
@@ -189,8 +191,9 @@ def _finish_in_flight(rank, world, mode):
     synchronized = []  # the host's waits (a stream wait would leave an accelerator's broadcast running)
 
     def recorded(flight, what):
-        return types.SimpleNamespace(synchronize=lambda: (synchronized.append(what), flight.synchronize()),
-                                     wait=flight.wait)
+        return types.SimpleNamespace(
+            synchronize=lambda: (synchronized.append(what), flight.synchronize()), wait=flight.wait
+        )
 
     for unit in units:
         if unit.state is BufferState.GATHERING:
@@ -205,9 +208,14 @@ def _finish_in_flight(rank, world, mode):
     train(setup, data[2:], rank, world)  # the next forward gathers again
     straight = distribute(toy_model(), mode, world)
     train(straight, data, rank, world)
-    return {"launched": launched, "gathers_synchronized": synchronized.count("gather"),
-            "replica_launched": replica_launched, "replicas_synchronized": synchronized.count("replica"),
-            "left": left, "same": bitwise_equal(full_state(setup), full_state(straight))}
+    return {
+        "launched": launched,
+        "gathers_synchronized": synchronized.count("gather"),
+        "replica_launched": replica_launched,
+        "replicas_synchronized": synchronized.count("replica"),
+        "left": left,
+        "same": bitwise_equal(full_state(setup), full_state(straight)),
+    }
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
@@ -269,8 +277,11 @@ def _single_process_steps(rank, world, muon=MUON, adamw=ADAMW):
     ids = {id(p) for p in targets}
     ref_muon = torch.optim.Muon(targets, **muon)
     ref_adamw = torch.optim.AdamW(
-        [p for p in reference.parameters() if id(p) not in ids], lr=adamw["adamw_lr"], betas=adamw["adamw_betas"],
-        eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"],
+        [p for p in reference.parameters() if id(p) not in ids],
+        lr=adamw["adamw_lr"],
+        betas=adamw["adamw_betas"],
+        eps=adamw["adamw_eps"],
+        weight_decay=adamw["adamw_weight_decay"],
     )
     mesh = make_mesh("z3", world)
     handle = dedicate_params(model, muon_targets(model), mesh)
@@ -317,7 +328,11 @@ def _nonfinite(rank, world, error_if_nonfinite):
     if rank == 0:
         owned[0].grad[0, 0] = float("inf")  # one rank's owned gradient: every rank must see it
     try:
-        return float(clip_grad_norm_(setup.model.parameters(), 1.0, error_if_nonfinite=error_if_nonfinite, dedicated=setup.handle))
+        return float(
+            clip_grad_norm_(
+                setup.model.parameters(), 1.0, error_if_nonfinite=error_if_nonfinite, dedicated=setup.handle
+            )
+        )
     except RuntimeError as e:
         return str(e)
 

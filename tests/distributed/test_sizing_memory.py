@@ -21,9 +21,16 @@ from titan_dmuon.sizing.figures import size_job
 from titan_dmuon.sizing.records import Layout
 
 CASES = [  # (model, optimizer, mode, world): memory_table.py's rows, and experts kept (N <= E) and dedicated (N > E)
-    ("dense", "fsdp_adamw", "z3", 2), ("dense", "dmuon", "z2", 2), ("dense", "dmuon", "z3", 2),
-    ("dense", "dmuon", "z3", 4), ("dense", "fsdp_adamw", "hsdp", 4), ("dense", "dmuon", "hsdp", 4),
-    ("moe", "fsdp_adamw", "z3", 2), ("moe", "dmuon", "z3", 2), ("moe", "dmuon", "hsdp", 4), ("moe", "dmuon", "z3", 8),
+    ("dense", "fsdp_adamw", "z3", 2),
+    ("dense", "dmuon", "z2", 2),
+    ("dense", "dmuon", "z3", 2),
+    ("dense", "dmuon", "z3", 4),
+    ("dense", "fsdp_adamw", "hsdp", 4),
+    ("dense", "dmuon", "hsdp", 4),
+    ("moe", "fsdp_adamw", "z3", 2),
+    ("moe", "dmuon", "z3", 2),
+    ("moe", "dmuon", "hsdp", 4),
+    ("moe", "dmuon", "z3", 8),
 ]
 
 
@@ -46,8 +53,14 @@ def _measured(rank: int, world: int, dims: dict, optimizer: str, mode: str, rank
             if optimizer == "dmuon":
                 setup = distribute(model, mode, ranks, mp_policy=policy)
             else:
-                setup = baseline(model, optimizer, ranks, mesh=make_mesh("hsdp" if mode == "hsdp" else "z3", ranks),
-                                 reshard=mode != "z2", mp_policy=policy)
+                setup = baseline(
+                    model,
+                    optimizer,
+                    ranks,
+                    mesh=make_mesh("hsdp" if mode == "hsdp" else "z3", ranks),
+                    reshard=mode != "z2",
+                    mp_policy=policy,
+                )
             for i, batch in enumerate(batches(3, global_batch=2 * ranks, seq=8, vocab=dims["vocab_size"])):
                 if i == 1 and setup.handle is not None:
                     setup.handle.reset_peak_buffer_bytes()
@@ -64,12 +77,21 @@ def _measured(rank: int, world: int, dims: dict, optimizer: str, mode: str, rank
 @pytest.mark.parametrize("model,optimizer,mode,world", CASES)
 def test_memory_equals_the_measured(solo, model, optimizer, mode, world):
     measured = solo.run(_measured, DIMS[model], optimizer, mode, world)[0]
-    name = "FSDP2 + AdamW, " + ("Z2" if mode == "z2" else "Z3") if optimizer == "fsdp_adamw" else \
-        "DMuon-Z2" if mode == "z2" else "DMuon-Z3"
+    name = (
+        "FSDP2 + AdamW, " + ("Z2" if mode == "z2" else "Z3")
+        if optimizer == "fsdp_adamw"
+        else "DMuon-Z2"
+        if mode == "z2"
+        else "DMuon-Z3"
+    )
     predicted = size_job(toy_weights(DIMS[model]), layout_of(mode, world)).stages[0].memory[name]
-    assert {"params": predicted.params, "grads": predicted.grads, "opt_state": predicted.optimizer_state,
-            "dmuon_buffers": predicted.buffers_between_steps, "peak_buffers": predicted.buffers_peak} == {
-        k: measured[k] for k in ("params", "grads", "opt_state", "dmuon_buffers", "peak_buffers")}
+    assert {
+        "params": predicted.params,
+        "grads": predicted.grads,
+        "opt_state": predicted.optimizer_state,
+        "dmuon_buffers": predicted.buffers_between_steps,
+        "peak_buffers": predicted.buffers_peak,
+    } == {k: measured[k] for k in ("params", "grads", "opt_state", "dmuon_buffers", "peak_buffers")}
 
 
 def _allocator_persistent(rank: int, world: int, mode: str, ranks: int) -> int:

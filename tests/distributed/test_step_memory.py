@@ -35,12 +35,15 @@ def _large_allocations(rank, world, experts, opt_kwargs):
     return large_inside_the_muon_step(prof, LIMIT)
 
 
-@pytest.mark.parametrize("experts, opt_kwargs", [
-    (0, {}),
-    (4, {}),
-    (4, {"ns_method": "gram", "ns_dtype": "float16", "normuon_beta2": 0.95}),
-    (0, {"ns_method": "polar_express", "nesterov": False}),
-])
+@pytest.mark.parametrize(
+    "experts, opt_kwargs",
+    [
+        (0, {}),
+        (4, {}),
+        (4, {"ns_method": "gram", "ns_dtype": "float16", "normuon_beta2": 0.95}),
+        (0, {"ns_method": "polar_express", "nesterov": False}),
+    ],
+)
 def test_the_muon_step_allocates_nothing_large_after_step_2(pool2, experts, opt_kwargs):
     for large in pool2.run(_large_allocations, experts, opt_kwargs):
         assert large == [], large

@@ -19,8 +19,9 @@ def test_run_train_with_context_parallelism_as_written(tmp_path):
     result = run_train(tmp_path / "dmuon", *CP_COMMAND, "--training.steps", "4", ngpu=4)
     dmuon, comm = parse(result)
     assert "ContextParallelCausalAttention" in result.stdout + result.stderr
-    adamw, _ = parse(run_train(tmp_path / "adamw", *CP_COMMAND, "--training.steps", "1", config="debug_model_adamw.toml",
-                               ngpu=4))
+    adamw, _ = parse(
+        run_train(tmp_path / "adamw", *CP_COMMAND, "--training.steps", "1", config="debug_model_adamw.toml", ngpu=4)
+    )
     assert sorted(dmuon) == list(range(1, 5)) and dmuon[4][0] < 0.9 * dmuon[1][0], dmuon
     assert dmuon[1][0] == adamw[1][0]
     assert dmuon[1][1] == pytest.approx(adamw[1][1], rel=1e-4)

@@ -21,7 +21,10 @@ import pytest
 from tests.support.ft_jobs import DEADLINE_S, ROOT, Job, free_port, kill_restart_kill, log_time, losses, wait
 from titan_dmuon.integration.config.validation.fault_tolerance_section import torchft_missing
 
-pytestmark = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the test extra has it)")
+pytestmark = pytest.mark.skipif(
+    torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the test extra has it)"
+)
+
 
 def test_groups_killed_in_a_step_and_between_steps(tmp_path):
     """Two groups of two ranks (DMuon-Z3 in each; the README's job, 11 steps). Group 1 is SIGKILLed
@@ -52,11 +55,17 @@ def test_groups_killed_in_a_step_and_between_steps(tmp_path):
             assert rejoined == expected, rejoined
             for k in rejoined:
                 assert (incarnation[r][k]["weights"], incarnation[r][k]["state"], incarnation[r][k]["lrs"]) == (
-                    steps[k]["weights"], steps[k]["state"], steps[k]["lrs"]), (r, k)
+                    steps[k]["weights"],
+                    steps[k]["state"],
+                    steps[k]["lrs"],
+                ), (r, k)
     # across the groups each rank all-reduces every gradient element it holds once per step (its owners'
     # dedicated gradients and its FSDP2 shards): 2(G-1)/G of them moved, none while it is alone
-    figures = re.findall(r"TorchFT: (\d) groups, \d+ steps committed, averaged ([\d.]+)M elements/rank/step across "
-                         r"groups \(([\d.]+)M moved\)", run["logs"]["a"].read_text())
+    figures = re.findall(
+        r"TorchFT: (\d) groups, \d+ steps committed, averaged ([\d.]+)M elements/rank/step across "
+        r"groups \(([\d.]+)M moved\)",
+        run["logs"]["a"].read_text(),
+    )
     assert len(figures) == 11 and {g for g, _, _ in figures} == {"1", "2"}
     for groups, averaged, moved in figures:
         assert float(averaged) == round(survivor[0][1]["held"] / 1e6, 4)
@@ -69,9 +78,11 @@ def test_groups_killed_in_a_step_and_between_steps(tmp_path):
 
     # the figures of this run (the machine is shared: times are indicative; benchmarks/fault_tolerance.py)
     b2 = run["logs"]["b2"]
-    print(f"\nkilled in step 3: group 0 ended that step (discarded) {survivor[0][3]['time'] - run['kill_mid']:.1f} s "
-          f"after the kill; the restarted group's transfer took "
-          f"{log_time(b2, 'Loaded state dict') - log_time(b2, 'healing required'):.2f} s")
+    print(
+        f"\nkilled in step 3: group 0 ended that step (discarded) {survivor[0][3]['time'] - run['kill_mid']:.1f} s "
+        f"after the kill; the restarted group's transfer took "
+        f"{log_time(b2, 'Loaded state dict') - log_time(b2, 'healing required'):.2f} s"
+    )
 
 
 @pytest.mark.parametrize("method, ranks", [("diloco", 2), ("local_sgd", 1)])
@@ -80,8 +91,12 @@ def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method, rank
     sync every 2 steps): DMuon runs inside each group only, so the groups' weights differ after the
     inner steps (each trains on its own data) and are bitwise equal after every sync, on every rank
     (owners' full weights, the other ranks' placeholders and FSDP2's shards alike); the job trains."""
-    with Job(tmp_path, ranks=ranks, steps=4, extra=("--fault_tolerance.semi_sync_method", method,
-                                                "--fault_tolerance.sync_steps", "2")) as job:
+    with Job(
+        tmp_path,
+        ranks=ranks,
+        steps=4,
+        extra=("--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", "2"),
+    ) as job:
         groups = [job.group(replica, f"g{replica}", hold=(0,)) for replica in (0, 1)]
         job.release_together((0, 1), [log for _, log in groups], [proc for proc, _ in groups])
         for proc, log in groups:
@@ -98,10 +113,22 @@ def test_semi_synchronous_training_with_dmuon_inner_steps(tmp_path, method, rank
 def test_lighthouse_unreachable_at_start_is_one_line(tmp_path):
     """The README's group command with no lighthouse running: run_train.sh's check stops before
     torchrun with one line, last, naming the address and how to start the lighthouse (exit 2)."""
-    env = {**os.environ, "CONFIG": "llama3_debugmodel_dmuon_ft", "NGPU": "1", "PYTHON": sys.executable,
-           "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}", "TORCHFT_CONNECT_TIMEOUT_SEC": "1"}
-    result = subprocess.run(["./run_train.sh", "--fault_tolerance.replica_id", "0", "--dump_folder", str(tmp_path)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    env = {
+        **os.environ,
+        "CONFIG": "llama3_debugmodel_dmuon_ft",
+        "NGPU": "1",
+        "PYTHON": sys.executable,
+        "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}",
+        "TORCHFT_CONNECT_TIMEOUT_SEC": "1",
+    }
+    result = subprocess.run(
+        ["./run_train.sh", "--fault_tolerance.replica_id", "0", "--dump_folder", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"config error: no TorchFT lighthouse answers at {env['TORCHFT_LIGHTHOUSE']}"), last

@@ -43,8 +43,9 @@ def parse_table(out: str) -> list[tuple[str, ...]]:
 @pytest.fixture(scope="module")
 def dry_run():
     """``gpu_check.py --cpu`` once: (exit status, stdout, table rows)."""
-    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=400)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu"], cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
     return result.returncode, result.stdout, parse_table(result.stdout)
 
 
@@ -76,10 +77,20 @@ def test_refuses_without_cuda_and_runs_the_same_flow_on_the_cpu(dry_run, capsys)
 def test_exit_status_counts_failures_and_a_spent_budget():
     from benchmarks.gpu_check import BUDGET_SPENT, failed
 
-    assert [failed(("c", "w", result, "")) for result in (
-        "pass", "12.3 ms", "skipped (cpu): no streams", "skipped: --skip-jobs", "FAIL: memory grew", "FAILED: x",
-        "FAILED (1): RuntimeError", "INCONCLUSIVE: two runs without sleeps differ", BUDGET_SPENT)] == [
-        False, False, False, False, True, True, True, True, True]
+    assert [
+        failed(("c", "w", result, ""))
+        for result in (
+            "pass",
+            "12.3 ms",
+            "skipped (cpu): no streams",
+            "skipped: --skip-jobs",
+            "FAIL: memory grew",
+            "FAILED: x",
+            "FAILED (1): RuntimeError",
+            "INCONCLUSIVE: two runs without sleeps differ",
+            BUDGET_SPENT,
+        )
+    ] == [False, False, False, False, True, True, True, True, True]
 
 
 def test_the_torchtitan_rows_say_why_they_are_skipped(monkeypatch):
@@ -91,8 +102,10 @@ def test_the_torchtitan_rows_say_why_they_are_skipped(monkeypatch):
 
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert gpu_check.titan_blocker() == ("TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch "
-                                         ">= 2.14, this one has torch 2.11.0+cu130")
+    assert gpu_check.titan_blocker() == (
+        "TorchTitan is not installed for this python; TorchTitan 0.3.0 needs torch "
+        ">= 2.14, this one has torch 2.11.0+cu130"
+    )
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     assert gpu_check.titan_blocker() == "TorchTitan 0.3.0 needs torch >= 2.14; this python has torch 2.11.0+cu130"
     assert gpu_check.titan_blocker(skip=True) == "--skip-jobs"
@@ -117,7 +130,8 @@ def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch
     assert shapes == [(16, 16), (4, 16), (4, 16), (40, 16), (16, 40)]
     rows = gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)
     assert [(r[1], r[2].endswith(" ms")) for r in rows] == [("torch.optim.Muon's iteration, per matrix", True)] + [
-        (f"ns_method {m!r}, batched", True) for m in ns_methods.NS_METHODS]
+        (f"ns_method {m!r}, batched", True) for m in ns_methods.NS_METHODS
+    ]
     for row, method in zip(rows, ("torch",) + ns_methods.NS_METHODS):
         flops = sum(ns_methods.ns_flops(r, c, ns_method=method) for r, c in shapes)
         assert f"5 matrices, {flops / 1e12:.3g} TFLOP" in row[3], row
@@ -141,8 +155,13 @@ def test_newton_schulz_rows_per_method_light_up_with_the_methods_api(monkeypatch
     monkeypatch.setattr(muon_update, "orthogonalise", orthogonalise)
     monkeypatch.setattr(ns_methods, "ns_flops", ns_flops)
     rows = {r[1]: r for r in gpu_check.newton_schulz_rows(TINY_LAYERS, torch.device("cpu"), 1, peak_tflops=1.0)}
-    assert list(rows) == ["torch.optim.Muon's iteration, per matrix", "ns_method 'torch', batched",
-                          "ns_method 'half', batched", "ns_method 'broken', batched", "ns_method 'raises', batched"]
+    assert list(rows) == [
+        "torch.optim.Muon's iteration, per matrix",
+        "ns_method 'torch', batched",
+        "ns_method 'half', batched",
+        "ns_method 'broken', batched",
+        "ns_method 'raises', batched",
+    ]
     assert ("exact", "torch") in calls and ("batched", "half") in calls
     assert f"{flops // 2 / 1e12:.3g} TFLOP; " in rows["ns_method 'half', batched"][3]
     assert "x the time of ns_method 'torch', batched" in rows["ns_method 'half', batched"][3]
@@ -176,8 +195,10 @@ def test_one_launch_on_a_real_one_rank_group_with_the_shortcut_bypassed(dry_run)
     results = _by_what(rows)
     assert results["launches counted (CommStats)"] == "pass" and results["values after synchronize"] == "pass"
     assert "waits on 2 work(s)" in rows[0][3]
-    assert all(results[w].startswith("skipped (cpu)") for w in ("host not blocked", "compute stream waits",
-                                                                "no host sync (sync debug 'error')"))
+    assert all(
+        results[w].startswith("skipped (cpu)")
+        for w in ("host not blocked", "compute stream waits", "no host sync (sync debug 'error')")
+    )
 
 
 # ---- (2) the fake process group --------------------------------------------------------------------------------------
@@ -204,15 +225,24 @@ def test_a_sanitizer_race_reads_as_one_line():
     frame = traceback.FrameSummary("/x/titan_dmuon/runtime/unit.py", 150, "gather")
 
     def access(stream, op, kind):
-        return SimpleNamespace(stream=stream, operator=SimpleNamespace(name=op), type=kind, aliases=["self"],
-                               stack_trace=[frame])
+        return SimpleNamespace(
+            stream=stream, operator=SimpleNamespace(name=op), type=kind, aliases=["self"], stack_trace=[frame]
+        )
 
-    error = SimpleNamespace(errors=[SimpleNamespace(current_access=access(2, "aten::mm", "reading from"),
-                                                    previous_access=access(1, "aten::_foreach_copy_", "writing to"))])
+    error = SimpleNamespace(
+        errors=[
+            SimpleNamespace(
+                current_access=access(2, "aten::mm", "reading from"),
+                previous_access=access(1, "aten::_foreach_copy_", "writing to"),
+            )
+        ]
+    )
     line = describe_race(RuntimeError("rewrapped by autograd"), {1: "gather", 2: "compute"}, error.errors)
     assert describe_race(error, {1: "gather", 2: "compute"}) == line
-    assert line == ("1 race(s); first: aten::mm reading from self on compute (unit.py:150 gather) after "
-                    "aten::_foreach_copy_ writing to self on gather (unit.py:150 gather)")
+    assert line == (
+        "1 race(s); first: aten::mm reading from self on compute (unit.py:150 gather) after "
+        "aten::_foreach_copy_ writing to self on gather (unit.py:150 gather)"
+    )
 
 
 # ---- (3) race amplification -------------------------------------------------------------------------------------------
@@ -265,8 +295,14 @@ def _event(name, kind, start, duration, resource, activity=None, *, torch_211=Fa
     """A kineto event as torch 2.14 gives it (``activity_type()``) or torch 2.11 (no such method:
     ``is_user_annotation()`` only)."""
     activity = activity or ("user_annotation" if kind == torch.autograd.DeviceType.CPU else "kernel")
-    fields = dict(name=lambda: name, device_type=lambda: kind, start_ns=lambda: start, duration_ns=lambda: duration,
-                  start_thread_id=lambda: resource, device_resource_id=lambda: resource)
+    fields = dict(
+        name=lambda: name,
+        device_type=lambda: kind,
+        start_ns=lambda: start,
+        duration_ns=lambda: duration,
+        start_thread_id=lambda: resource,
+        device_resource_id=lambda: resource,
+    )
     if torch_211:
         fields["is_user_annotation"] = lambda: activity.endswith("user_annotation")
     else:
@@ -289,11 +325,13 @@ def test_the_profile_summary_counts_kernels_streams_and_gaps(torch_211):
         return _event(*args, torch_211=torch_211)
 
     events = [
-        event("FSDP::pre_forward", CPU_, 0, 100, 1), event("FSDP::all_gather", CPU_, 10, 20, 1),  # nested: 100
+        event("FSDP::pre_forward", CPU_, 0, 100, 1),
+        event("FSDP::all_gather", CPU_, 10, 20, 1),  # nested: 100
         event("FSDP::post_backward", CPU_, 0, 50, 2),  # another thread: +50
         event("DMuon::pre_forward", CPU_, 200, 30, 1),
         event(MARKER, CUDA_, 0, 5, 7),
-        event("gemm", CUDA_, 1_000_000, 1_000_000, 7), event("Memcpy DtoD", CUDA_, 2_500_000, 500_000, 7, "gpu_memcpy"),
+        event("gemm", CUDA_, 1_000_000, 1_000_000, 7),
+        event("Memcpy DtoD", CUDA_, 2_500_000, 500_000, 7, "gpu_memcpy"),
         event("DMuon::pre_forward", CUDA_, 0, 9_000_000, 7, "gpu_user_annotation"),  # a label's GPU span: not work
         event("gemm", CUDA_, 4_000_000, 1_000_000, 7),  # gaps: 0.5 ms, 1 ms
         event("ncclDevKernel_Broadcast", CUDA_, 1_000_000, 3_000_000, 9),
@@ -344,20 +382,29 @@ def test_compile_messages_after_step_two_are_counted_by_time():
     that the logs arrive at all). Line formats as torchrun relays them (checked on the CPU)."""
     from benchmarks.gpu_check import compile_messages
 
-    log = "\n".join([
-        COMPILED_LINE.format(s="29", us="000000"),
-        STEP_LINE.format(s="30", ms="100", n=1, loss=8.1, mem=1.0, tps="1,234"),
-        STEP_LINE.format(s="32", ms="100", n=2, loss=8.0, mem=1.0, tps="1,234"),
-        TORCH_LINE.format(s="31", us="900000", text="Recompiling function forward in model.py:1"),  # late, step 2's
-        TORCH_LINE.format(s="31", us="900000", text="    triggered by the following guard failure(s):"),
-        TORCH_LINE.format(s="33", us="000000", text="Recompiling function forward in model.py:1"),
-        TORCH_LINE.format(s="33", us="000000", text="    - 0/1: tensor 'x' size mismatch"),
-        COMPILED_LINE.format(s="33", us="500000"),
-        STEP_LINE.format(s="34", ms="100", n=3, loss=7.9, mem=1.0, tps="1,234"),
-    ])
+    log = "\n".join(
+        [
+            COMPILED_LINE.format(s="29", us="000000"),
+            STEP_LINE.format(s="30", ms="100", n=1, loss=8.1, mem=1.0, tps="1,234"),
+            STEP_LINE.format(s="32", ms="100", n=2, loss=8.0, mem=1.0, tps="1,234"),
+            TORCH_LINE.format(s="31", us="900000", text="Recompiling function forward in model.py:1"),  # late, step 2's
+            TORCH_LINE.format(s="31", us="900000", text="    triggered by the following guard failure(s):"),
+            TORCH_LINE.format(s="33", us="000000", text="Recompiling function forward in model.py:1"),
+            TORCH_LINE.format(s="33", us="000000", text="    - 0/1: tensor 'x' size mismatch"),
+            COMPILED_LINE.format(s="33", us="500000"),
+            STEP_LINE.format(s="34", ms="100", n=3, loss=7.9, mem=1.0, tps="1,234"),
+        ]
+    )
     found = compile_messages(log)
-    assert found == {"step_seen": True, "lines_after": 2, "messages_before": 1, "messages_after": 1,
-                     "graphs_before": 1, "graphs_after": 1, "first_after": "Recompiling function forward in model.py:1"}
+    assert found == {
+        "step_seen": True,
+        "lines_after": 2,
+        "messages_before": 1,
+        "messages_after": 1,
+        "graphs_before": 1,
+        "graphs_after": 1,
+        "first_after": "Recompiling function forward in model.py:1",
+    }
     assert compile_messages(log.splitlines()[0])["step_seen"] is False  # no step 2: the row fails
 
 
@@ -366,24 +413,29 @@ def test_a_failed_job_reads_as_its_error_and_where_it_was_raised():
     titan_dmuon or TorchTitan above it (whose code synchronised)."""
     from benchmarks.gpu_check import first_error
 
-    log = "\n".join([
-        "[rank0]:[titan] 2026-12-01 23:21:30,100 - root - WARNING - something about an Error budget",
-        "[rank0]:Traceback (most recent call last):",
-        '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torchtitan/trainer.py", line 804, in forward_backward_step',
-        '[rank0]:  File "/w/main/titan_dmuon/runtime/unit.py", line 150, in gather',
-        '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torch/cuda/__init__.py", line 9, in synchronize',
-        "[rank0]:RuntimeError: called a synchronizing CUDA operation",
-    ])
-    assert first_error(log) == ("[rank0]:RuntimeError: called a synchronizing CUDA operation "
-                                "(at titan_dmuon/runtime/unit.py:150 in gather)")
+    log = "\n".join(
+        [
+            "[rank0]:[titan] 2026-12-01 23:21:30,100 - root - WARNING - something about an Error budget",
+            "[rank0]:Traceback (most recent call last):",
+            '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torchtitan/trainer.py", line 804, in forward_backward_step',
+            '[rank0]:  File "/w/main/titan_dmuon/runtime/unit.py", line 150, in gather',
+            '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torch/cuda/__init__.py", line 9, in synchronize',
+            "[rank0]:RuntimeError: called a synchronizing CUDA operation",
+        ]
+    )
+    assert first_error(log) == (
+        "[rank0]:RuntimeError: called a synchronizing CUDA operation (at titan_dmuon/runtime/unit.py:150 in gather)"
+    )
     assert first_error("all fine") == ""
 
 
 def test_step_figures_and_the_median_step_time():
     from benchmarks.gpu_check import median_step_ms, parse_steps
 
-    log = "\n".join(STEP_LINE.format(s="30", ms="100", n=n, loss=8.0, mem=2.5, tps=tps)
-                    for n, tps in ((1, "100"), (2, "1,000"), (3, "51,200"), (4, "25,600"), (5, "51,200")))
+    log = "\n".join(
+        STEP_LINE.format(s="30", ms="100", n=n, loss=8.0, mem=2.5, tps=tps)
+        for n, tps in ((1, "100"), (2, "1,000"), (3, "51,200"), (4, "25,600"), (5, "51,200"))
+    )
     steps = parse_steps(log)
     assert steps[4] == (8.0, 2.5, 25600.0) and len(steps) == 5
     assert median_step_ms(steps, 512) == 10.0  # 512 tokens at 51,200 tokens/s; steps 1-2 left out
@@ -392,29 +444,48 @@ def test_step_figures_and_the_median_step_time():
 def test_job_rows_report_each_job_and_keep_going_past_failures():
     from benchmarks.gpu_check import job_rows
 
-    ok = {"code": 0, "steps": {1: (8.0, 1.0, 512.0), 3: (7.0, 2.0, 51200.0), 4: (6.0, 3.0, 51200.0)}, "error": "", "output": ""}
+    ok = {
+        "code": 0,
+        "steps": {1: (8.0, 1.0, 512.0), 3: (7.0, 2.0, 51200.0), 4: (6.0, 3.0, 51200.0)},
+        "error": "",
+        "output": "",
+    }
     results = {
         "z3_eager": ok,
-        "z3_compile_accum2": {"code": 1, "steps": {}, "error": "RuntimeError: called a synchronizing CUDA operation",
-                              "output": ""},
-        "z2_compile": {**ok, "output": COMPILED_LINE.format(s="29", us="000000") + "\n"
-                       + STEP_LINE.format(s="30", ms="100", n=2, loss=8.0, mem=1.0, tps="9")},
-        "1b_dmuon": ok, "1b_adamw": {"code": "skipped", "steps": {}, "error": "", "output": ""},
-        "adamw_graphs_on": ok, "adamw_graphs_off": {**ok, "steps": {3: (7.0, 2.0, 25600.0)}},
+        "z3_compile_accum2": {
+            "code": 1,
+            "steps": {},
+            "error": "RuntimeError: called a synchronizing CUDA operation",
+            "output": "",
+        },
+        "z2_compile": {
+            **ok,
+            "output": COMPILED_LINE.format(s="29", us="000000")
+            + "\n"
+            + STEP_LINE.format(s="30", ms="100", n=2, loss=8.0, mem=1.0, tps="9"),
+        },
+        "1b_dmuon": ok,
+        "1b_adamw": {"code": "skipped", "steps": {}, "error": "", "output": ""},
+        "adamw_graphs_on": ok,
+        "adamw_graphs_off": {**ok, "steps": {3: (7.0, 2.0, 25600.0)}},
     }
     rows = {(check, what): (result, detail) for check, what, result, detail in job_rows(results)}
     titles = [check for check, _ in rows]
     assert len(rows) == 8 and "(b) llama3 debug, DMuon-Z3, compile off" in titles
     assert rows[("(b) llama3 debug, DMuon-Z3, compile off", "sync debug 'error', steps 3-6")][0] == "no host sync"
-    assert rows[("(b) llama3 debug, DMuon-Z3, compile on, grad accumulation 2", "sync debug 'error', steps 3-6")][0] == (
-        "FAILED (1): RuntimeError: called a synchronizing CUDA operation")
+    assert rows[("(b) llama3 debug, DMuon-Z3, compile on, grad accumulation 2", "sync debug 'error', steps 3-6")][
+        0
+    ] == ("FAILED (1): RuntimeError: called a synchronizing CUDA operation")
     assert rows[("(4) llama3 debug, DMuon-Z2, compile on", "TORCH_LOGS lines after step 2")][0] == "pass (0 lines)"
-    assert rows[("(4) llama3 debug, DMuon-Z3, compile on, grad accumulation 2", "TORCH_LOGS lines after step 2")][0].startswith(
-        "FAILED (1)")
+    assert rows[("(4) llama3 debug, DMuon-Z3, compile on, grad accumulation 2", "TORCH_LOGS lines after step 2")][
+        0
+    ].startswith("FAILED (1)")
     assert rows[("(c) llama3 1B, DMuon", "peak reserved GiB")][0] == "3.00"
     assert rows[("(c) llama3 1B, AdamW", "peak reserved GiB")][0].startswith("SKIPPED")
-    on, off = rows[("(6) llama3 debug, AdamW, CUDA graphs on", "median step ms")], rows[
-        ("(6) llama3 debug, AdamW, CUDA graphs off", "median step ms")]
+    on, off = (
+        rows[("(6) llama3 debug, AdamW, CUDA graphs on", "median step ms")],
+        rows[("(6) llama3 debug, AdamW, CUDA graphs off", "median step ms")],
+    )
     assert (on[0], off[0]) == ("10.00", "20.00") and "costs +100.0%" in off[1]
 
 
@@ -475,7 +546,10 @@ def test_job_environments_and_the_plan_fits_eight_minutes(monkeypatch):
     assert python_job["NGPU"] == "1" and python_job["TITAN_DMUON_PRECHECK"] == "0" and "TORCH_LOGS" not in python_job
     compiled = by_key["z3_compile_accum2"].environment(precheck=True)
     assert compiled["CONFIG_FILE"] == "train_configs/debug_model.toml" and "TITAN_DMUON_PRECHECK" not in compiled
-    assert compiled["TORCH_LOGS"] == "recompiles,graph_breaks,dynamo" and compiled["TITAN_DMUON_SYNC_DEBUG_FROM_STEP"] == "3"
+    assert (
+        compiled["TORCH_LOGS"] == "recompiles,graph_breaks,dynamo"
+        and compiled["TITAN_DMUON_SYNC_DEBUG_FROM_STEP"] == "3"
+    )
     assert by_key["adamw_graphs_on"].tokens_per_step == 512 and by_key["z3_eager"].tokens_per_step is None
     assert estimate_s(jobs=False, methods=3) < estimate_s(jobs=True, methods=3) <= BUDGET_S <= 480
     assert all(job.timeout_s >= 2 * job.estimate_s for job in JOBS)

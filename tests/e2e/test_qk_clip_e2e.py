@@ -40,8 +40,15 @@ def test_llama3_debug_trains_with_bounded_logits_and_resumes_bit_exactly(tmp_pat
     qk = _qk(out)
     assert len(qk) == 10 and sorted(steps) == list(range(1, 11))
     assert steps[10] < 0.5 * steps[1]
-    free = run_train(tmp_path / "free", "--training.steps", "6", "--lr_scheduler.total_steps", "10",
-                     "--optimizer.qk_clip_threshold", "1e9")  # (the straight run's learning rates)
+    free = run_train(
+        tmp_path / "free",
+        "--training.steps",
+        "6",
+        "--lr_scheduler.total_steps",
+        "10",
+        "--optimizer.qk_clip_threshold",
+        "1e9",
+    )  # (the straight run's learning rates)
     assert free.returncode == 0, free.stdout[-3000:] + free.stderr[-3000:]
     free_qk = _qk(free.stdout + free.stderr)
     free_steps = {int(s): float(loss) for s, loss, _ in STEP.findall(free.stdout + free.stderr)}
@@ -78,8 +85,11 @@ def test_deepseek_v3_debug_mla_trains_with_bounded_logits(tmp_path):
         body = f.read().replace('name = "llama3"', 'name = "deepseek_v3"')
     config = tmp_path / "dsv3.toml"
     config.write_text(body)
+
     def run(name, tau):
-        result = run_train(tmp_path / name, "--training.steps", "4", "--optimizer.qk_clip_threshold", tau, config=str(config))
+        result = run_train(
+            tmp_path / name, "--training.steps", "4", "--optimizer.qk_clip_threshold", tau, config=str(config)
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         out = result.stdout + result.stderr
         return {int(s): float(loss) for s, loss, _ in STEP.findall(out)}, _qk(out)

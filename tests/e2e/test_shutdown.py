@@ -81,11 +81,14 @@ def test_exit_after_reading_ledger_every_step_does_not_abort():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 2 * RUNS
     bad = [r for r in results if r["exit_code"] != 0 or "terminate called" in r["output"] or r["left_to_worker"]]
-    assert not bad, "\n\n".join(
-        f"run {r['run']} rank {r['rank']}: exit code {r['exit_code']}, ledger tensors left to a gloo worker "
-        f"after {r['left_to_worker']} of {STEPS} reads\n{r['output'][-1500:]}"
-        for r in bad
-    ) + f"\n({time.monotonic() - start:.0f} s)"
+    assert not bad, (
+        "\n\n".join(
+            f"run {r['run']} rank {r['rank']}: exit code {r['exit_code']}, ledger tensors left to a gloo worker "
+            f"after {r['left_to_worker']} of {STEPS} reads\n{r['output'][-1500:]}"
+            for r in bad
+        )
+        + f"\n({time.monotonic() - start:.0f} s)"
+    )
 
 
 # ---- the runner (python -m tests.e2e.test_shutdown) ---------------------------------------
@@ -217,8 +220,13 @@ def _main() -> None:
                     output = f.read()
                 left = sum(int(line.split()[1]) for line in output.splitlines() if line.startswith("LEFT_TO_WORKER "))
                 results.append(
-                    {"run": run, "rank": rank, "exit_code": status[pid], "left_to_worker": left,
-                     "output": output[-4000:]}
+                    {
+                        "run": run,
+                        "rank": rank,
+                        "exit_code": status[pid],
+                        "left_to_worker": left,
+                        "output": output[-4000:],
+                    }
                 )
     finally:
         if not forked:

@@ -14,19 +14,16 @@ import time
 
 import pytest
 
-from tests.support.titan_configs import USER_MODULE
 from tests.support.run_train import (
-    CKPT, DMUON, ROOT, assert_same_checkpoint, checkpoint_tensors, losses_by_step, run_train,
+    CKPT,
+    DMUON,
+    ROOT,
+    assert_same_checkpoint,
+    checkpoint_tensors,
+    losses_by_step,
+    run_train,
 )
-
-
-
-
-
-
-
-
-
+from tests.support.titan_configs import USER_MODULE
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +60,20 @@ def test_killed_rank_then_restart_loses_nothing(straight, tmp_path):
     readline for "step:  7", with the job near its end.)"""
     folder, straight_losses = straight
     env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml", "NGPU": "2", "PYTHON": sys.executable}
-    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true",
-           "--training.steps", "10", *CKPT]
+    cmd = [
+        "./run_train.sh",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--metrics.disable_color_printing",
+        "true",
+        "--training.steps",
+        "10",
+        *CKPT,
+    ]
     step5, step10 = tmp_path / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-10"
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)  # (its own process group: cleaned up below whatever happens)
+    job = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # (its own process group: cleaned up below whatever happens)
     lines: list[str] = []
 
     def drain():  # (the pipe never fills, and the log can be read without blocking)
@@ -134,8 +140,23 @@ def _a_training_worker(agent_pid: int) -> int:
 
 # TorchTitan's own command line (tyro): booleans are flags
 TYRO_CKPT = ("--checkpoint.enable", "--checkpoint.interval", "5", "--lr_scheduler.total_steps", "10")
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", "localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3")
+TORCHRUN = (
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc_per_node",
+    "2",
+    "--rdzv_backend",
+    "c10d",
+    "--rdzv_endpoint",
+    "localhost:0",
+    "--local-ranks-filter",
+    "0",
+    "--role",
+    "rank",
+    "--tee",
+    "3",
+)
 
 
 def _clean_env(**extra) -> dict:
@@ -148,8 +169,21 @@ def test_torchtitan_entry_point_trains_the_same_job(straight, tmp_path):
     README writes it, plus overrides) trains the TOML main job: the loss at every step and the
     step-10 checkpoint are identical, bit for bit."""
     folder, straight_losses = straight
-    cmd = [*TORCHRUN, "-m", "torchtitan.train", "--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon",
-           "--dump_folder", str(tmp_path), "--metrics.disable_color_printing", "--training.steps", "10", *TYRO_CKPT]
+    cmd = [
+        *TORCHRUN,
+        "-m",
+        "torchtitan.train",
+        "--module",
+        "titan_dmuon",
+        "--config",
+        "llama3_debugmodel_dmuon",
+        "--dump_folder",
+        str(tmp_path),
+        "--metrics.disable_color_printing",
+        "--training.steps",
+        "10",
+        *TYRO_CKPT,
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert losses_by_step(result.stdout) == straight_losses
@@ -166,8 +200,15 @@ def test_users_python_config_resumes_a_toml_checkpoint_bit_exactly(straight, tmp
     shutil.copytree(folder / "checkpoint" / "step-5", run / "checkpoint" / "step-5")
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = _clean_env(MODULE="user_dmuon_configs", CONFIG="my_dmuon_job", NGPU="2", PYTHONPATH=pythonpath)
-    cmd = ["./run_train.sh", "--dump_folder", str(run), "--metrics.disable_color_printing", "--training.steps", "10",
-           *TYRO_CKPT]
+    cmd = [
+        "./run_train.sh",
+        "--dump_folder",
+        str(run),
+        "--metrics.disable_color_printing",
+        "--training.steps",
+        "10",
+        *TYRO_CKPT,
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "-m torchtitan.train --module user_dmuon_configs --config my_dmuon_job" in result.stdout
@@ -201,7 +242,9 @@ def test_documented_checkpoint_commands_run_as_written(tmp_path):
     env = _clean_env()
 
     def sh(command: str):
-        result = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            ["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
         result.stdout = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)  # the documented commands log in colour
         return result, losses_by_step(result.stdout)
 
@@ -217,7 +260,8 @@ def test_documented_checkpoint_commands_run_as_written(tmp_path):
     for rank in range(4):
         assert re.search(
             rf"\[rank{rank}\]:.*checkpoint error: .*saved with data-parallel degree 2 and this job has 4.*"
-            r"--checkpoint.exclude_from_loading dataloader", failed.stdout
+            r"--checkpoint.exclude_from_loading dataloader",
+            failed.stdout,
         ), failed.stdout[-3000:]
 
     third, losses = sh(commands[2])

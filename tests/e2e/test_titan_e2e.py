@@ -8,13 +8,8 @@ import sys
 
 import pytest
 
-from titan_dmuon.integration.names import Metric
 from tests.support.run_train import ROOT, STEP, parse, run_train, tensorboard_tags
-
-
-
-
-
+from titan_dmuon.integration.names import Metric
 
 
 def test_main_job_trains_and_logs_dmuon_figures(tmp_path):
@@ -34,8 +29,6 @@ def test_main_job_trains_and_logs_dmuon_figures(tmp_path):
     assert "--config_file train_configs/debug_model.toml" in result.stdout  # run_train.sh prints its command
     tags = tensorboard_tags(tmp_path)
     assert {Metric.COMM_ELEMENTS, Metric.NS_MS, Metric.OWNER_IMBALANCE, "grad_norm"} <= tags
-
-
 
 
 def test_dmuon_starts_exactly_where_adamw_starts(tmp_path):
@@ -81,10 +74,15 @@ def _check_export_loads_in_transformers(folder: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (6, 256, 2048)
-    assert (model.config.bos_token_id, model.config.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id) != (None, None)
+    assert (
+        (model.config.bos_token_id, model.config.eos_token_id)
+        == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+        != (None, None)
+    )
     ids = tokenizer("every rank owns one matrix once .", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(ids, labels=ids).loss)
+
 
 # The HSDP config (4 ranks) runs in test_titan_checkpoint_e2e.py::test_documented_checkpoint_commands_run_as_written.
 
@@ -95,11 +93,20 @@ def test_pipeline_parallel_job_starts_where_adamw_starts(tmp_path):
     norm with the same parallelism (the clip adds up the stages); DMuon moves the deferred
     design every step (each stage's weights broadcast once and reduced once, whatever the
     micro-batches), and trains."""
-    pp = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.disable_cuda_graphs", "true")
+    pp = (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--training.disable_cuda_graphs",
+        "true",
+    )
     last_stage = {"LOG_RANK": "2"}  # (the loss lives on the last stage: pipeline rank 1 holds stages 1 and 3)
-    adamw, _ = parse(run_train(tmp_path / "a", "--training.steps", "1", *pp, config="debug_model_adamw.toml", ngpu=4,
-                               env=last_stage))
+    adamw, _ = parse(
+        run_train(tmp_path / "a", "--training.steps", "1", *pp, config="debug_model_adamw.toml", ngpu=4, env=last_stage)
+    )
     result = run_train(tmp_path / "b", "--training.steps", "3", config="debug_model_pp.toml", ngpu=4, env=last_stage)
     steps, comm = parse(result)
     assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
@@ -118,8 +125,16 @@ def test_pipeline_without_data_parallelism(tmp_path):
     one-rank data-parallel mesh of each stage. With run_train.sh's default LOG_RANK=0 (the first
     stage) the log shows the job's loss (it showed ``loss: -1.00000``: the loss lives on the last
     stage's ranks), and no warning that the loss is not visible."""
-    result = run_train(tmp_path, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "1", config="debug_model_pp.toml")
+    result = run_train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        config="debug_model_pp.toml",
+    )
     steps, comm = parse(result)
     assert "loss is not visible" not in result.stdout + result.stderr
     assert sorted(steps) == [1, 2] and steps[2][0] < steps[1][0]
@@ -152,8 +167,18 @@ def test_tensor_parallel_moe_job_starts_where_adamw_starts(tmp_path):
     design's average up to which matrices and experts it is the NS home of
     (tests/titan/test_tensor_parallel_moe.py checks the average exactly). (qwen3's moe_debug costs ~20 s
     per step here: the README's figures for it come from the same commands.)"""
-    job = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-           "--model.name", "deepseek_v3", "--training.seq_len", "64", "--activation_checkpoint.mode", "none")
+    job = (
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--model.name",
+        "deepseek_v3",
+        "--training.seq_len",
+        "64",
+        "--activation_checkpoint.mode",
+        "none",
+    )
     adamw, _ = parse(run_train(tmp_path / "a", "--training.steps", "1", *job, config="debug_model_adamw.toml", ngpu=4))
     steps, comm = parse(run_train(tmp_path / "b", "--training.steps", "3", *job, ngpu=4))
     assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
@@ -168,8 +193,15 @@ def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
     move 50% more: 3(N-1)/N instead of 2(N-1)/N)."""
     steps, comm = parse(
         run_train(
-            tmp_path, "--training.steps", "3", "--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "1", "--optimizer.reshard_after_forward", "none",
+            tmp_path,
+            "--training.steps",
+            "3",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--optimizer.reshard_after_forward",
+            "none",
         )
     )
     assert sorted(steps) == [1, 2, 3]
@@ -179,7 +211,9 @@ def test_ddp_mode_runs_at_the_all_reduce_floor(tmp_path):
 
 def test_qwen3_with_gradient_accumulation(tmp_path):
     """qwen3's debug model, two micro-batches per step: DMuon moves its volume per micro-batch."""
-    steps, comm = parse(run_train(tmp_path, "--training.steps", "2", "--model.name", "qwen3", "--training.global_batch_size", "8"))
+    steps, comm = parse(
+        run_train(tmp_path, "--training.steps", "2", "--model.name", "qwen3", "--training.global_batch_size", "8")
+    )
     assert sorted(steps) == [1, 2] and len(comm) == 2
     assert all(elements == design for elements, _, design in comm[1:])  # step 1 learns the layer order
 
@@ -189,13 +223,33 @@ def test_two_node_launch_on_one_machine(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml", "NGPU": "1", "NNODES": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHON": sys.executable}
-    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true",
-           "--training.steps", "4"]
+    env = {
+        **os.environ,
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "NGPU": "1",
+        "NNODES": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHON": sys.executable,
+    }
+    cmd = [
+        "./run_train.sh",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--metrics.disable_color_printing",
+        "true",
+        "--training.steps",
+        "4",
+    ]
     nodes = [
-        subprocess.Popen(cmd, cwd=ROOT, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**env, "NODE_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=420)[0] for node in nodes]
@@ -208,8 +262,15 @@ def test_two_node_launch_on_one_machine(tmp_path):
 def test_config_error_stops_before_any_process_group(tmp_path):
     """The entry point run_train.sh launches on every rank: a bad key exits with status 2."""
     env = {**os.environ, "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "titan_dmuon.integration.train", "--config_file", "train_configs/debug_model.toml",
-           "--training.stepz", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_dmuon.integration.train",
+        "--config_file",
+        "train_configs/debug_model.toml",
+        "--training.stepz",
+        "3",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "command line: unknown key [training] stepz (did you mean 'steps'?)" in result.stdout + result.stderr
@@ -218,8 +279,19 @@ def test_config_error_stops_before_any_process_group(tmp_path):
 
 def test_deepseek_v3_debugmodel_trains(tmp_path):
     """MLA attention, a dense first layer, shared and routed experts: DMuon through run_train.sh."""
-    steps, comm = parse(run_train(tmp_path, "--model.name", "deepseek_v3", "--training.steps", "3",
-                                  "--training.seq_len", "64", "--activation_checkpoint.mode", "none"))
+    steps, comm = parse(
+        run_train(
+            tmp_path,
+            "--model.name",
+            "deepseek_v3",
+            "--training.steps",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--activation_checkpoint.mode",
+            "none",
+        )
+    )
     assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
     assert all(elements == design for elements, _, design in comm[1:])
 
@@ -228,10 +300,19 @@ def test_run_train_sh_stops_before_torchrun_with_the_line_last(tmp_path):
     """A config error (here a misspelt key): the message is the last line and no torchrun is started
     (run_train.sh prints the torchrun command just before it runs it)."""
     env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml", "NGPU": "2", "PYTHON": sys.executable}
-    result = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.stepz", "3"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.stepz", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert result.stderr.rstrip("\n").rsplit("\n", 1)[-1].startswith(
-        "config error: command line: unknown key [training] stepz (did you mean 'steps'?)"
+    assert (
+        result.stderr.rstrip("\n")
+        .rsplit("\n", 1)[-1]
+        .startswith("config error: command line: unknown key [training] stepz (did you mean 'steps'?)")
     ), result.stderr[-2000:]
     assert "torch.distributed.run" not in result.stdout + result.stderr

@@ -11,8 +11,17 @@ from tests.support.run_train import parse, run_train
 VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([\d.]+)")
 LOSS_TEXT = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)\s+grad_norm")
 STEPS = ["--training.steps", "4"]
-VALIDATION = ["--validator.enable", "--validator.freq", "2", "--validator.steps", "2",
-              "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", "./assets/debug/text"]
+VALIDATION = [
+    "--validator.enable",
+    "--validator.freq",
+    "2",
+    "--validator.steps",
+    "2",
+    "--validator.dataloader.dataset",
+    "c4_test",
+    "--validator.dataloader.dataset_path",
+    "./assets/debug/text",
+]
 
 
 def _validations(result) -> dict[int, float]:

@@ -7,8 +7,8 @@ float16 units); each option's own path is tested in-process (tests/titan/test_va
 
 import os
 import re
-from tests.support.run_train import parse, run_train
 
+from tests.support.run_train import parse, run_train
 
 NS_MATRICES = re.compile(r"NS: (\d+) matrices on this rank")
 
@@ -21,8 +21,13 @@ def test_the_variants_train_the_debug_job_from_the_default_jobs_first_step(tmp_p
     nothing but the optimizer's rule. The loss falls over the steps. Per-head blocks reached the job (the
     logged rank runs more Newton–Schulz matrices than with whole ones). The last step's HF export holds the
     model's weights and nothing of NorMuon's state."""
-    export = ["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf",
-              "--checkpoint.interval", "1000"]
+    export = [
+        "--checkpoint.enable",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.interval",
+        "1000",
+    ]
     default_run = run_train(tmp_path / "default", "--training.steps", "1")
     variants_run = run_train(tmp_path / "variants", "--training.steps", str(STEPS), *VARIANTS, *export, timeout=900)
     (default, _), (variants, _) = parse(default_run), parse(variants_run)

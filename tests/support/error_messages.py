@@ -28,10 +28,16 @@ SHORT = 3  # shorter literals (": ", ", ") say nothing
 # Sites whose message is another error's, raised at a site of its own (the key: module, enclosing
 # function, exception class).
 PASSED_ON = {
-    ("titan_dmuon/integration/config/toml_file.py", "load_config", "ConfigError"):
-        "finalize's ConfigError (TorchTitan's own checks of the whole config), the file's name put first",
-    ("titan_dmuon/integration/config/toml_file.py", "_base_config", "ConfigError"):
-        "config_function's ValueError ([model] name or flavor), with where the value was set",
+    (
+        "titan_dmuon/integration/config/toml_file.py",
+        "load_config",
+        "ConfigError",
+    ): "finalize's ConfigError (TorchTitan's own checks of the whole config), the file's name put first",
+    (
+        "titan_dmuon/integration/config/toml_file.py",
+        "_base_config",
+        "ConfigError",
+    ): "config_function's ValueError ([model] name or flavor), with where the value was set",
     ("titan_dmuon/integration/config/values.py", "_convert_union", "ValueError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_literal", "ValueError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_sequence", "TypeError"): "the caller writes the line",
@@ -39,10 +45,16 @@ PASSED_ON = {
     ("titan_dmuon/integration/config/values.py", "_convert_int", "TypeError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_float", "TypeError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_str", "TypeError"): "the caller writes the line",
-    ("titan_dmuon/integration/config/validation/optimizer_section.py", "validate_optimizer", "ConfigError"):
-        "check_supported's NotImplementedError or check_model's ModelNotSupported, named as the door names settings",
-    ("titan_dmuon/integration/config/validation/parallelism_section.py", "validate_expert_parallelism", "ConfigError"):
-        "expert_parallel_limit's message after the door's section name",
+    (
+        "titan_dmuon/integration/config/validation/optimizer_section.py",
+        "validate_optimizer",
+        "ConfigError",
+    ): "check_supported's NotImplementedError or check_model's ModelNotSupported, named as the door names settings",
+    (
+        "titan_dmuon/integration/config/validation/parallelism_section.py",
+        "validate_expert_parallelism",
+        "ConfigError",
+    ): "expert_parallel_limit's message after the door's section name",
 }
 
 
@@ -134,8 +146,12 @@ def _messages(arg: ast.AST, enclosing, functions, seen=()) -> list[list[str | No
     if isinstance(arg, ast.IfExp):
         return _messages(arg.body, enclosing, functions, seen) + _messages(arg.orelse, enclosing, functions, seen)
     if isinstance(arg, ast.JoinedStr):  # only values: the text is in what they call (a message builder)
-        return [m for v in arg.values if isinstance(v, ast.FormattedValue)
-                for m in _messages(v.value, enclosing, functions, seen)]
+        return [
+            m
+            for v in arg.values
+            if isinstance(v, ast.FormattedValue)
+            for m in _messages(v.value, enclosing, functions, seen)
+        ]
     if isinstance(arg, ast.Call):
         name = ast.unparse(arg.func).split(".")[-1]
         if name in functions and name not in seen:
@@ -175,9 +191,16 @@ def sites() -> list[Site]:
                 name = function.name if function is not tree else "<module>"
                 messages = [m for a in args for m in _messages(a, function, functions)] or [[]]
                 for pieces in messages if len(args) == 1 else [[p for a in args for p in _literals(a)]]:
-                    out.append(Site(path=path, line=node.lineno, function=name, error=error,
-                                    literals=tuple(p for p in pieces if p),
-                                    template="".join("{}" if p is None else p for p in pieces)))
+                    out.append(
+                        Site(
+                            path=path,
+                            line=node.lineno,
+                            function=name,
+                            error=error,
+                            literals=tuple(p for p in pieces if p),
+                            template="".join("{}" if p is None else p for p in pieces),
+                        )
+                    )
     return out
 
 

@@ -59,8 +59,13 @@ def _state(trainer) -> dict:
     ft = trainer.ft_manager
     held = sum(_local(p).numel() for _, p in weights if p.requires_grad)  # (owners' full weights, FSDP2's shards)
     return {
-        "step": trainer.step, "held": held, "commits": ft.manager.current_step() if ft.enabled else None,
-        "weights": _digest(weights), "state": _digest(state), "lrs": lrs, "time": time.time(),
+        "step": trainer.step,
+        "held": held,
+        "commits": ft.manager.current_step() if ft.enabled else None,
+        "weights": _digest(weights),
+        "state": _digest(state),
+        "lrs": lrs,
+        "time": time.time(),
     }
 
 
@@ -85,7 +90,10 @@ def _hold(trainer, step: int) -> None:
 
 if _RECORD is not None:
     _when, _, _at = (_PAUSE or "none:0").partition(":")
-    _train_step, _forward_backward = DMuonFaultTolerantTrainer.train_step, DMuonFaultTolerantTrainer.forward_backward_step
+    _train_step, _forward_backward = (
+        DMuonFaultTolerantTrainer.train_step,
+        DMuonFaultTolerantTrainer.forward_backward_step,
+    )
 
     _holds = {int(step) for step in _HOLD.split(",")} if _HOLD else set()
 

@@ -56,8 +56,15 @@ def wait(what: str, done, *, timeout: float = DEADLINE_S, logs: list[Path] = (),
 class Job:
     """A lighthouse and replica groups in ``folder``; every process is killed on exit."""
 
-    def __init__(self, folder: Path, *, ranks: int, steps: int, extra: tuple[str, ...] = (),
-                 heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        ranks: int,
+        steps: int,
+        extra: tuple[str, ...] = (),
+        heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+    ) -> None:
         self.folder, self.ranks, self.steps, self.extra = folder, ranks, steps, extra
         self.records = folder / "records"
         self.records.mkdir(parents=True)
@@ -65,8 +72,22 @@ class Job:
         self.lighthouse_log = folder / "lighthouse.log"
         self._procs: list[subprocess.Popen] = []
         self.lighthouse = self._start(
-            [str(LIGHTHOUSE), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "5000",
-             "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--bind", f"[::]:{self.port}"], self.lighthouse_log, os.environ)
+            [
+                str(LIGHTHOUSE),
+                "--min_replicas",
+                "1",
+                "--quorum_tick_ms",
+                "100",
+                "--join_timeout_ms",
+                "5000",
+                "--heartbeat_timeout_ms",
+                str(heartbeat_timeout_ms),
+                "--bind",
+                f"[::]:{self.port}",
+            ],
+            self.lighthouse_log,
+            os.environ,
+        )
 
     def __enter__(self) -> Job:
         return self
@@ -76,25 +97,45 @@ class Job:
             self._kill(proc)
 
     def _start(self, cmd, log: Path, env) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._procs.append(proc)
         return proc
 
-    def group(self, replica: int, name: str, *, pause: str | None = None, hold: tuple[int, ...] = ()
-              ) -> tuple[subprocess.Popen, Path]:
+    def group(
+        self, replica: int, name: str, *, pause: str | None = None, hold: tuple[int, ...] = ()
+    ) -> tuple[subprocess.Popen, Path]:
         env = {
-            **os.environ, "MODULE": "tests.support.ft_harness", "CONFIG": "llama3_debugmodel_dmuon_ft",
+            **os.environ,
+            "MODULE": "tests.support.ft_harness",
+            "CONFIG": "llama3_debugmodel_dmuon_ft",
             "NGPU": str(self.ranks),
-            "PYTHON": sys.executable, "TITAN_DMUON_PRECHECK": "0", "TORCHFT_LIGHTHOUSE": f"http://localhost:{self.port}",
-            "FT_TEST_RECORD": str(self.records), "FT_TEST_PAUSE": pause or "", "FT_TEST_HOLD": ",".join(map(str, hold)),
-            "LOG_RANK": "0", "TORCHFT_QUORUM_TIMEOUT_SEC": str(DEADLINE_S), "TORCHFT_TIMEOUT_SEC": str(DEADLINE_S),
+            "PYTHON": sys.executable,
+            "TITAN_DMUON_PRECHECK": "0",
+            "TORCHFT_LIGHTHOUSE": f"http://localhost:{self.port}",
+            "FT_TEST_RECORD": str(self.records),
+            "FT_TEST_PAUSE": pause or "",
+            "FT_TEST_HOLD": ",".join(map(str, hold)),
+            "LOG_RANK": "0",
+            "TORCHFT_QUORUM_TIMEOUT_SEC": str(DEADLINE_S),
+            "TORCHFT_TIMEOUT_SEC": str(DEADLINE_S),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         log = self.folder / f"{name}.log"
-        cmd = ["./run_train.sh", "--dump_folder", str(self.folder / "dump"), "--fault_tolerance.replica_id", str(replica),
-               "--training.steps", str(self.steps), "--metrics.disable_color_printing",
-               "--fault_tolerance.process_group_timeout_ms", str(DEADLINE_S * 1000), *self.extra]
+        cmd = [
+            "./run_train.sh",
+            "--dump_folder",
+            str(self.folder / "dump"),
+            "--fault_tolerance.replica_id",
+            str(replica),
+            "--training.steps",
+            str(self.steps),
+            "--metrics.disable_color_printing",
+            "--fault_tolerance.process_group_timeout_ms",
+            str(DEADLINE_S * 1000),
+            *self.extra,
+        ]
         return self._start(cmd, log, env), log
 
     def wait_paused(self, replica: int, logs, alive, *, marker: str = "paused") -> list[int]:
@@ -122,8 +163,11 @@ class Job:
         every other group held out of its quorum, a later status with a participant is that group."""
         text = self.lighthouse_log.read_bytes()[since:].decode(errors="replace")
         received = text.find(f"Received quorum request for replica torchtitan_ft_{replica}:")
-        return received >= 0 and re.search(r"Quorum status: [^\n]*\[[1-9]\d*/[1-9]\d* participants healthy\]",
-                                            text[received:]) is not None
+        return (
+            received >= 0
+            and re.search(r"Quorum status: [^\n]*\[[1-9]\d*/[1-9]\d* participants healthy\]", text[received:])
+            is not None
+        )
 
     def release(self, replica: int, step: int) -> None:
         (self.records / f"{replica}.release{step}").touch()
@@ -168,12 +212,21 @@ def log_time(log: Path, pattern: str) -> float | None:
             stamp = re.search(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[.,]\d{3})", line)
             if stamp:
                 return time.mktime(time.strptime(stamp.group(1)[:19].replace("T", " "), "%Y-%m-%d %H:%M:%S")) + float(
-                    "0." + stamp.group(1)[20:])
+                    "0." + stamp.group(1)[20:]
+                )
     return None
 
 
-def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kill_after: int,
-                      kill_between: int | None = None, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> dict:
+def kill_restart_kill(
+    folder: Path,
+    *,
+    ranks: int,
+    steps: int,
+    kill_in: int,
+    kill_after: int,
+    kill_between: int | None = None,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+) -> dict:
     """The fault scenario: groups 0 and 1; group 1 SIGKILLed in the forward of step ``kill_in`` and
     restarted; with ``kill_between``, the restarted group SIGKILLed after that step (between steps)
     and restarted again; the last one SIGKILLed after step ``kill_after``, never to return; group 0
@@ -211,28 +264,35 @@ def kill_restart_kill(folder: Path, *, ranks: int, steps: int, kill_in: int, kil
             b, b_log = job.group(1, f"b{n + 2}", pause=f"end:{kill_after if last else kills[n + 1]}")
             logs.append(b_log)
             group_logs[f"b{n + 2}"] = b_log
-            wait("the restarted group in the lighthouse's quorum", lambda: job.in_lighthouse_quorum(1, since),
-                 logs=[*logs, job.lighthouse_log], alive=[a, b])
+            wait(
+                "the restarted group in the lighthouse's quorum",
+                lambda: job.in_lighthouse_quorum(1, since),
+                logs=[*logs, job.lighthouse_log],
+                alive=[a, b],
+            )
             job.release(0, killed_after_step + 1)
         kill_last = job.kill(b, job.wait_paused(1, logs, [a, b]))
         wait("group 0 to finish", lambda: a.poll() is not None, logs=logs)
         assert a.returncode == 0, a_log.read_text()[-5000:]
     bounds = [*kill_times, kill_last]
     records = {r: job.read(1, r) for r in range(ranks)}
-    incarnations = [{r: {rec["step"]: rec for rec in records[r] if start < rec["time"] < stop} for r in range(ranks)}
-                    for start, stop in zip(bounds, bounds[1:])]
+    incarnations = [
+        {r: {rec["step"]: rec for rec in records[r] if start < rec["time"] < stop} for r in range(ranks)}
+        for start, stop in zip(bounds, bounds[1:])
+    ]
     return {
         "survivor": {r: {rec["step"]: rec for rec in job.read(0, r)} for r in range(ranks)},
         "healed": {r: {rec["step"]: rec for rec in records[r] if rec["time"] > kill_times[0]} for r in range(ranks)},
         "incarnations": incarnations,
         "logs": group_logs,
-        "kill_mid": kill_times[0], "restart": restarts[0], "kill_between": kill_times[1] if kill_between else kill_last,
+        "kill_mid": kill_times[0],
+        "restart": restarts[0],
+        "kill_between": kill_times[1] if kill_between else kill_last,
         "kill_last": kill_last,
     }
 
 
-def uninterrupted(folder: Path, *, ranks: int, steps: int,
-                  heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> dict:
+def uninterrupted(folder: Path, *, ranks: int, steps: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> dict:
     """The same job with no fault: the records of group 0 and group 0's log."""
     with Job(folder, ranks=ranks, steps=steps, heartbeat_timeout_ms=heartbeat_timeout_ms) as job:
         groups = [job.group(replica, f"g{replica}", hold=(0,)) for replica in (0, 1)]

@@ -34,7 +34,10 @@ def toy_model(seed: int = 0, **overrides) -> ToyTransformer:
 def batches(steps: int, global_batch: int = 8, seq: int = 8, vocab: int = 64, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, vocab, (global_batch, seq), generator=g), torch.randint(0, vocab, (global_batch, seq), generator=g))
+        (
+            torch.randint(0, vocab, (global_batch, seq), generator=g),
+            torch.randint(0, vocab, (global_batch, seq), generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -80,7 +83,9 @@ def distribute(
     """mode: "z2" | "z3" (FSDP2), "hsdp" (2 x world/2, Z3), "ddp". ``param_groups_fn(model)``: DMuon's
     param groups (default: every parameter in one)."""
     mesh = mesh if mesh is not None else make_mesh(mode, world)
-    reshard = mode != "z2" if "reshard_after_forward" not in dedicate_kwargs else dedicate_kwargs.pop("reshard_after_forward")
+    reshard = (
+        mode != "z2" if "reshard_after_forward" not in dedicate_kwargs else dedicate_kwargs.pop("reshard_after_forward")
+    )
     if mode == "ddp":
         reshard = False
     handle = dedicate_params(
@@ -137,7 +142,13 @@ class _Both:
 
 
 def baseline(
-    model: nn.Module, kind: str, world: int, *, mesh=None, reshard: bool = True, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module,
+    kind: str,
+    world: int,
+    *,
+    mesh=None,
+    reshard: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Setup:
     """kind: "fsdp_adamw" (FSDP2 + AdamW everywhere), "naive" (FSDP2 + Muon with a
     full-gradient all-gather in step), "ddp_muon" (DDP all-reduce + torch.optim.Muon)."""
@@ -170,7 +181,14 @@ def baseline(
 
 
 def train(
-    setup: Setup, data, rank: int, world: int, *, steps: int | None = None, max_norm=None, accumulate: int = 1,
+    setup: Setup,
+    data,
+    rank: int,
+    world: int,
+    *,
+    steps: int | None = None,
+    max_norm=None,
+    accumulate: int = 1,
     sync: str = "each",
 ):
     """Returns per-step (local loss, clip norm or None, NS matrices on this rank).
@@ -251,8 +269,17 @@ def full_parameters(model: nn.Module, handle=None) -> dict[str, torch.Tensor]:
 
 
 def reference_train(
-    model: nn.Module, data, *, max_norm=None, muon=MUON, adamw=ADAMW, targets_fn=muon_targets, slices=1,
-    before_slice=None, ns_method: str = "torch", ns_dtype: torch.dtype = torch.bfloat16,
+    model: nn.Module,
+    data,
+    *,
+    max_norm=None,
+    muon=MUON,
+    adamw=ADAMW,
+    targets_fn=muon_targets,
+    slices=1,
+    before_slice=None,
+    ns_method: str = "torch",
+    ns_dtype: torch.dtype = torch.bfloat16,
     normuon_beta2: float | None = None,
 ):
     """Single process: torch.optim.Muon on the targets, torch.optim.AdamW on the rest.
@@ -279,13 +306,20 @@ def reference_train(
     others = [p for p in model.parameters() if id(p) not in ids]
     experts = [(p, e, nn.Parameter(p.detach()[e].clone())) for p in targets if p.ndim == 3 for e in range(p.shape[0])]
     leaves = [p for p in targets if p.ndim == 2] + [leaf for _, _, leaf in experts]
-    orthogonalise = None if ns_method == "torch" and ns_dtype == torch.bfloat16 else reference_newton_schulz(ns_method, ns_dtype)
+    orthogonalise = (
+        None if ns_method == "torch" and ns_dtype == torch.bfloat16 else reference_newton_schulz(ns_method, ns_dtype)
+    )
     muon_steps = [(torch.optim.Muon(leaves, **muon), orthogonalise)]
     if normuon_beta2 is not None:  # one optimizer per leaf, each with its own second moment
-        muon_steps = [(torch.optim.Muon([leaf], **muon), normuon_newton_schulz(orthogonalise, normuon_beta2))
-                      for leaf in leaves]
+        muon_steps = [
+            (torch.optim.Muon([leaf], **muon), normuon_newton_schulz(orthogonalise, normuon_beta2)) for leaf in leaves
+        ]
     opt_adamw = torch.optim.AdamW(
-        others, lr=adamw["adamw_lr"], betas=adamw["adamw_betas"], eps=adamw["adamw_eps"], weight_decay=adamw["adamw_weight_decay"]
+        others,
+        lr=adamw["adamw_lr"],
+        betas=adamw["adamw_betas"],
+        eps=adamw["adamw_eps"],
+        weight_decay=adamw["adamw_weight_decay"],
     )
     losses, norms = [], []
     params = list(model.parameters())
@@ -363,7 +397,7 @@ def _add(a, b):
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
@@ -387,7 +421,11 @@ def allocation_peak(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+        (
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        ),
         key=lambda e: e.start_ns(),
     )
     now = peak = 0

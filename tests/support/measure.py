@@ -57,15 +57,17 @@ def ledger_figures(rank, world, config, dims, hsdp=False, **dedicate_kwargs):
     }
 
 
-
-
 class HostSyncCounter(TorchDispatchMode):
     """Counts ops that copy a tensor's value to the host (``.item()``, ``.tolist()``, ``bool(t)``).
 
     Tensors that are on the host by design on a GPU job too (AdamW's step counters,
     DeviceMesh's rank tensor) are listed in ``host_resident`` and not counted."""
 
-    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+    SYNCING = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.equal.default,
+    }
 
     def __init__(self, host_resident):
         super().__init__()
@@ -85,9 +87,7 @@ def host_syncs_in_steady_steps(setup, rank, world, *, after_step=None) -> list:
     steps (lazy init, layer order, optimizer state); ``after_step()`` runs outside the counted part."""
     data = batches(4)
     train(setup, data[:2], rank, world, max_norm=1.0)
-    host_resident = {
-        s["step"].untyped_storage().data_ptr() for s in setup.opt.state.values() if "step" in s
-    }
+    host_resident = {s["step"].untyped_storage().data_ptr() for s in setup.opt.state.values() if "step" in s}
     counter = HostSyncCounter(host_resident)
     for batch in data[2:]:
         x, y = local_slice(batch, rank, world)
@@ -108,8 +108,11 @@ def large_inside_the_muon_step(prof, limit: int):
     ranges = [e.time_range for e in events if e.name == MUON_STEP_RANGE]
     assert len(ranges) == 1, ranges
     (step,) = ranges
-    inside = [e for e in events if e.name != MUON_STEP_RANGE
-              and step.start <= e.time_range.start and e.time_range.end <= step.end]
+    inside = [
+        e
+        for e in events
+        if e.name != MUON_STEP_RANGE and step.start <= e.time_range.start and e.time_range.end <= step.end
+    ]
     assert inside, "no op recorded inside the Muon step: the profiler read nothing"
     return [(_op_path(e), e.self_cpu_memory_usage) for e in inside if e.self_cpu_memory_usage > limit]
 

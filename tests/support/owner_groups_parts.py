@@ -37,8 +37,6 @@ def exact_iteration(matrices: torch.Tensor, ns_method: str) -> torch.Tensor:
     return x.mT if tall else x
 
 
-
-
 # Rates that make a member's all-reduces cheap next to its FLOPs on these tiny matrices (at an H200's
 # rates a 32-wide Gram matrix's all-reduce outweighs its Newton–Schulz, and the plan keeps one owner);
 # nodes of 2 ranks, so that a group of 4 spans two "nodes" and sums on two rings.
@@ -47,8 +45,9 @@ def exact_iteration(matrices: torch.Tensor, ns_method: str) -> torch.Tensor:
 # figure given (none measured: the plan is the same on every machine); nodes of 2 ranks, so that a group
 # of 4 spans two "nodes". An all-reduce's latency of 200 us keeps the 32 x 32 matrices (1 ms of NS at these
 # rates) whole.
-TINY_GROUPS = GroupOptions(ns_tflops=1e-3, node_size=2, latency_us=200.0, nic_latency_us=200.0, intra_node_gbps=360.0,
-                           nic_gbps=45.0)
+TINY_GROUPS = GroupOptions(
+    ns_tflops=1e-3, node_size=2, latency_us=200.0, nic_latency_us=200.0, intra_node_gbps=360.0, nic_gbps=45.0
+)
 
 
 # AdamW's first steps are nearly sign(g) / sqrt(1 - beta2^t): a weight whose gradient is near 0 moves by up to
@@ -96,8 +95,9 @@ class DominantModel(nn.Module):
 
 
 def dominant_targets(model: DominantModel) -> list[nn.Parameter]:
-    return [p for layer in model.layers for name, p in layer.named_parameters() if name.endswith("weight")
-            and p.ndim == 2]
+    return [
+        p for layer in model.layers for name, p in layer.named_parameters() if name.endswith("weight") and p.ndim == 2
+    ]
 
 
 def dominant_model(seed: int = 0, tall: bool = True) -> DominantModel:

@@ -59,9 +59,23 @@ def reference_build_plan(
     owners = reference_owners(costs, replicate_size * shard_size, initial_load)
     homes = reference_tp_homes(specs, owners, costs)
     entries = tuple(
-        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, col_blocks=s.col_blocks, tp_dim=s.tp_dim, tp_size=s.tp_size,
-                  owner=owner, ns_flops=cost, tp_homes=(home,) if s.tp_dim is not None else ())
+        PlanEntry(
+            fqn=s.fqn,
+            shape=s.shape,
+            unit=s.unit,
+            blocks=s.blocks,
+            col_blocks=s.col_blocks,
+            tp_dim=s.tp_dim,
+            tp_size=s.tp_size,
+            owner=owner,
+            ns_flops=cost,
+            tp_homes=(home,) if s.tp_dim is not None else (),
+        )
         for s, owner, cost, home in zip(specs, owners, costs, homes)
     )
-    return OwnershipPlan(replicate_size=replicate_size, shard_size=shard_size, entries=entries,
-                         local_load=tuple(initial_load) if initial_load is not None else ())
+    return OwnershipPlan(
+        replicate_size=replicate_size,
+        shard_size=shard_size,
+        entries=entries,
+        local_load=tuple(initial_load) if initial_load is not None else (),
+    )

@@ -31,7 +31,9 @@ def _init_gloo(rank: int, world_size: int, init_file: str, timeout_s: float) -> 
 
     timeout = datetime.timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = timeout
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def _worker(rank: int, world_size: int, init_file: str | None, tasks, results) -> None:
@@ -74,7 +76,9 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -150,8 +154,10 @@ def run_job(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout_s: fl
     os.close(fd)
     os.unlink(init_file)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_one_shot, args=(r, world_size, init_file, pg_timeout_s, fn, args, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_one_shot, args=(r, world_size, init_file, pg_timeout_s, fn, args, results))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -53,10 +53,16 @@ def tensorboard_tags(folder):
     return tags
 
 
-
-
-CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
-        "--lr_scheduler.total_steps", "10")
+CKPT = (
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.last_save_model_only",
+    "false",
+    "--lr_scheduler.total_steps",
+    "10",
+)
 
 
 def checkpoint_tensors(folder, step) -> dict:

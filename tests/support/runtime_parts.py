@@ -56,8 +56,16 @@ class Parts:
         return self.ctx.units
 
 
-def runtime_parts(world: int, *, hsdp: bool = False, reshard: bool = True, model: nn.Module | None = None,
-                  params=None, allocate: bool = True, **dedicate_kwargs) -> Parts:
+def runtime_parts(
+    world: int,
+    *,
+    hsdp: bool = False,
+    reshard: bool = True,
+    model: nn.Module | None = None,
+    params=None,
+    allocate: bool = True,
+    **dedicate_kwargs,
+) -> Parts:
     """``model`` (default: the toy transformer) dedicated on a mesh of ``world`` ranks of the process
     group that is up; ``allocate``: the units' compute params made (as the first forward makes them)."""
     model = model if model is not None else toy_model()

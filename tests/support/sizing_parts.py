@@ -17,9 +17,15 @@ def toy_weights(dims: dict) -> list[Weight]:
 
     model = toy_model(**dims)
     targets = {id(p) for p in muon_targets(model)}
-    return [Weight(fqn=name, shape=tuple(p.shape), muon=id(p) in targets,
-                   layer=int(name.split(".")[1]) if name.startswith("layers.") else None)
-            for name, p in model.named_parameters()]
+    return [
+        Weight(
+            fqn=name,
+            shape=tuple(p.shape),
+            muon=id(p) in targets,
+            layer=int(name.split(".")[1]) if name.startswith("layers.") else None,
+        )
+        for name, p in model.named_parameters()
+    ]
 
 
 def layout_of(mode: str, world: int) -> Layout:

@@ -33,11 +33,9 @@ def one_line_error(fn, *args, **kwargs) -> str:
     return message
 
 
-
-
 # A user's own registry module: TorchTitan's debug config on this project's local assets, switched
 # to DMuon in one call. Also trained end to end (test_titan_checkpoint_e2e.py).
-USER_MODULE = textwrap.dedent('''
+USER_MODULE = textwrap.dedent("""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from titan_dmuon import with_dmuon
@@ -50,7 +48,7 @@ USER_MODULE = textwrap.dedent('''
         config.training.local_batch_size, config.training.seq_len, config.training.steps = 2, 256, 20
         config.debug.seed = 0
         return with_dmuon(config, lr=0.05, reshard_after_forward=True)
-''')
+""")
 
 
 def comparable(config) -> dict:

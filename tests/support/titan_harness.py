@@ -29,11 +29,19 @@ def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
     layers = llama3._build_llama3_layers(
-        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=2 * dim, fuse_qkv=fuse_qkv,
-        rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=500000, scaling="llama"), attn_backend="flex",
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=2 * dim,
+        fuse_qkv=fuse_qkv,
+        rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=500000, scaling="llama"),
+        attn_backend="flex",
     )
     config = llama3.Llama3Model.Config(
-        dim=dim, vocab_size=VOCAB, layers=layers,
+        dim=dim,
+        vocab_size=VOCAB,
+        layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=llama3._output_linear_init(dim)),
@@ -47,11 +55,20 @@ def tiny_qwen3(*, dim: int = 64, n_layers: int = 2):
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
     layers = qwen3._build_qwen3_layers(
-        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=2 * dim, attn_backend="flex",
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=2 * dim,
+        attn_backend="flex",
         rope=CosSinRoPE.Config(dim=32, max_seq_len=64, theta=1000000.0),
     )
     config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        vocab_size=VOCAB,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
     )
@@ -63,12 +80,24 @@ def tiny_qwen3_moe(*, experts: int = 8, dim: int = 64, n_layers: int = 2):
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
     layers = qwen3._build_qwen3_moe_layers(
-        fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=32,
-        num_experts=experts, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+        fuse_qkv=True,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_hidden_dim=32,
+        num_experts=experts,
+        top_k=2,
+        attn_backend="flex",
+        moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=16, max_seq_len=64, theta=1000000.0),
     )
     config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        vocab_size=VOCAB,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
     )
@@ -81,15 +110,41 @@ def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
     layers = ds._build_dsv3_layers(
-        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.70, dense_hidden_dim=128,
-        moe_hidden_dim=32, num_experts=experts, num_shared_experts=2, router_top_k=2, router_score_func="softmax",
-        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
-                                beta_fast=32.0, beta_slow=1.0, original_seq_len=64),
+        n_layers=3,
+        n_dense_layers=1,
+        dim=dim,
+        n_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        mscale=0.70,
+        dense_hidden_dim=128,
+        moe_hidden_dim=32,
+        num_experts=experts,
+        num_shared_experts=2,
+        router_top_k=2,
+        router_score_func="softmax",
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(
+            dim=8,
+            max_seq_len=64,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=64,
+        ),
     )
     config = ds.DeepSeekV3Model.Config(
-        vocab_size=VOCAB, dim=dim, layers=layers, mtp_layers=[],
+        vocab_size=VOCAB,
+        dim=dim,
+        layers=layers,
+        mtp_layers=[],
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=ds._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=ds._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=ds._output_linear_init(dim)),
@@ -116,7 +171,13 @@ def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int, cp: int)
     from torchtitan.distributed import ParallelDims
 
     return ParallelDims(
-        dp_replicate=replicate, dp_shard=world // (replicate * tp * cp), cp=cp, tp=tp, pp=1, ep=ep, world_size=world,
+        dp_replicate=replicate,
+        dp_shard=world // (replicate * tp * cp),
+        cp=cp,
+        tp=tp,
+        pp=1,
+        ep=ep,
+        world_size=world,
         # expert parallelism runs on gloo only with partial_dtensor; DMuon's TP takes spmd_types' TP-local shards;
         # context parallelism runs on the CPU with spmd_types (integration/cpu.py)
         spmd_backend="spmd_types" if tp > 1 or cp > 1 else "partial_dtensor",
@@ -124,8 +185,17 @@ def _new_parallel_dims(world: int, *, replicate: int, ep: int, tp: int, cp: int)
 
 
 def build(
-    model_and_spec, dims, *, optimizer: str = "dmuon", seed: int = 0, state: dict | None = None, compile: bool = False,
-    param_dtype: str = "bfloat16", ac_config=None, optimizer_config: type | None = None, **optimizer_kwargs,
+    model_and_spec,
+    dims,
+    *,
+    optimizer: str = "dmuon",
+    seed: int = 0,
+    state: dict | None = None,
+    compile: bool = False,
+    param_dtype: str = "bfloat16",
+    ac_config=None,
+    optimizer_config: type | None = None,
+    **optimizer_kwargs,
 ):
     """(model, optimizer container) as TorchTitan's Trainer would build them (``param_dtype``:
     training.mixed_precision_param, FSDP2's compute dtype; ``ac_config``: TorchTitan's
@@ -143,20 +213,32 @@ def build(
 
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)  # as Trainer.__init__ does
-    parallelism = ParallelismConfig(spmd_backend=dims.spmd_backend, expert_parallel_degree=dims.ep,
-                                    tensor_parallel_degree=dims.tp, context_parallel_degree=dims.cp)
+    parallelism = ParallelismConfig(
+        spmd_backend=dims.spmd_backend,
+        expert_parallel_degree=dims.ep,
+        tensor_parallel_degree=dims.tp,
+        context_parallel_degree=dims.cp,
+    )
     model_config.update_from_config(config=_Parallelism(parallelism))  # sharding plans (expert parallelism)
     cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
     kwargs = dict(
-        parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), ac_config=ac_config,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param=param_dtype),
+        ac_config=ac_config,
         parallelism=parallelism,
-        compile_config=CompileConfig(enable=compile, components=["model"]), dump_folder="/tmp",
+        compile_config=CompileConfig(enable=compile, components=["model"]),
+        dump_folder="/tmp",
     )
     if optimizer == "dmuon":
-        settings = DedicationSettings(**{k: optimizer_kwargs.pop(k) for k in (
-            "muon_params", "reshard_after_forward", "ns_blocks", "owner_groups", "keep_whole") if k in optimizer_kwargs})
+        settings = DedicationSettings(
+            **{
+                k: optimizer_kwargs.pop(k)
+                for k in ("muon_params", "reshard_after_forward", "ns_blocks", "owner_groups", "keep_whole")
+                if k in optimizer_kwargs
+            }
+        )
         model = parallelize_with_dmuon(model, base_fn=spec.parallelize_fn, settings=settings, **kwargs)
     else:
         model = parallelize_without_dmuon(model, base_fn=spec.parallelize_fn, **kwargs)
@@ -168,14 +250,18 @@ def build(
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         current = model.state_dict()
-        model.load_state_dict({
-            k: distribute_tensor(v, current[k].device_mesh, current[k].placements, src_data_rank=None)
-            if isinstance(current.get(k), DTensor) else v
-            for k, v in state.items()
-        })
+        model.load_state_dict(
+            {
+                k: distribute_tensor(v, current[k].device_mesh, current[k].placements, src_data_rank=None)
+                if isinstance(current.get(k), DTensor)
+                else v
+                for k, v in state.items()
+            }
+        )
     model.train()
     config = (optimizer_config or DMuonOptimizersContainer.Config)(
-        name=optimizer, implementation="for-loop", **optimizer_kwargs)
+        name=optimizer, implementation="for-loop", **optimizer_kwargs
+    )
     container = config.build(model_parts=[model])
     if spec.post_optimizer_build_fn is not None:
         spec.post_optimizer_build_fn(container, [model], dims)
@@ -194,7 +280,9 @@ def batches(steps: int, world: int, *, batch: int = 2, seed: int = 1, routed_voc
     return [torch.randint(0, routed_vocab, (batch * world, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def train(model, container, dims, data, *, clip=None, norms: list | None = None, inf_norms: list | None = None) -> list[float]:
+def train(
+    model, container, dims, data, *, clip=None, norms: list | None = None, inf_norms: list | None = None
+) -> list[float]:
     """Global mean loss per step (TorchTitan's normalisation; clipping with max_norm 1 by ``clip``,
     default DMuon's; each step's norm is appended to ``norms`` if given, and its max-norm, by DMuon's
     clip with norm_type inf before the clip, to ``inf_norms``)."""
@@ -247,7 +335,8 @@ def sequence_part(dims, inputs, labels):
 
     positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
     inputs, labels, kwargs = prepare_context_parallel_input(
-        inputs, labels, {"positions": positions}, dims.get_mesh("cp"), torch.device("cpu"))
+        inputs, labels, {"positions": positions}, dims.get_mesh("cp"), torch.device("cpu")
+    )
     return inputs, labels, kwargs
 
 
@@ -296,18 +385,43 @@ def pp_dims(world: int, *, pp: int = 2, replicate: int = 1, cp: int = 1):
     if cp > 1:  # (spmd_types: one object per layout and worker process, as parallel_dims explains)
         key = ("pp", world, pp, replicate, cp)
         if key not in _SPMD_DIMS:
-            _SPMD_DIMS[key] = ParallelDims(dp_replicate=replicate, dp_shard=world // (pp * replicate * cp), cp=cp, tp=1,
-                                           pp=pp, ep=1, world_size=world, spmd_backend="spmd_types")
+            _SPMD_DIMS[key] = ParallelDims(
+                dp_replicate=replicate,
+                dp_shard=world // (pp * replicate * cp),
+                cp=cp,
+                tp=1,
+                pp=pp,
+                ep=1,
+                world_size=world,
+                spmd_backend="spmd_types",
+            )
         return _SPMD_DIMS[key]
     return ParallelDims(
-        dp_replicate=replicate, dp_shard=world // (pp * replicate), cp=1, tp=1, pp=pp, ep=1, world_size=world,
+        dp_replicate=replicate,
+        dp_shard=world // (pp * replicate),
+        cp=1,
+        tp=1,
+        pp=pp,
+        ep=1,
+        world_size=world,
         spmd_backend="partial_dtensor",
     )
 
 
-def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatch: int = 1, optimizer: str = "dmuon",
-             seed: int = 0, state: dict | None = None, param_dtype: str = "bfloat16", ac_config=None,
-             **optimizer_kwargs):
+def build_pp(
+    model_and_spec,
+    dims,
+    *,
+    schedule: str,
+    local_batch: int,
+    microbatch: int = 1,
+    optimizer: str = "dmuon",
+    seed: int = 0,
+    state: dict | None = None,
+    param_dtype: str = "bfloat16",
+    ac_config=None,
+    **optimizer_kwargs,
+):
     """(pipeline schedule, model parts, has first stage, has last stage, optimizer container), built as
     TorchTitan's trainer builds them with pipeline parallelism (its pipeline_llm splits the model
     and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize)."""
@@ -321,25 +435,42 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
     model_config, spec = model_and_spec
     dist_utils.set_spmd_backend(dims.spmd_backend)
     parallelism = ParallelismConfig(
-        spmd_backend=dims.spmd_backend, pipeline_parallel_degree=dims.pp, pipeline_parallel_schedule=schedule,
-        pipeline_parallel_microbatch_size=microbatch, context_parallel_degree=dims.cp,
+        spmd_backend=dims.spmd_backend,
+        pipeline_parallel_degree=dims.pp,
+        pipeline_parallel_schedule=schedule,
+        pipeline_parallel_microbatch_size=microbatch,
+        context_parallel_degree=dims.cp,
     )
     model_config.update_from_config(config=_Parallelism(parallelism))
     cpu.use_sdpa_attention(model_config, context_parallel=dims.cp > 1)
     with torch.device("meta"):
         model = model_config.build()
-    container_kwargs = {k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs}
-    opt_config = DMuonOptimizersContainer.Config(name=optimizer, implementation="for-loop", **container_kwargs, **optimizer_kwargs)
+    container_kwargs = {
+        k: optimizer_kwargs.pop(k) for k in ("muon_params", "reshard_after_forward") if k in optimizer_kwargs
+    }
+    opt_config = DMuonOptimizersContainer.Config(
+        name=optimizer, implementation="for-loop", **container_kwargs, **optimizer_kwargs
+    )
     parallelize = DMuonParallelize(base_fn=spec.parallelize_fn).bind(opt_config)
     tokens = local_batch * SEQ
 
     def loss_fn(pred, labels):
-        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (tokens * dims.dp_shard * dims.dp_replicate), None
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (
+            tokens * dims.dp_shard * dims.dp_replicate
+        ), None
 
     schedule_obj, parts, has_first, has_last = pipeline_llm(
-        model, parallel_dims=dims, training=TrainingConfig(local_batch_size=local_batch, mixed_precision_param=param_dtype), parallelism=parallelism,
-        compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
-        model_config=model_config, parallelize_fn=parallelize, loss_fn=loss_fn,
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(local_batch_size=local_batch, mixed_precision_param=param_dtype),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=ac_config,
+        dump_folder="/tmp",
+        device=torch.device("cpu"),
+        model_config=model_config,
+        parallelize_fn=parallelize,
+        loss_fn=loss_fn,
     )
     torch.manual_seed(seed)
     for part in parts:
@@ -352,10 +483,14 @@ def build_pp(model_and_spec, dims, *, schedule: str, local_batch: int, microbatc
 
         for part in parts:
             current = part.state_dict()
-            part.load_state_dict({
-                k: distribute_tensor(state[k], current[k].device_mesh, current[k].placements, src_data_rank=None)
-                if isinstance(current[k], DTensor) else state[k] for k in current
-            })
+            part.load_state_dict(
+                {
+                    k: distribute_tensor(state[k], current[k].device_mesh, current[k].placements, src_data_rank=None)
+                    if isinstance(current[k], DTensor)
+                    else state[k]
+                    for k in current
+                }
+            )
     container = opt_config.build(model_parts=parts)
     from titan_dmuon.integration.trainer import prepare_pipeline_schedule
 

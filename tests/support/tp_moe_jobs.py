@@ -11,8 +11,21 @@ from tests.support.helpers import full_parameters
 STEPS = 3
 
 
-MUON_WEIGHTS = ("wqkv.weight", "wo.weight", "wq_a.weight", "wq_b.weight", "wkv_a.weight", "wkv_b.weight",
-                "w1.weight", "w2.weight", "w3.weight", "gate.weight", "w1_EFD", "w2_EDF", "w3_EFD")
+MUON_WEIGHTS = (
+    "wqkv.weight",
+    "wo.weight",
+    "wq_a.weight",
+    "wq_b.weight",
+    "wkv_a.weight",
+    "wkv_b.weight",
+    "w1.weight",
+    "w2.weight",
+    "w3.weight",
+    "gate.weight",
+    "w1_EFD",
+    "w2_EDF",
+    "w3_EFD",
+)
 
 
 QWEN3_EXPERTS = 8
@@ -32,14 +45,16 @@ def tp_moe_model(family: str, experts: int):
     return config, spec
 
 
-def train_tp_moe(rank, world, family, experts, state, tp, ep=1, options=None, steps=STEPS, optimizer="dmuon",
-                 replicate=1):
+def train_tp_moe(
+    rank, world, family, experts, state, tp, ep=1, options=None, steps=STEPS, optimizer="dmuon", replicate=1
+):
     from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp, ep=ep, replicate=replicate)
     kwargs = {"ns_mode": "exact", **(options or {})} if optimizer == "dmuon" else {}
-    model, container = th.build(tp_moe_model(family, experts), dims, optimizer=optimizer, state=state, lr=0.02,
-                                param_dtype="float32", **kwargs)
+    model, container = th.build(
+        tp_moe_model(family, experts), dims, optimizer=optimizer, state=state, lr=0.02, param_dtype="float32", **kwargs
+    )
     data = th.batches(steps, 1, batch=8)
     norms = []
     if optimizer != "dmuon":
@@ -52,8 +67,12 @@ def train_tp_moe(rank, world, family, experts, state, tp, ep=1, options=None, st
         losses += th.train(model, container, dims, data[1:], norms=norms)
     stats = handle.pop_comm_stats()
     return {
-        "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "exact_ns": exact_ns[0],
-        "ns": container.dmuon_optimizers()[0].last_step_stats["ns_matrices"], "first_step": first_step,
+        "losses": losses,
+        "norms": norms,
+        "weights": full_parameters(model, handle),
+        "exact_ns": exact_ns[0],
+        "ns": container.dmuon_optimizers()[0].last_step_stats["ns_matrices"],
+        "first_step": first_step,
         "moved": sum(e for e, _, _ in stats.values()) / max(1, steps - 1),
         "labels": {label for label, (e, _, _) in stats.items() if e},
         "design": design_elements_per_rank(handle),

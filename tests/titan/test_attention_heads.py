@@ -48,14 +48,14 @@ def _inner_inputs(attention, x):
     """q, k, v as the attention's inner attention gets them."""
     captured = {}
     handle = attention.inner_attention.register_forward_hook(
-        lambda module, args, kwargs, out: captured.update(qkv=[a.detach().clone() for a in args[:3]]), with_kwargs=True)
+        lambda module, args, kwargs, out: captured.update(qkv=[a.detach().clone() for a in args[:3]]), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             attention(x, None)
     finally:
         handle.remove()
     return captured["qkv"]
-
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -78,8 +78,12 @@ def test_row_blocks_are_heads_in_torchtitans_forward(family):
                     weight[a:b] += torch.randn(b - a, weight.shape[1])
                 moved = _inner_inputs(attention, x)
                 weight.copy_(saved)
-            changed = [(t, h) for t in range(3) for h in range(base[t].shape[2])
-                       if not torch.equal(base[t][:, :, h], moved[t][:, :, h])]
+            changed = [
+                (t, h)
+                for t in range(3)
+                for h in range(base[t].shape[2])
+                if not torch.equal(base[t][:, :, h], moved[t][:, :, h])
+            ]
             label = f"{names[id(weight)]} rows {block}"
             assert changed and len({h for _, h in changed}) == 1, (label, changed)
             for pair in changed:

@@ -11,29 +11,47 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
-
 from torchtitan.components.optimizer import LRSchedulersContainer
 
 from tests.support.checkpoint_jobs import STEPS, train_until, training_state
 from tests.support.helpers import (
-    ADAMW, MUON, Counter, baseline, merge_rank_states, distribute, full_state, make_mesh, toy_model,
+    ADAMW,
+    MUON,
+    Counter,
+    baseline,
+    distribute,
+    full_state,
+    make_mesh,
+    merge_rank_states,
+    toy_model,
 )
 from titan_dmuon.integration.components.checkpoint import CheckpointError, DMuonCheckpointManager
 from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
 
 
-
-def _toy_job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_mode="disabled", last_model_only=False,
-         ns_method="torch"):
+def _toy_job(
+    rank,
+    world,
+    mode,
+    folder,
+    *,
+    optimizer="dmuon",
+    dims=None,
+    async_mode="disabled",
+    last_model_only=False,
+    ns_method="torch",
+):
     """A toy model made distributed as in TorchTitan, with its container, schedule and checkpointer."""
     model = toy_model(**(dims or {}))
     if optimizer == "dmuon":
         setup = distribute(model, mode, world)
     else:  # TorchTitan's own AdamW on FSDP2
         setup = baseline(model, "fsdp_adamw", world, mesh=make_mesh(mode, world))
-    kwargs = dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"], ns_method=ns_method) if (
-        optimizer == "dmuon") else dict(lr=1e-2)
+    kwargs = (
+        dict(lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"], ns_method=ns_method)
+        if (optimizer == "dmuon")
+        else dict(lr=1e-2)
+    )
     setup.opt = DMuonOptimizersContainer(DMuonOptimizersContainer.Config(name=optimizer, **kwargs), model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)
     counter = Counter()
@@ -41,14 +59,15 @@ def _toy_job(rank, world, mode, folder, *, optimizer="dmuon", dims=None, async_m
         enable=True, folder="ckpt", interval=1, async_mode=async_mode, last_save_model_only=last_model_only
     )
     manager = config.build(
-        dataloader=Counter(), model_parts=[model], optimizers=setup.opt, lr_schedulers=schedule,
-        states={"train_state": counter}, sd_adapter=None, base_folder=folder,
+        dataloader=Counter(),
+        model_parts=[model],
+        optimizers=setup.opt,
+        lr_schedulers=schedule,
+        states={"train_state": counter},
+        sd_adapter=None,
+        base_folder=folder,
     )
     return setup, schedule, counter, manager
-
-
-
-
 
 
 def _straight(rank, world, mode, folder):
@@ -173,14 +192,20 @@ def _saved_weights_are_current(rank, world, folder, model_only):
     whichever holder DCP picked as the writer."""
     setup, schedule, counter, manager = _toy_job(rank, world, "hsdp", folder, last_model_only=model_only)
     train_until(setup, schedule, counter, rank, world, 2)
-    current = {fqn: p.detach().clone() for fqn, p in zip(setup.handle.fqns, setup.handle.params) if setup.handle.runs_newton_schulz(p)}
+    current = {
+        fqn: p.detach().clone()
+        for fqn, p in zip(setup.handle.fqns, setup.handle.params)
+        if setup.handle.runs_newton_schulz(p)
+    }
     manager.save(counter.step, last_step=model_only)
     manager.close()
     dist.barrier()
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    written = _load_state_dict_from_keys(set(current), storage_reader=FileSystemReader(os.path.join(folder, "ckpt", "step-2")))
+    written = _load_state_dict_from_keys(
+        set(current), storage_reader=FileSystemReader(os.path.join(folder, "ckpt", "step-2"))
+    )
     return [fqn for fqn in current if not torch.equal(written[fqn], current[fqn])]
 
 
@@ -245,8 +270,10 @@ def _load_error(rank, world, folder, dims=None):
 
 @pytest.mark.parametrize(
     "dims, phrase",
-    [({"hidden_dim": 64}, "'layers.0.feed_forward.w1.weight' has shape (48, 32) in it but (64, 32)"),
-     ({"n_layers": 3}, "it has no 'layers.2.")],
+    [
+        ({"hidden_dim": 64}, "'layers.0.feed_forward.w1.weight' has shape (48, 32) in it but (64, 32)"),
+        ({"n_layers": 3}, "it has no 'layers.2."),
+    ],
 )
 def test_checkpoint_of_another_model(pool2, tmp_path, dims, phrase):
     pool2.run(_save_only, "z3", str(tmp_path))
@@ -280,7 +307,9 @@ def _resume_from_adamw(rank, world, folder):
     assert manager.load()
     logger.removeHandler(handler)
     loaded = full_state(setup)
-    momentum = [s["momentum_buffer"] for opt in setup.opt.optimizers for s in opt.state.values() if "momentum_buffer" in s]
+    momentum = [
+        s["momentum_buffer"] for opt in setup.opt.optimizers for s in opt.state.values() if "momentum_buffer" in s
+    ]
     losses = train_until(setup, schedule, counter, rank, world, counter.step + 1)
     return loaded, [float(m.abs().max()) for m in momentum], counter.step, losses, warnings
 

@@ -11,12 +11,11 @@ import os
 
 import pytest
 
-
-from titan_dmuon import with_dmuon
 from tests.support.titan_configs import MOE, one_line_error, parse_args, toml_file
+from titan_dmuon import with_dmuon
 from titan_dmuon.integration.config.check import check, main
-from titan_dmuon.integration.config.toml_file import load_config
 from titan_dmuon.integration.config.finalize import prepare_for_build
+from titan_dmuon.integration.config.toml_file import load_config
 from titan_dmuon.integration.config.validation.validate import validate_dmuon
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,16 +27,10 @@ FUSED_QKV_REGEX = r"\.attention\.qkv_linear\.wqkv\.weight$"
 pytestmark = pytest.mark.usefixtures("in_repo_root")  # (tests/titan/conftest.py)
 
 
-
-
-
-
 def _llama3():
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     return llama3_debugmodel()
-
-
 
 
 # ---- the restructure -----------------------------------------------------------------------------
@@ -80,9 +73,20 @@ def test_python_door_switch_to_adamw_names_the_values_and_the_fix():
     assert message.endswith("pass --optimizer.lr 0.0008"), message
     validate_dmuon(parse_args("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008"))
 
-    args = ("--optimizer.name", "Adam", "--optimizer.adamw_betas", "0.8", "0.9", "--optimizer.adamw_weight_decay", "0.0")
+    args = (
+        "--optimizer.name",
+        "Adam",
+        "--optimizer.adamw_betas",
+        "0.8",
+        "0.9",
+        "--optimizer.adamw_weight_decay",
+        "0.0",
+    )
     message = one_line_error(validate_dmuon, parse_args(*args))
-    assert "betas = (0.9, 0.95) but adamw_betas = (0.8, 0.9)" in message and "weight_decay = 0.1 but adamw_weight_decay = 0.0" in message
+    assert (
+        "betas = (0.9, 0.95) but adamw_betas = (0.8, 0.9)" in message
+        and "weight_decay = 0.1 but adamw_weight_decay = 0.0" in message
+    )
     fix = message.split(" pass ", 1)[1].split()
     assert fix == ["--optimizer.lr", "0.0008", "--optimizer.betas", "0.8", "0.9", "--optimizer.weight_decay", "0.0"]
     config = parse_args(*args, *fix)
@@ -103,21 +107,29 @@ def test_toml_door_switch_to_adamw_says_how():
     """The main job with --optimizer.name AdamW was refused for its momentum key, without saying how to
     switch; now the message names every Muon key to remove and the AdamW file to start from."""
     message = one_line_error(load_config, MAIN_JOB, ["--optimizer.name", "AdamW"], world_size=2)
-    assert message.startswith(f"{MAIN_JOB}: [optimizer] momentum applies to name = \"dmuon\"")
-    assert f"remove momentum, nesterov, ns_steps, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, reshard_after_forward from [optimizer] in {MAIN_JOB}" in message
+    assert message.startswith(f'{MAIN_JOB}: [optimizer] momentum applies to name = "dmuon"')
+    assert (
+        f"remove momentum, nesterov, ns_steps, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, reshard_after_forward from [optimizer] in {MAIN_JOB}"
+        in message
+    )
     assert "--optimizer.lr <value> --optimizer.weight_decay <value>" in message
     assert message.endswith("or start from an AdamW file such as train_configs/debug_model_adamw.toml")
 
 
-@pytest.mark.parametrize("file_name, switch_to, reads_as", [("dmuon", "AdamW", "AdamW's lr"), ("AdamW", "dmuon", "Muon's lr")])
+@pytest.mark.parametrize(
+    "file_name, switch_to, reads_as", [("dmuon", "AdamW", "AdamW's lr"), ("AdamW", "dmuon", "Muon's lr")]
+)
 def test_toml_switch_does_not_reinterpret_the_files_lr(tmp_path, file_name, switch_to, reads_as):
     """A file without Muon keys (only lr) switched on the command line silently read its lr as the
     other optimizer's: Muon's 0.02 became AdamW's, or AdamW's 1e-3 Muon's."""
     path = toml_file(tmp_path, f'[optimizer]\nname = "{file_name}"\nlr = 0.02\n')
     message = one_line_error(load_config, path, ["--optimizer.name", switch_to], world_size=2)
-    assert f"[optimizer] lr = 0.02 is written for name = \"{file_name}\"" in message and reads_as in message
+    assert f'[optimizer] lr = 0.02 is written for name = "{file_name}"' in message and reads_as in message
     assert message.endswith("--optimizer.lr <value>")
-    assert load_config(path, ["--optimizer.name", switch_to, "--optimizer.lr", "0.001"], world_size=2).optimizer.lr == 0.001
+    assert (
+        load_config(path, ["--optimizer.name", switch_to, "--optimizer.lr", "0.001"], world_size=2).optimizer.lr
+        == 0.001
+    )
 
 
 # ---- 2. the pre-launch check -------------------------------------------------------------------
@@ -126,10 +138,25 @@ def test_toml_switch_does_not_reinterpret_the_files_lr(tmp_path, file_name, swit
     [
         (["--config_file", MAIN_JOB, "--training.stepz", "3"], "command line: unknown key [training] stepz"),
         (["--config_file", MAIN_JOB, "--parallelism.data_parallel_shard_degree", "3"], "world size is 2"),
-        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--optimizer.name", "AdamW"], "pass --optimizer.lr 0.0008"),
-        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--parallelism.data_parallel_shard_degree", "3"], "world size is 2"),
-        (["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"],
-         "command line: unknown key [training] stepz (did you mean 'steps'?)"),
+        (
+            ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--optimizer.name", "AdamW"],
+            "pass --optimizer.lr 0.0008",
+        ),
+        (
+            [
+                "--module",
+                "titan_dmuon",
+                "--config",
+                "llama3_debugmodel_dmuon",
+                "--parallelism.data_parallel_shard_degree",
+                "3",
+            ],
+            "world size is 2",
+        ),
+        (
+            ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon", "--training.stepz", "3"],
+            "command line: unknown key [training] stepz (did you mean 'steps'?)",
+        ),
         (["--module", "titan_dmuon", "--config", "nope"], "Config function 'nope' not found"),
         (["--training.steps", "3"], "expected --config_file FILE.toml or --module M --config F"),
     ],
@@ -161,8 +188,10 @@ def test_prelaunch_check_prints_one_line_last_and_exits_2(capsys, monkeypatch):
     assert err.rsplit("\n", 1)[1].startswith("config error: command line: Unrecognized options: --stepz, 3")
     from titan_dmuon.integration.config.check import _summary_of_box
 
-    box = ("╭─ Invalid choice ────────╮\n│ invalid choice 'x' for argument '--a.b'. Expected  │\n│ one of ('p', 'q'). │\n"
-           "│ ────────────────── │\n│ For full helptext, run check.py --help │\n╰────────────────╯\n")
+    box = (
+        "╭─ Invalid choice ────────╮\n│ invalid choice 'x' for argument '--a.b'. Expected  │\n│ one of ('p', 'q'). │\n"
+        "│ ────────────────── │\n│ For full helptext, run check.py --help │\n╰────────────────╯\n"
+    )
     assert _summary_of_box(box) == "invalid choice 'x' for argument '--a.b'. Expected one of ('p', 'q')."
 
 
@@ -171,15 +200,33 @@ TOML_DOOR = ["--config_file", MAIN_JOB]
 PYTHON_DOOR = ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon"]
 
 
-@pytest.mark.parametrize("args, world, line", [
-    (["--optimizer.ns_mode", "exakt"], 2, "command line: [optimizer] ns_mode = 'exakt': expected one of 'batched', 'exact'"),
-    (["--optimizer.qk_clip_threshold", "abc"], 2, "command line: [optimizer] qk_clip_threshold = 'abc': expected a number or unset"),
-    (["--checkpoint.last_save_in_hf"], 2,
-     "command line: [checkpoint] last_save_in_hf = true needs last_save_model_only = true (TorchTitan saves only the model "
-     "weights in HF format); add [checkpoint] last_save_model_only = true (--checkpoint.last_save_model_only)"),
-    (["--checkpoint.keep_latest_k", "1"], 2,
-     "command line: TorchTitan rejects the checkpoint settings: We need to maintain at least 2 checkpoint replicas"),
-], ids=["ns_mode", "qk_clip_threshold", "last_save_in_hf", "keep_latest_k"])
+@pytest.mark.parametrize(
+    "args, world, line",
+    [
+        (
+            ["--optimizer.ns_mode", "exakt"],
+            2,
+            "command line: [optimizer] ns_mode = 'exakt': expected one of 'batched', 'exact'",
+        ),
+        (
+            ["--optimizer.qk_clip_threshold", "abc"],
+            2,
+            "command line: [optimizer] qk_clip_threshold = 'abc': expected a number or unset",
+        ),
+        (
+            ["--checkpoint.last_save_in_hf"],
+            2,
+            "command line: [checkpoint] last_save_in_hf = true needs last_save_model_only = true (TorchTitan saves only the model "
+            "weights in HF format); add [checkpoint] last_save_model_only = true (--checkpoint.last_save_model_only)",
+        ),
+        (
+            ["--checkpoint.keep_latest_k", "1"],
+            2,
+            "command line: TorchTitan rejects the checkpoint settings: We need to maintain at least 2 checkpoint replicas",
+        ),
+    ],
+    ids=["ns_mode", "qk_clip_threshold", "last_save_in_hf", "keep_latest_k"],
+)
 def test_bad_values_are_the_same_line_in_both_doors(capsys, monkeypatch, args, world, line):
     """The Python door printed tyro's framed message (7 to 18 lines) and a cut summary
     ("... Expected one of"), or passed the check and died after launch (last_save_in_hf without
@@ -199,8 +246,10 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
     """ns_mode "exact" is torch.optim.Muon's own update: any other ns_method is one line naming both keys,
     before launch, the same line whichever door (both name where the value came from: the command line)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    line = ("ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
-            "or ns_mode 'batched'")
+    line = (
+        "ns_method = 'gram': expected 'torch' with ns_mode 'exact' (torch.optim.Muon's own update), "
+        "or ns_mode 'batched'"
+    )
     args = ["--optimizer.ns_method", "gram", "--optimizer.ns_mode", "exact"]
     for door in (TOML_DOOR, PYTHON_DOOR):
         assert main([*door, *args]) == 2
@@ -209,26 +258,58 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
         assert main([*door, "--optimizer.ns_method", "gram"]) == 0
 
 
-@pytest.mark.parametrize("args, world, line", [
-    (["--parallelism.pipeline_parallel_degree", "8"], 8,
-     "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' (2 stages per pipeline "
-     "rank) splits the llama3 debugmodel model into 16 stages, and TorchTitan needs at least one of its 8 layers per "
-     "stage (6 layers, the embedding counted as 1, the head as 1); use pipeline_parallel_degree <= 4 or a single-stage "
-     "schedule (1F1B, GPipe)"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1FB1"], 2,
-     "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining (did you mean "
-     "'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"),
-    (["--parallelism.pipeline_parallel_degree", "2",
-      "--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"], 2,
-     "pipeline_parallel_schedule = 'PipelineScheduleMulti' is an abstract base class: use a schedule such as 1F1B or "
-     "Interleaved1F1B"),
-    (["--parallelism.pipeline_parallel_degree", "2",
-      "--parallelism.pipeline_parallel_schedule", "PipelineScheduleSingle"], 2,
-     "pipeline_parallel_schedule = 'PipelineScheduleSingle' is an abstract base class: use a schedule such as 1F1B or "
-     "Interleaved1F1B"),
-    (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"], 6,
-     "TorchTitan cannot build the llama3 debugmodel model for this job: tensor_parallel_degree (3) must divide n_heads (16)."),
-], ids=["pp_stages_over_layers", "pp_schedule_name", "pp_schedule_multi_base", "pp_schedule_single_base", "tp_heads"])
+@pytest.mark.parametrize(
+    "args, world, line",
+    [
+        (
+            ["--parallelism.pipeline_parallel_degree", "8"],
+            8,
+            "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' (2 stages per pipeline "
+            "rank) splits the llama3 debugmodel model into 16 stages, and TorchTitan needs at least one of its 8 layers per "
+            "stage (6 layers, the embedding counted as 1, the head as 1); use pipeline_parallel_degree <= 4 or a single-stage "
+            "schedule (1F1B, GPipe)",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1FB1",
+            ],
+            2,
+            "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining (did you mean "
+            "'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "PipelineScheduleMulti",
+            ],
+            2,
+            "pipeline_parallel_schedule = 'PipelineScheduleMulti' is an abstract base class: use a schedule such as 1F1B or "
+            "Interleaved1F1B",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "PipelineScheduleSingle",
+            ],
+            2,
+            "pipeline_parallel_schedule = 'PipelineScheduleSingle' is an abstract base class: use a schedule such as 1F1B or "
+            "Interleaved1F1B",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
+            6,
+            "TorchTitan cannot build the llama3 debugmodel model for this job: tensor_parallel_degree (3) must divide n_heads (16).",
+        ),
+    ],
+    ids=["pp_stages_over_layers", "pp_schedule_name", "pp_schedule_multi_base", "pp_schedule_single_base", "tp_heads"],
+)
 def test_parallelism_errors_before_launch_name_the_command_line(args, world, line):
     """PP degree 8 on 8 ranks and a misspelt schedule passed the check and failed after launch in
     TorchTitan's pipeline_llm (231 / 166 lines); torch.distributed.pipelining's abstract bases
@@ -245,14 +326,14 @@ def test_parallelism_errors_before_launch_name_the_command_line(args, world, lin
     check([*TOML_DOOR, *fixed], world_size=8)  # the advice works (4 x 2 stages of the 8 layers)
 
 
-
-
 # ---- 3. checks against the model (meta device) ----------------------------------------------
 def test_muon_params_entry_matching_nothing_is_named_with_close_names():
     """``^output\\.weight$`` (the head is lm_head.weight) failed after the process groups started,
     inside DMuon's dedication, as a 130-150 line traceback."""
     message = one_line_error(with_dmuon, _llama3(), muon_params=[r"\.feed_forward\.w1\.weight$", r"^output\.weight$"])
-    assert message.startswith(r"optimizer.muon_params entry '^output\.weight$' matches no parameter of the llama3 debugmodel model")
+    assert message.startswith(
+        r"optimizer.muon_params entry '^output\.weight$' matches no parameter of the llama3 debugmodel model"
+    )
     assert "lm_head.weight" in message.split("; its parameters")[0] and "layers.*.attention.wo.weight" in message
     with_dmuon(_llama3())  # DMuon's default list has entries for other families: not an error
 
@@ -296,8 +377,9 @@ def test_impossible_expert_parallel_degree_is_a_config_error(tmp_path, monkeypat
     assert message.endswith("one of 1, 2")
     # which divides which: 4 on 2 ranks is refused, 2 on 4 ranks is a valid layout (with the operands
     # swapped, 3 on 2 ranks was still refused and only the end-to-end EP runs failed)
-    message = one_line_error(load_config, toml_file(tmp_path, MOE + "expert_parallel_degree = 4\n", "four.toml"),
-                             world_size=2)
+    message = one_line_error(
+        load_config, toml_file(tmp_path, MOE + "expert_parallel_degree = 4\n", "four.toml"), world_size=2
+    )
     assert "[parallelism] expert_parallel_degree = 4: expected a divisor of" in message
     load_config(toml_file(tmp_path, MOE + "expert_parallel_degree = 2\n", "two.toml"), world_size=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -332,9 +414,13 @@ def test_torchtitans_own_checks_are_one_line_config_errors(tmp_path):
     path = toml_file(tmp_path, DMUON + "[debug]\nbatch_invariant = true\n")
     message = one_line_error(load_config, path, world_size=2)
     assert message == f"{path}: TorchTitan rejects this config: Batch-invariant mode is not supported in pre-training."
-    message = one_line_error(load_config, toml_file(tmp_path, DMUON + "[training]\nseq_len = 200000\n", "b.toml"),
-                             world_size=2)
-    assert "TorchTitan cannot build the llama3 debugmodel model for this job: Training sequence length 200000 exceeds" in message
+    message = one_line_error(
+        load_config, toml_file(tmp_path, DMUON + "[training]\nseq_len = 200000\n", "b.toml"), world_size=2
+    )
+    assert (
+        "TorchTitan cannot build the llama3 debugmodel model for this job: Training sequence length 200000 exceeds"
+        in message
+    )
 
 
 # ---- 5. command-line booleans and the CUDA-graph warning -------------------------------------------------
@@ -342,7 +428,12 @@ def test_toml_command_line_takes_torchtitans_flags():
     """The TOML door took only ``--section.key true|false``; TorchTitan's flags (the spelling DMuon's
     messages use, and the Python door's) were errors, and ``--training.steps --optimizer.lr 1``
     took "--optimizer.lr" as the number of steps."""
-    flags = ["--optimizer.no-nesterov", "--metrics.count_all_comm", "--training.disable-cuda-graphs", "--checkpoint.no_enable"]
+    flags = [
+        "--optimizer.no-nesterov",
+        "--metrics.count_all_comm",
+        "--training.disable-cuda-graphs",
+        "--checkpoint.no_enable",
+    ]
     for config in (load_config(MAIN_JOB, flags, world_size=2), parse_args(*flags)):
         assert config.optimizer.nesterov is False and config.metrics.count_all_comm is True
         assert config.training.disable_cuda_graphs is True and config.checkpoint.enable is False
@@ -372,7 +463,10 @@ def test_cuda_graph_warning_only_after_overrides_and_where_capture_could_happen(
         assert not [r for r in caplog.records if "cuda_graphs" in r.getMessage()]
         prepare_for_build(parse_args("--training.no-disable_cuda_graphs"))
     (warning,) = [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()]
-    assert warning.startswith("training.disable_cuda_graphs = false: DMuon's hooks") and "Pass --training.disable_cuda_graphs" in warning
+    assert (
+        warning.startswith("training.disable_cuda_graphs = false: DMuon's hooks")
+        and "Pass --training.disable_cuda_graphs" in warning
+    )
 
 
 def test_no_two_modules_of_the_package_share_a_base_name():
@@ -409,8 +503,19 @@ def test_the_product_never_imports_the_testing_package():
     assert scanned > 30 and importers == []
 
 
-_MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "discard",
-             "remove"}
+_MUTATORS = {
+    "append",
+    "extend",
+    "insert",
+    "update",
+    "setdefault",
+    "pop",
+    "popitem",
+    "clear",
+    "add",
+    "discard",
+    "remove",
+}
 # FSDP2's own memo of generated classes (torch's _fully_shard.py: cls_to_fsdp_cls): one class per module class,
 # so that compiled code does not see a new type per module; it caches a pure function, it owns no job's state
 _MEMOS = {"titan_dmuon/runtime/handle.py": {"_ROOT_CLASSES"}}
@@ -428,8 +533,11 @@ def test_no_module_level_state_in_the_package():
             with open(path) as f:
                 tree = ast.parse(f.read())
             module_names = {
-                t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)
+                t.id
+                for node in tree.body
+                if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Name)
             } - _MEMOS.get(os.path.relpath(path, ROOT).replace(os.sep, "/"), set())
             for node in ast.walk(tree):
                 mutated = None
@@ -456,8 +564,8 @@ def test_naive_muon_is_one_line_before_launch_outside_its_config_module(tmp_path
 
     import torch
 
-    from titan_dmuon.integration.names import NAIVE_MUON
     from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
+    from titan_dmuon.integration.names import NAIVE_MUON
 
     job = importlib.import_module("benchmarks.naive_muon_job")  # (imported first: it must not change the product)
     monkeypatch.setenv("WORLD_SIZE", "2")

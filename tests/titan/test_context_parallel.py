@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from tests.support.helpers import TOLERANCE, full_parameters, merge_rank_states
 from titan_dmuon.integration.distributed import context_parallel
 
@@ -30,12 +29,6 @@ MUON_TOLERANCE = 2e-3
 
 
 # ---- the pieces, in one process ---------------------------------------------------------------------
-
-
-
-
-
-
 
 
 def _model():
@@ -52,18 +45,20 @@ def _llama3_job(rank, world, state, settings: dict):
     losses, gradient norms, the full weights; with DMuon its traffic per step after the first, by its
     own counts and by the CommLedger, the design's figure, the shard group, QK-clip's maxima."""
     from titan_dmuon.plan.cost_model import design_elements_per_rank
-    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel
+    from titan_dmuon.tools.ledger import CommLedger
 
     settings = dict(settings)
     cp, replicate, tp = (settings.pop(k, 1) for k in ("cp", "replicate", "tp"))
-    optimizer, global_batch, steps = (settings.pop(k, d) for k, d in (("optimizer", "dmuon"), ("global_batch", 4),
-                                                                        ("steps", STEPS)))
+    optimizer, global_batch, steps = (
+        settings.pop(k, d) for k, d in (("optimizer", "dmuon"), ("global_batch", 4), ("steps", STEPS))
+    )
     if optimizer == "dmuon":
         settings.setdefault("ns_mode", "exact")  # (torch.optim.Muon's own Newton-Schulz, matrix by matrix)
     dims = th.parallel_dims(world, replicate=replicate, tp=tp, cp=cp)
-    model, container = th.build(_model(), dims, optimizer=optimizer, state=state, lr=0.02, param_dtype="float32",
-                                **settings)
+    model, container = th.build(
+        _model(), dims, optimizer=optimizer, state=state, lr=0.02, param_dtype="float32", **settings
+    )
     data, norms = _data(global_batch)[:steps], []
     losses = th.train(model, container, dims, data[:1], norms=norms)
     out = {"losses": losses, "norms": norms}
@@ -81,11 +76,17 @@ def _llama3_job(rank, world, state, settings: dict):
         stats = handle.pop_comm_stats()
         opt = container.dmuon_optimizers()[0]
         dmuon = counted.select(source=CommLabel.DMUON)
-        out.update(moved=sum(e for e, _, _ in stats.values()) / (steps - 1), design=design_elements_per_rank(handle),
-                   counted=counted.elements(source=CommLabel.DMUON) / (steps - 1),
-                   groups={r.group_size for r in dmuon}, shard_size=handle.mode.mesh.shard_size,
-                   momentum=_momentum(opt, handle), ns=opt.last_step_stats["ns_matrices"],
-                   first_logits=first_logits, last_logits=_max_logits(container))
+        out.update(
+            moved=sum(e for e, _, _ in stats.values()) / (steps - 1),
+            design=design_elements_per_rank(handle),
+            counted=counted.elements(source=CommLabel.DMUON) / (steps - 1),
+            groups={r.group_size for r in dmuon},
+            shard_size=handle.mode.mesh.shard_size,
+            momentum=_momentum(opt, handle),
+            ns=opt.last_step_stats["ns_matrices"],
+            first_logits=first_logits,
+            last_logits=_max_logits(container),
+        )
     return out
 
 
@@ -99,8 +100,11 @@ def _max_logits(container) -> dict | None:
 def _momentum(opt, handle) -> dict:
     """The owners' momentum buffers by weight name (this rank's)."""
     names = {id(m.param): m.fqn for m in handle.members}
-    return {names[id(p)]: s["momentum_buffer"].clone() for p, s in opt.state.items()
-            if id(p) in names and "momentum_buffer" in s}
+    return {
+        names[id(p)]: s["momentum_buffer"].clone()
+        for p, s in opt.state.items()
+        if id(p) in names and "momentum_buffer" in s
+    }
 
 
 def _assert_same_training(a: list, b: list, *, weights=MUON_TOLERANCE):
@@ -195,11 +199,23 @@ def _dedication_groups(_rank, _world, replicate, shard, cp, tp):
         for rank in range(world):
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
             try:
-                dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, pp=1, ep=1, world_size=world,
-                                    spmd_backend=backend)
+                dims = ParallelDims(
+                    dp_replicate=replicate,
+                    dp_shard=shard,
+                    cp=cp,
+                    tp=tp,
+                    pp=1,
+                    ep=1,
+                    world_size=world,
+                    spmd_backend=backend,
+                )
                 info = MeshInfo.from_mesh(dedication_mesh(dims, ParallelDegrees.of(dims), backend != "partial_dtensor"))
-                groups.append((tuple(dist.get_process_group_ranks(info.shard_group)),
-                               tuple(dist.get_process_group_ranks(info.replicate_group)) if info.hsdp else None))
+                groups.append(
+                    (
+                        tuple(dist.get_process_group_ranks(info.shard_group)),
+                        tuple(dist.get_process_group_ranks(info.replicate_group)) if info.hsdp else None,
+                    )
+                )
             finally:
                 dist.destroy_process_group()
         out[backend] = groups
@@ -265,8 +281,9 @@ def test_cp_x_tp_trains_as_tp_without_cp_and_starts_where_adamw_starts(pool4, st
     tp = pool4.run(_llama3_job, state, {"tp": 2})
     _assert_same_training(cp, tp)
     assert sum(r["ns"] for r in cp) == 7 * LAYERS
-    dmuon, adamw = (pool4.run(_llama3_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1})
-                    for opt in ("dmuon", "AdamW"))
+    dmuon, adamw = (
+        pool4.run(_llama3_job, None, {"cp": 2, "tp": 2, "optimizer": opt, "steps": 1}) for opt in ("dmuon", "AdamW")
+    )
     assert dmuon[0]["losses"][0] == pytest.approx(adamw[0]["losses"][0], rel=1e-6)
     assert dmuon[0]["norms"][0] == pytest.approx(adamw[0]["norms"][0], rel=1e-5)
 
@@ -275,13 +292,22 @@ def _pipelined(rank, world, state, cp):
     """Pipeline 2 x (CP 2 or FSDP 2), 1F1B, 2 micro-batches per step from a global batch of 4: losses (on
     the last stage's ranks), norms, the stages' weights, DMuon's traffic (ledger) and design, NS matrices."""
     from titan_dmuon.plan.cost_model import design_elements_per_rank
-    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel, DedicatedParams
+    from titan_dmuon.tools.ledger import CommLedger
 
     dims = th.pp_dims(world, cp=cp)
     local_batch = 4 // dims.dp_shard
-    built = th.build_pp(_model(), dims, schedule="1F1B", local_batch=local_batch, microbatch=local_batch // 2,
-                        state=state, lr=0.02, param_dtype="float32", ns_mode="exact")
+    built = th.build_pp(
+        _model(),
+        dims,
+        schedule="1F1B",
+        local_batch=local_batch,
+        microbatch=local_batch // 2,
+        state=state,
+        lr=0.02,
+        param_dtype="float32",
+        ns_mode="exact",
+    )
     parts, container = built[1], built[4]
     handles = [h for part in parts for h in DedicatedParams.of(part)]
     norms = []
@@ -291,10 +317,14 @@ def _pipelined(rank, world, state, cp):
     weights = {}
     for part in parts:
         weights.update(full_parameters(part, DedicatedParams.of(part)[0] if DedicatedParams.of(part) else None))
-    return {"losses": losses, "norms": norms, "weights": weights,
-            "ns": sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers()),
-            "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1),
-            "design": sum(design_elements_per_rank(h, deferred=True) for h in handles)}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "ns": sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers()),
+        "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1),
+        "design": sum(design_elements_per_rank(h, deferred=True) for h in handles),
+    }
 
 
 def test_cp_x_pp_trains_as_pp_without_cp(pool4, state):
@@ -322,8 +352,8 @@ def _moe_job(rank, world, state, cp):
     top-k choice between nearly equal scores may otherwise flip with the summation order), expert
     parallelism 2 over (CP 2 x FSDP 2) or FSDP 4: losses, norms, weights, DMuon's traffic and design."""
     from titan_dmuon.plan.cost_model import design_elements_per_rank
-    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime import CommLabel
+    from titan_dmuon.tools.ledger import CommLedger
 
     config, spec = th.tiny_qwen3_moe(experts=8)
     for layer in config.layers:
@@ -336,9 +366,15 @@ def _moe_job(rank, world, state, cp):
     losses = th.train(model, container, dims, _data(4)[:1], norms=norms)
     with CommLedger() as ledger:
         losses += th.train(model, container, dims, _data(4)[1:], norms=norms)
-    return {"losses": losses, "norms": norms, "weights": full_parameters(model, handle), "local": len(handle.local_experts),
-            "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1), "design": design_elements_per_rank(handle),
-            "ns": container.dmuon_optimizers()[0].last_step_stats["ns_matrices"]}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": full_parameters(model, handle),
+        "local": len(handle.local_experts),
+        "counted": ledger.elements(source=CommLabel.DMUON) / (STEPS - 1),
+        "design": design_elements_per_rank(handle),
+        "ns": container.dmuon_optimizers()[0].last_step_stats["ns_matrices"],
+    }
 
 
 def test_cp_x_moe_with_expert_parallelism_trains_as_without_cp(pool4):
@@ -380,11 +416,18 @@ def _checkpointed(rank, world, folder, state, cp, steps, hf):
     schedule = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=container, training_steps=steps)
     counter, managers = Counter(), {}
     for kind in ("dcp", "hf") if hf else ("dcp",):
-        manager = DMuonCheckpointManager.Config(enable=True, folder=kind, interval=steps, last_save_model_only=kind == "hf",
-                                                last_save_in_hf=kind == "hf")
-        managers[kind] = manager.build(dataloader=Counter(), model_parts=[model], optimizers=container,
-                                       lr_schedulers=schedule, states={"train_state": counter},
-                                       sd_adapter=spec.state_dict_adapter(config, None), base_folder=folder)
+        manager = DMuonCheckpointManager.Config(
+            enable=True, folder=kind, interval=steps, last_save_model_only=kind == "hf", last_save_in_hf=kind == "hf"
+        )
+        managers[kind] = manager.build(
+            dataloader=Counter(),
+            model_parts=[model],
+            optimizers=container,
+            lr_schedulers=schedule,
+            states={"train_state": counter},
+            sd_adapter=spec.state_dict_adapter(config, None),
+            base_folder=folder,
+        )
     if state is None:
         assert managers["dcp"].load(step=2)
     else:
@@ -402,7 +445,9 @@ def _checkpointed(rank, world, folder, state, cp, steps, hf):
             for p in group["params"]:
                 value = opt.state.get(p, {}).get("momentum_buffer")
                 if value is not None:
-                    momentum[names[id(p)]] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+                    momentum[names[id(p)]] = (
+                        (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+                    )
     expected_hf = th.hf_export_expected(weights, [model], spec.state_dict_adapter(config, None)) if hf else None
     return weights, momentum, expected_hf
 
@@ -445,22 +490,29 @@ def test_nothing_of_the_cpu_accommodation_runs_with_an_accelerator(monkeypatch):
 
     monkeypatch.setattr(th.cpu, "accelerator_present", lambda: True)
     config = llama3_debugmodel_dmuon()
-    config.parallelism = dataclasses.replace(config.parallelism, context_parallel_degree=2, spmd_backend="partial_dtensor")
+    config.parallelism = dataclasses.replace(
+        config.parallelism, context_parallel_degree=2, spmd_backend="partial_dtensor"
+    )
     config.model_spec = dataclasses.replace(config.model_spec, model=th.tiny_llama3()[0])
     finalize._finalize_model_spec(config)
-    assert all(isinstance(layer.attention.inner_attention, FlexAttention.Config) for layer in config.model_spec.model.layers)
+    assert all(
+        isinstance(layer.attention.inner_attention, FlexAttention.Config) for layer in config.model_spec.model.layers
+    )
     validate_context_parallel(config, PYTHON_NAMES, this_machine=True)  # (no CPU refusal)
     calls = []
     monkeypatch.setattr(context_parallel, "bind_context_parallel_attention", lambda *a: calls.append("bind"))
     monkeypatch.setattr(th.cpu, "force_sum_reductions", lambda *a: calls.append("sum"))
-    parallelize.parallelize_without_dmuon(torch.nn.Linear(1, 1), base_fn=lambda m, **_: m, parallel_dims=None,
-                                          parallelism=config.parallelism)
+    parallelize.parallelize_without_dmuon(
+        torch.nn.Linear(1, 1), base_fn=lambda m, **_: m, parallel_dims=None, parallelism=config.parallelism
+    )
     assert calls == []
     monkeypatch.setattr(th.cpu, "accelerator_present", lambda: False)  # (and without one, they do)
-    with pytest.raises(ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"):
+    with pytest.raises(
+        ConfigError, match="spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2"
+    ):
         validate_context_parallel(config, PYTHON_NAMES, this_machine=True)
     finalize._finalize_model_spec(config)
-    assert all(isinstance(layer.attention.inner_attention, context_parallel.ContextParallelCausalAttention.Config)
-               for layer in config.model_spec.model.layers)
-
-
+    assert all(
+        isinstance(layer.attention.inner_attention, context_parallel.ContextParallelCausalAttention.Config)
+        for layer in config.model_spec.model.layers
+    )

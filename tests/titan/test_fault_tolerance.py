@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from titan_dmuon.integration.config.validation.fault_tolerance_section import torchft_missing
 from tests.support.helpers import (
     TOLERANCE,
     batches,
@@ -30,12 +29,16 @@ from tests.support.helpers import (
     toy_model,
     train,
 )
+from titan_dmuon.integration.config.validation.fault_tolerance_section import torchft_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 GROUPS = 2
-needs_torchft = pytest.mark.skipif(torchft_missing(), reason="torchft is not installed (pip install -e '.[ft]'; the "
-                                   "test extra has it): configs that enable fault tolerance are refused without it")
+needs_torchft = pytest.mark.skipif(
+    torchft_missing(),
+    reason="torchft is not installed (pip install -e '.[ft]'; the "
+    "test extra has it): configs that enable fault tolerance are refused without it",
+)
 
 
 def _two_groups_of_two(rank, world, max_norm):
@@ -222,8 +225,13 @@ def _local_tensors(model, container):
         return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
     weights = {n: local(p) for n, p in model.named_parameters()}
-    state = {(id(p), k): local(v) for o in container.optimizers for p, s in o.state.items() for k, v in s.items()
-             if torch.is_tensor(v)}
+    state = {
+        (id(p), k): local(v)
+        for o in container.optimizers
+        for p, s in o.state.items()
+        for k, v in s.items()
+        if torch.is_tensor(v)
+    }
     return weights, state
 
 
@@ -236,7 +244,10 @@ def _commit_and_served_state(rank, world):
     manager = _Manager()
     container = _ft_container(model, manager)
     owned = [m for h in dmuon_handles(container) for m in h.members if m.runs_ns]
-    out = {"momentum_at_construction": bool(owned) and all("momentum_buffer" in container.dmuon_optimizers()[0].state[m.param] for m in owned)}
+    out = {
+        "momentum_at_construction": bool(owned)
+        and all("momentum_buffer" in container.dmuon_optimizers()[0].state[m.param] for m in owned)
+    }
     container.init_cache_state_dict()  # (TorchFT's checkpoint manager does this once)
     served = container.state_dict()
     data = th.batches(2, world)
@@ -245,14 +256,20 @@ def _commit_and_served_state(rank, world):
     th.train(model, container, dims, data[:1])
     after_discarded = _local_tensors(model, container)
     out["discarded_changes_nothing"] = all(
-        torch.equal(before[i][k], after_discarded[i][k]) for i in (0, 1) for k in before[i])
+        torch.equal(before[i][k], after_discarded[i][k]) for i in (0, 1) for k in before[i]
+    )
     manager.commit = True
     th.train(model, container, dims, data[1:])
     after = _local_tensors(model, container)
     out["committed_changes"] = any(not torch.equal(before[0][k], after[0][k]) for k in before[0])
     out["quorums"] = manager.quorums  # (one per zero_grad: each step's, after its optimizer step)
-    live = {(id(p), k): v for o in container.optimizers for p, s in o.state.items() for k, v in s.items()
-            if torch.is_tensor(v)}
+    live = {
+        (id(p), k): v
+        for o in container.optimizers
+        for p, s in o.state.items()
+        for k, v in s.items()
+        if torch.is_tensor(v)
+    }
     served_tensors = [v for v in served.values() if torch.is_tensor(v)]
     out["served_is_live"] = all(any(t is v for v in live.values()) for t in served_tensors)  # updated in place
     for o in container.optimizers:
@@ -354,6 +371,7 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     file all become DMuon's fault-tolerant trainer config, setting for setting the same job;
     --fault_tolerance.* on the command line applies (TorchTitan's keys)."""
     monkeypatch.chdir(ROOT)
+    from tests.support.titan_configs import comparable
     from titan_dmuon import with_dmuon
     from titan_dmuon.config_registry import llama3_debugmodel_dmuon_ft
     from titan_dmuon.integration.config.toml_file import load_config
@@ -363,7 +381,6 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
         DMuonFTOptimizersContainer,
         DMuonTorchFTManager,
     )
-    from tests.support.titan_configs import comparable
 
     config = with_dmuon(_ft_job())
     assert isinstance(config, DMuonFaultTolerantTrainer.Config)
@@ -373,26 +390,47 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     python = llama3_debugmodel_dmuon_ft()
     toml = load_config("train_configs/debug_model_ft.toml", world_size=2)
     assert type(python) is type(toml) and comparable(python) == comparable(toml)
-    cli = load_config("train_configs/debug_model_ft.toml", ["--fault_tolerance.replica_id", "1",
-                                                            "--fault_tolerance.semi_sync_method", "diloco"])
+    cli = load_config(
+        "train_configs/debug_model_ft.toml",
+        ["--fault_tolerance.replica_id", "1", "--fault_tolerance.semi_sync_method", "diloco"],
+    )
     assert (cli.fault_tolerance.replica_id, cli.fault_tolerance.semi_sync_method) == (1, "diloco")
     plain = load_config("train_configs/debug_model.toml", world_size=2)  # (no [fault_tolerance]: DMuon's own trainer)
     assert type(plain).__qualname__ == "DMuonTrainer.Config" and not hasattr(plain, "fault_tolerance")
 
 
 @needs_torchft
-@pytest.mark.parametrize("change, expected", [
-    (dict(parallelism={"data_parallel_replicate_degree": 2}),
-     "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner"),
-    (dict(parallelism={"pipeline_parallel_degree": 2}), "pipeline_parallel_degree = 2 with fault_tolerance.enable = true"),
-    (dict(parallelism={"context_parallel_degree": 2}), "context_parallel_degree = 2 with fault_tolerance.enable = true"),
-    (dict(checkpoint={"enable": False}), "checkpoint.enable = false: TorchFT's state transfer"),
-    (dict(fault_tolerance={"semi_sync_method": "streaming"}), "semi_sync_method = 'streaming': expected unset"),
-    (dict(fault_tolerance={"replica_id": 2}), "replica_id = 2: expected this group's index, 0 to group_size - 1 = 1"),
-    (dict(fault_tolerance={"semi_sync_method": "diloco", "sync_steps": 3, "num_fragments": 2}),
-     "sync_steps = 3 with num_fragments = 2"),
-    (dict(optimizer={"qk_clip_threshold": 100.0}), "QK-clip's per-head max logit would cover one group's batch only"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            dict(parallelism={"data_parallel_replicate_degree": 2}),
+            "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner",
+        ),
+        (
+            dict(parallelism={"pipeline_parallel_degree": 2}),
+            "pipeline_parallel_degree = 2 with fault_tolerance.enable = true",
+        ),
+        (
+            dict(parallelism={"context_parallel_degree": 2}),
+            "context_parallel_degree = 2 with fault_tolerance.enable = true",
+        ),
+        (dict(checkpoint={"enable": False}), "checkpoint.enable = false: TorchFT's state transfer"),
+        (dict(fault_tolerance={"semi_sync_method": "streaming"}), "semi_sync_method = 'streaming': expected unset"),
+        (
+            dict(fault_tolerance={"replica_id": 2}),
+            "replica_id = 2: expected this group's index, 0 to group_size - 1 = 1",
+        ),
+        (
+            dict(fault_tolerance={"semi_sync_method": "diloco", "sync_steps": 3, "num_fragments": 2}),
+            "sync_steps = 3 with num_fragments = 2",
+        ),
+        (
+            dict(optimizer={"qk_clip_threshold": 100.0}),
+            "QK-clip's per-head max logit would cover one group's batch only",
+        ),
+    ],
+)
 def test_what_cannot_run_under_torchft_is_refused_by_name(change, expected):
     from titan_dmuon import with_dmuon
 
@@ -429,7 +467,10 @@ def test_the_lighthouse_is_checked_before_the_job(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
     monkeypatch.setenv("TORCHFT_CONNECT_TIMEOUT_SEC", "0.5")
     message = _problem(validate_dmuon, config, this_machine=True)
-    assert message.startswith(f"no TorchFT lighthouse answers at http://localhost:{port}") and "torchft_lighthouse" in message
+    assert (
+        message.startswith(f"no TorchFT lighthouse answers at http://localhost:{port}")
+        and "torchft_lighthouse" in message
+    )
     validate_dmuon(config)  # (a config may be checked anywhere: the lighthouse only where the job runs)
 
 

@@ -14,11 +14,9 @@ import json
 
 import pytest
 import torch
-
-from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from torchtitan.components.optimizer import LRSchedulersContainer
 
+from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 from tests.support.helpers import Counter
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 
@@ -36,11 +34,17 @@ def _train_and_save(rank, world, folder, family):
     counter = Counter()
     managers = {}
     for kind in ("dcp", "hf"):
-        manager = DMuonCheckpointManager.Config(enable=True, folder=kind, interval=STEP, last_save_model_only=kind == "hf",
-                                                last_save_in_hf=kind == "hf")
+        manager = DMuonCheckpointManager.Config(
+            enable=True, folder=kind, interval=STEP, last_save_model_only=kind == "hf", last_save_in_hf=kind == "hf"
+        )
         managers[kind] = manager.build(
-            dataloader=Counter(), model_parts=[model], optimizers=container, lr_schedulers=schedule,
-            states={"train_state": counter}, sd_adapter=spec.state_dict_adapter(config, None), base_folder=folder,
+            dataloader=Counter(),
+            model_parts=[model],
+            optimizers=container,
+            lr_schedulers=schedule,
+            states={"train_state": counter},
+            sd_adapter=spec.state_dict_adapter(config, None),
+            base_folder=folder,
         )
     th.train(model, container, dims, th.batches(STEP, world))
     counter.step = STEP
@@ -110,14 +114,25 @@ def test_config_follows_the_model_arguments():
     llama = hf_config(llama_config, bos_token_id=1, eos_token_id=2)
     # the norm's eps (a wrong one shows in the logits by only 2e-5 against the 1e-5 bound above)
     assert llama["rms_norm_eps"] == llama_config.norm.eps
-    assert (llama["hidden_size"], llama["intermediate_size"], llama["num_attention_heads"], llama["num_key_value_heads"],
-            llama["head_dim"], llama["num_hidden_layers"]) == (96, 192, 4, 2, 24, 2)
+    assert (
+        llama["hidden_size"],
+        llama["intermediate_size"],
+        llama["num_attention_heads"],
+        llama["num_key_value_heads"],
+        llama["head_dim"],
+        llama["num_hidden_layers"],
+    ) == (96, 192, 4, 2, 24, 2)
     assert llama["rope_scaling"]["rope_type"] == "llama3" and llama["rope_theta"] == 500000
     assert (llama["bos_token_id"], llama["eos_token_id"], llama["tie_word_embeddings"]) == (1, 2, False)
     qwen3 = hf_config(th.tiny_qwen3()[0])
     assert (qwen3["head_dim"], qwen3["rope_scaling"], qwen3["rms_norm_eps"]) == (32, None, 1e-6)
     moe = hf_config(th.tiny_qwen3_moe(experts=8)[0])
-    assert (moe["model_type"], moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"]) == ("qwen3_moe", 8, 2, 32)
+    assert (moe["model_type"], moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"]) == (
+        "qwen3_moe",
+        8,
+        2,
+        32,
+    )
     with pytest.raises(NoHFConfig, match="not llama3 or qwen3"):
         hf_config(th.tiny_deepseek_v3()[0])
 

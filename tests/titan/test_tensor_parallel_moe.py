@@ -26,16 +26,19 @@ import pytest
 import torch
 
 from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from tests.support.helpers import full_parameters, merge_rank_states
 from tests.support.tp_moe_jobs import (
-    DEEPSEEK_EXPERTS, LAYOUTS, MUON_WEIGHTS, STEPS, tp_moe_model, tp_moe_momentum, train_tp_moe,
+    DEEPSEEK_EXPERTS,
+    LAYOUTS,
+    MUON_WEIGHTS,
+    STEPS,
+    tp_moe_model,
+    tp_moe_momentum,
+    train_tp_moe,
 )
 from titan_dmuon.runtime import CommLabel
 
 ADAMW_LR = 1e-3  # DMuonOptions' default adamw_lr
-
-
 
 
 def _ns_per_step(family: str, experts: int) -> int:
@@ -47,12 +50,6 @@ def _ns_per_step(family: str, experts: int) -> int:
     return 8 + 2 * (5 + 1 + 3 + 3 * experts)
 
 
-
-
-
-
-
-
 # ---- the two layouts, from the same weights -------------------------------------------------------------
 
 
@@ -61,8 +58,11 @@ def runs(request, pool4):
     """(family, FSDP 4 results, TP 2 x FSDP 2 results), per rank."""
     family, experts = request.param, LAYOUTS[request.param]
     state = th.initial_state(tp_moe_model(family, experts))
-    return (family, pool4.run(train_tp_moe, family, experts, state, 1),
-            pool4.run(train_tp_moe, family, experts, state, 2))
+    return (
+        family,
+        pool4.run(train_tp_moe, family, experts, state, 1),
+        pool4.run(train_tp_moe, family, experts, state, 2),
+    )
 
 
 def _check_trains_as_fsdp(reference, results, *, initial=None):
@@ -97,8 +97,11 @@ def test_tp_moe_trains_as_fsdp_without_tp(runs):
     expected = _ns_per_step(family, LAYOUTS[family])
     assert sum(r["ns"] for r in results) == sum(r["ns"] for r in reference) == expected
     assert sum(r["exact_ns"] for r in results) == sum(r["exact_ns"] for r in reference) == expected * STEPS
-    experts = [f"layers.{i}.moe.routed_experts.inner_experts.{w}" for i in (range(2) if family == "qwen3" else (1, 2))
-               for w in ("w1_EFD", "w2_EDF", "w3_EFD")]
+    experts = [
+        f"layers.{i}.moe.routed_experts.inner_experts.{w}"
+        for i in (range(2) if family == "qwen3" else (1, 2))
+        for w in ("w1_EFD", "w2_EDF", "w3_EFD")
+    ]
     split = {"w1_EFD": 1, "w2_EDF": 2, "w3_EFD": 1}
     expected_layout = sorted((e, split[e.rsplit(".", 1)[1]]) for e in experts)
     for r in results:
@@ -215,11 +218,17 @@ class _Job:
         self.counter = Counter()
         config, spec = tp_moe_model("qwen3", CHECKPOINT_EXPERTS)
         self.adapter = spec.state_dict_adapter(config, None) if hf else None
-        manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2, last_save_model_only=hf,
-                                                last_save_in_hf=hf)
+        manager = DMuonCheckpointManager.Config(
+            enable=True, folder="ckpt", interval=2, last_save_model_only=hf, last_save_in_hf=hf
+        )
         self.manager = manager.build(
-            dataloader=Counter(), model_parts=self.parts, optimizers=self.container, lr_schedulers=self.schedule,
-            states={"train_state": self.counter}, sd_adapter=self.adapter, base_folder=folder,
+            dataloader=Counter(),
+            model_parts=self.parts,
+            optimizers=self.container,
+            lr_schedulers=self.schedule,
+            states={"train_state": self.counter},
+            sd_adapter=self.adapter,
+            base_folder=folder,
         )
         self.data = th.batches(4, 1, batch=8)
 
@@ -278,7 +287,8 @@ def test_tp_moe_checkpoint_resumes_bit_exact_and_reshards(pool4, tmp_path):
         assert_states_equal(merge_rank_states(r[i] for r in resumed), merge_rank_states(r[i] for r in straight))
     momentum = merge_rank_states(r[2] for r in straight)
     assert {k for k in momentum if "inner_experts" in k} == {
-        f"layers.{n}.moe.routed_experts.inner_experts.{w}" for n in range(2) for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+        f"layers.{n}.moe.routed_experts.inner_experts.{w}" for n in range(2) for w in ("w1_EFD", "w2_EDF", "w3_EFD")
+    }
     check_hf_export(str(tmp_path / "tp" / "ckpt" / "step-4"), merge_rank_states(r[3] for r in straight))
     at_two = pool4.run(_train_and_keep, str(tmp_path / "tp2"), state, 2, 2)
     into_fsdp = pool4.run(_resume, str(tmp_path / "tp2"), 1, 2)

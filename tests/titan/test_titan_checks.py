@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 
-
 from tests.support import titan_harness as th
 from titan_dmuon.integration.components.checkpoint import CheckpointError, _data_parallel_change, checked_state_dict
 
@@ -26,9 +25,14 @@ def test_data_parallel_change_is_named():
     so the check must see the change from the keys and name the option. The same degree, an excluded
     dataloader, or a checkpoint without dataloader state pass (checked: with the check returning []
     the 2 -> 4 and 2 -> 1 cases fail)."""
-    saved = types.SimpleNamespace(state_dict_metadata={
-        "dataloader.dp_rank_0": None, "dataloader.dp_rank_1": None, "dataloader.world_size": None, "model.w": None,
-    })
+    saved = types.SimpleNamespace(
+        state_dict_metadata={
+            "dataloader.dp_rank_0": None,
+            "dataloader.dp_rank_1": None,
+            "dataloader.world_size": None,
+            "model.w": None,
+        }
+    )
     for now in (4, 1):
         (problem,) = _data_parallel_change({"dataloader": _loader(now)}, saved)
         assert f"saved with data-parallel degree 2 and this job has {now}" in problem and OPTION in problem
@@ -63,11 +67,14 @@ def _reshard_after_forward(rank, world, replicate, kwargs):
     return handle.mode.reshard_after_forward
 
 
-@pytest.mark.parametrize("replicate, kwargs, expected", [
-    (2, {}, False),  # DDP-like (dp_shard 1): Z2, the all-reduce floor
-    (1, {}, True),  # FSDP: mirrors parallelism.fsdp_reshard_after_forward ("default": reshard)
-    (1, {"reshard_after_forward": False}, False),  # an explicit setting wins
-])
+@pytest.mark.parametrize(
+    "replicate, kwargs, expected",
+    [
+        (2, {}, False),  # DDP-like (dp_shard 1): Z2, the all-reduce floor
+        (1, {}, True),  # FSDP: mirrors parallelism.fsdp_reshard_after_forward ("default": reshard)
+        (1, {"reshard_after_forward": False}, False),  # an explicit setting wins
+    ],
+)
 def test_unset_reshard_after_forward_under_ddp_is_z2(pool2, replicate, kwargs, expected):
     """With optimizer.reshard_after_forward unset, DMuon mirrors FSDP's reshard policy, except under
     DDP-like dims (dp_shard 1, dp_replicate > 1), where nothing reshards and DMuon-Z3 would re-broadcast

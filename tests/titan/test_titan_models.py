@@ -81,11 +81,17 @@ def _compiled_vs_eager(rank, world, mode):
     reshard = mode != "z2"
     losses = {}
     for compiled in (False, True):
-        model, container = th.build(th.tiny_llama3(), dims, state=state, compile=compiled, lr=0.02, reshard_after_forward=reshard)
+        model, container = th.build(
+            th.tiny_llama3(), dims, state=state, compile=compiled, lr=0.02, reshard_after_forward=reshard
+        )
         losses[compiled] = th.train(model, container, dims, data[:2])
         graphs = counters["stats"]["unique_graphs"]
         losses[compiled] += th.train(model, container, dims, data[2:])
-    return max(abs(a - b) for a, b in zip(losses[False], losses[True])), counters["stats"]["unique_graphs"] - graphs, graphs
+    return (
+        max(abs(a - b) for a, b in zip(losses[False], losses[True])),
+        counters["stats"]["unique_graphs"] - graphs,
+        graphs,
+    )
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
@@ -155,8 +161,14 @@ def test_deepseek_v3_mla_dense_layer_and_shared_experts(pool2):
     results = pool2.run(_moe_job, "deepseek_v3", 8)
     _check_moe(results, local_experts=True)
     muon = results[0]["muon"]
-    for part in (".attention.wq.", ".attention.wkv_a.", ".attention.wkv_b.", ".attention.wo.",
-                 "layers.0.feed_forward.w1.", ".shared_experts.w2."):
+    for part in (
+        ".attention.wq.",
+        ".attention.wkv_a.",
+        ".attention.wkv_b.",
+        ".attention.wo.",
+        "layers.0.feed_forward.w1.",
+        ".shared_experts.w2.",
+    ):
         assert any(part in n for n in muon), part
     assert not any("norm" in n for n in muon)  # kv_norm and the RMSNorms stay on AdamW
 
@@ -205,7 +217,9 @@ def _param_groups(rank, world):
         model, container = th.build(th.tiny_qwen3_moe(), dims, optimizer=name, adamw_lr=1e-3, **config)
         out[name.lower()] = _summary(container)
     model, _ = th.build(th.tiny_qwen3_moe(), th.parallel_dims(world), optimizer="AdamW")
-    titan = OptimizersContainer(OptimizersContainer.Config(param_groups=titan_groups, implementation="for-loop"), model_parts=[model])
+    titan = OptimizersContainer(
+        OptimizersContainer.Config(param_groups=titan_groups, implementation="for-loop"), model_parts=[model]
+    )
     out["titan"] = _summary(titan)
     return out
 
@@ -229,8 +243,11 @@ def _same_seed_start(rank, world, family, replicate, experts, ep):
     from tests.support.helpers import full_parameters
     from titan_dmuon import clip_grad_norm_
 
-    make = {"llama3": th.tiny_llama3, "qwen3": lambda: th.tiny_qwen3_moe(experts=experts),
-            "deepseek_v3": lambda: th.tiny_deepseek_v3(experts=experts)}[family]
+    make = {
+        "llama3": th.tiny_llama3,
+        "qwen3": lambda: th.tiny_qwen3_moe(experts=experts),
+        "deepseek_v3": lambda: th.tiny_deepseek_v3(experts=experts),
+    }[family]
     data = th.batches(1, world)
     out = {}
     for optimizer in ("AdamW", "dmuon"):
@@ -248,7 +265,14 @@ def _same_seed_start(rank, world, family, replicate, experts, ep):
         loss = th.train(model, container, dims, data, clip=clip, norms=norms)[0]
         out[optimizer] = (weights, loss, norms[0])
     (titan, titan_loss, titan_norm), (mine, loss, norm) = out["AdamW"], out["dmuon"]
-    return sorted(k for k in titan if not torch.equal(titan[k], mine[k])), len(titan), titan_loss, loss, titan_norm, norm
+    return (
+        sorted(k for k in titan if not torch.equal(titan[k], mine[k])),
+        len(titan),
+        titan_loss,
+        loss,
+        titan_norm,
+        norm,
+    )
 
 
 @pytest.mark.parametrize(
@@ -270,7 +294,9 @@ def test_same_seed_starts_from_torchtitans_initial_model(pool2, pool4, family, w
     Step 1 then sees the same loss and grad norm as TorchTitan's AdamW (the norm sums owner-held and
     sharded squares in another order: 1e-6)."""
     pool = {2: pool2, 4: pool4}[world]
-    for differing, count, titan_loss, loss, titan_norm, norm in pool.run(_same_seed_start, family, replicate, experts, ep):
+    for differing, count, titan_loss, loss, titan_norm, norm in pool.run(
+        _same_seed_start, family, replicate, experts, ep
+    ):
         assert count > 10 and differing == []
         assert loss == titan_loss
         assert norm == pytest.approx(titan_norm, rel=1e-6)
@@ -278,8 +304,17 @@ def test_same_seed_starts_from_torchtitans_initial_model(pool2, pool4, family, w
 
 # ---- the container hands the [optimizer] keys to DMuon and to the catch-all AdamW group ----------------------
 OPTIONS = dict(  # every one differs from its default, so a key that is not passed on keeps a wrong value
-    lr=0.015, weight_decay=0.07, momentum=0.8, nesterov=False, ns_steps=4, adjust_lr_fn="match_rms_adamw",
-    ns_mode="exact", adamw_lr=3e-3, adamw_betas=(0.8, 0.9), adamw_eps=1e-7, adamw_weight_decay=0.03,
+    lr=0.015,
+    weight_decay=0.07,
+    momentum=0.8,
+    nesterov=False,
+    ns_steps=4,
+    adjust_lr_fn="match_rms_adamw",
+    ns_mode="exact",
+    adamw_lr=3e-3,
+    adamw_betas=(0.8, 0.9),
+    adamw_eps=1e-7,
+    adamw_weight_decay=0.03,
 )
 MUON_GROUP = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "ns_mode")
 
@@ -290,7 +325,9 @@ def _container_groups(rank, world):
     muon = [(g["use_muon"], {k: g[k] for k in MUON_GROUP}) for o in dmuon for g in o.param_groups]
     rest = [
         (type(o).__name__, len(g["params"]), {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")})
-        for o in container.optimizers if o not in dmuon for g in o.param_groups
+        for o in container.optimizers
+        if o not in dmuon
+        for g in o.param_groups
     ]
     return muon, rest, sum(1 for p in model.parameters() if p.requires_grad)
 
@@ -325,8 +362,18 @@ def _dims(*, shard, replicate=1, ep=1):
 
     from titan_dmuon.integration.distributed.degrees import ParallelDegrees
 
-    return ParallelDegrees.of(ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, ep=ep,
-                                           world_size=shard * replicate, spmd_backend="partial_dtensor"))
+    return ParallelDegrees.of(
+        ParallelDims(
+            dp_replicate=replicate,
+            dp_shard=shard,
+            cp=1,
+            tp=1,
+            pp=1,
+            ep=ep,
+            world_size=shard * replicate,
+            spmd_backend="partial_dtensor",
+        )
+    )
 
 
 def test_expert_parallel_limit():
@@ -366,8 +413,11 @@ def _expert_groups(rank, world, experts):
     for name, p in model.named_parameters():
         if "inner_experts" in name:
             places[canonical_fqn(name)] = [
-                (type(o).__name__, g.get("use_muon")) for o in container.optimizers for g in o.param_groups
-                for q in g["params"] if q is p
+                (type(o).__name__, g.get("use_muon"))
+                for o in container.optimizers
+                for g in o.param_groups
+                for q in g["params"]
+                if q is p
             ]
     return places, sorted(e.fqn for e in handle.local_experts), sorted(e.fqn for e in handle.plan.entries)
 
@@ -400,8 +450,14 @@ def _naive_muon_through_its_container(rank, world):
     from titan_dmuon.testing.baselines import NaiveFSDPMuon
 
     data = th.batches(2, world)
-    model, container = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="naive_muon", seed=3, lr=0.02,
-                                optimizer_config=NaiveMuonContainer.Config)
+    model, container = th.build(
+        th.tiny_llama3(),
+        th.parallel_dims(world),
+        optimizer="naive_muon",
+        seed=3,
+        lr=0.02,
+        optimizer_config=NaiveMuonContainer.Config,
+    )
     built = type(container).__name__, [type(o).__name__ for o in container.optimizers], container.dmuon_optimizers()
     losses = th.train(model, container, th.parallel_dims(world), data)
     model, _ = th.build(th.tiny_llama3(), th.parallel_dims(world), optimizer="AdamW", seed=3)

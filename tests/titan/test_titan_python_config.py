@@ -12,16 +12,14 @@ import types
 
 import pytest
 
+from tests.support.titan_configs import USER_MODULE, comparable, parse_args
+from titan_dmuon import with_dmuon
+from titan_dmuon.integration.config.finalize import prepare_for_build
+from titan_dmuon.integration.config.toml_file import ConfigError, load_config
+from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, DedicationSettings, DMuonParallelize
 from titan_dmuon.plan.owner_groups import GroupOptions
 
-from titan_dmuon import with_dmuon
-from tests.support.titan_configs import USER_MODULE, comparable, parse_args
-from titan_dmuon.integration.config.toml_file import ConfigError, load_config
-from titan_dmuon.integration.config.finalize import prepare_for_build
-from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, DedicationSettings, DMuonParallelize
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,10 +29,6 @@ def in_repo_root():
     os.chdir(ROOT)
     yield
     os.chdir(cwd)
-
-
-
-
 
 
 @pytest.mark.parametrize(
@@ -83,27 +77,47 @@ def test_with_dmuon_keeps_what_it_is_not_given():
 
     config = with_dmuon(llama3_debugmodel(), lr=0.02)
     opt = config.optimizer
-    assert (opt.name, opt.lr, opt.weight_decay, opt.adamw_lr, opt.reshard_after_forward) == ("dmuon", 0.02, 0.1, 8e-4, None)
+    assert (opt.name, opt.lr, opt.weight_decay, opt.adamw_lr, opt.reshard_after_forward) == (
+        "dmuon",
+        0.02,
+        0.1,
+        8e-4,
+        None,
+    )
     again = with_dmuon(config, momentum=0.9, muon_params=(r"\.w1\.weight$",))
-    assert (again.optimizer.lr, again.optimizer.momentum, again.optimizer.muon_params) == (0.02, 0.9, [r"\.w1\.weight$"])
+    assert (again.optimizer.lr, again.optimizer.momentum, again.optimizer.muon_params) == (
+        0.02,
+        0.9,
+        [r"\.w1\.weight$"],
+    )
     default = with_dmuon(again, muon_params=None, reshard_after_forward=None).optimizer
     assert default.muon_params == list(DEFAULT_MUON_PARAMS) and default.reshard_after_forward is None
 
 
 # (with_dmuon keywords, a change to the config first, the same job as TOML)
 SAME_ERRORS = [
-    (dict(momentum=1.5), None, "[optimizer]\nname = \"dmuon\"\nmomentum = 1.5\n"),
-    (dict(ns_steps=0), None, "[optimizer]\nname = \"dmuon\"\nns_steps = 0\n"),
-    (dict(momentum="0.9"), None, "[optimizer]\nname = \"dmuon\"\nmomentum = \"0.9\"\n"),
-    (dict(adamw_betas=[0.9]), None, "[optimizer]\nname = \"dmuon\"\nadamw_betas = [0.9]\n"),
-    (dict(adjust_lr_fn="rms"), None, "[optimizer]\nname = \"dmuon\"\nadjust_lr_fn = \"rms\"\n"),
-    (dict(ns_method="gram", ns_mode="exact"), None,
-     "[optimizer]\nname = \"dmuon\"\nns_method = \"gram\"\nns_mode = \"exact\"\n"),
-    (dict(muon_params=["("]), None, "[optimizer]\nname = \"dmuon\"\nmuon_params = [\"(\"]\n"),
-    ({}, ("parallelism", "context_parallel_load_balancer", "roundrobin"),
-     "[optimizer]\nname = \"dmuon\"\n[parallelism]\ncontext_parallel_load_balancer = \"roundrobin\"\n"),
-    ({}, ("training", "enable_cpu_offload", True), "[optimizer]\nname = \"dmuon\"\n[training]\nenable_cpu_offload = true\n"),
-    ({}, ("training", "steps", 0), "[optimizer]\nname = \"dmuon\"\n[training]\nsteps = 0\n"),
+    (dict(momentum=1.5), None, '[optimizer]\nname = "dmuon"\nmomentum = 1.5\n'),
+    (dict(ns_steps=0), None, '[optimizer]\nname = "dmuon"\nns_steps = 0\n'),
+    (dict(momentum="0.9"), None, '[optimizer]\nname = "dmuon"\nmomentum = "0.9"\n'),
+    (dict(adamw_betas=[0.9]), None, '[optimizer]\nname = "dmuon"\nadamw_betas = [0.9]\n'),
+    (dict(adjust_lr_fn="rms"), None, '[optimizer]\nname = "dmuon"\nadjust_lr_fn = "rms"\n'),
+    (
+        dict(ns_method="gram", ns_mode="exact"),
+        None,
+        '[optimizer]\nname = "dmuon"\nns_method = "gram"\nns_mode = "exact"\n',
+    ),
+    (dict(muon_params=["("]), None, '[optimizer]\nname = "dmuon"\nmuon_params = ["("]\n'),
+    (
+        {},
+        ("parallelism", "context_parallel_load_balancer", "roundrobin"),
+        '[optimizer]\nname = "dmuon"\n[parallelism]\ncontext_parallel_load_balancer = "roundrobin"\n',
+    ),
+    (
+        {},
+        ("training", "enable_cpu_offload", True),
+        '[optimizer]\nname = "dmuon"\n[training]\nenable_cpu_offload = true\n',
+    ),
+    ({}, ("training", "steps", 0), '[optimizer]\nname = "dmuon"\n[training]\nsteps = 0\n'),
 ]
 
 
@@ -139,8 +153,15 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     function ran would silently train Z3 with the default targets here)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config = parse_args(
-        "--optimizer.lr", "0.01", "--optimizer.reshard_after_forward", "False", "--optimizer.muon_params",
-        r"\.feed_forward\.w1\.weight$,\.attention\.wo\.weight$", "--optimizer.no-nesterov", "--training.steps", "4",
+        "--optimizer.lr",
+        "0.01",
+        "--optimizer.reshard_after_forward",
+        "False",
+        "--optimizer.muon_params",
+        r"\.feed_forward\.w1\.weight$,\.attention\.wo\.weight$",
+        "--optimizer.no-nesterov",
+        "--training.steps",
+        "4",
         "--metrics.count_all_comm",
     )
     assert type(config).__qualname__ == "DMuonTrainer.Config"
@@ -148,7 +169,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     assert config.metrics.count_all_comm is True
     fn = prepare_for_build(config).model_spec.parallelize_fn
     assert fn.bound and fn.dedication == DedicationSettings(
-        muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"), reshard_after_forward=False,
+        muon_params=(r"\.feed_forward\.w1\.weight$", r"\.attention\.wo\.weight$"),
+        reshard_after_forward=False,
         owner_groups=GroupOptions(),
     )
     adamw_config = prepare_for_build(parse_args("--optimizer.name", "AdamW", "--optimizer.lr", "0.0008"))
@@ -160,9 +182,16 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
     "args, world, message",
     [
         (["--optimizer.momentum", "1.5"], None, "optimizer.momentum = 1.5: expected a number in [0, 1)"),
-        (["--parallelism.context_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor"], None,
-         "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 on a machine without an accelerator"),
-        (["--parallelism.data_parallel_shard_degree", "3"], "2", "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)"),
+        (
+            ["--parallelism.context_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor"],
+            None,
+            "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 on a machine without an accelerator",
+        ),
+        (
+            ["--parallelism.data_parallel_shard_degree", "3"],
+            "2",
+            "parallelism: data_parallel_shard_degree(3) * data_parallel_replicate_degree(1)",
+        ),
     ],
 )
 def test_overrides_are_checked_when_the_trainer_is_built(monkeypatch, args, world, message):
@@ -183,7 +212,7 @@ def test_overrides_are_checked_when_the_trainer_is_built(monkeypatch, args, worl
 def test_import_is_torchtitan_free_and_cpu_mode_switches_on_late():
     """``import titan_dmuon`` imports no TorchTitan; under TorchTitan's entry point our registry is
     imported after its trainer, so cpu.enable must fix the device choice those modules copied."""
-    script = textwrap.dedent('''
+    script = textwrap.dedent("""
         import sys
         import titan_dmuon
         assert not [m for m in sys.modules if m.startswith("torchtitan")], "import titan_dmuon imported TorchTitan"
@@ -198,7 +227,7 @@ def test_import_is_torchtitan_free_and_cpu_mode_switches_on_late():
         import torchtitan.components.metrics as metrics, torchtitan.distributed.utils as dist_utils
         assert metrics.device_type == "cpu" and dist_utils.device_module is torch.cpu
         assert metrics.build_device_memory_monitor.__name__ == "CpuMemoryMonitor"
-    ''')
+    """)
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 

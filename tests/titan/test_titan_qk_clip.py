@@ -2,7 +2,6 @@
 modules (llama3 fused / separate GQA, deepseek_v3 MLA with wq or wq_a/wq_b) in-process on 2
 gloo ranks, and pipelining and activation checkpointing (end to end: tests/e2e/test_qk_clip_e2e.py)."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,18 +68,24 @@ def _titan_rule(rank, world, family, kwargs):
     of layer 0's heads, measured by an independent hook in the step's forward; after the step the same
     forward's layer-0 logits are <= tau (= tau for the clipped heads; layer 0's input does not depend on
     any clipped weight) and the unclipped heads' are unchanged."""
-    from tests.support import titan_harness as th
     from torchtitan.models.common.attention import BaseAttention
+
+    from tests.support import titan_harness as th
 
     model_and_spec = th.tiny_llama3(**kwargs) if family == "llama3" else th.tiny_deepseek_v3(**kwargs)
     dims = th.parallel_dims(world)
-    model, container = th.build(model_and_spec, dims, param_dtype="float32", lr=0.0, adamw_lr=1e-30, qk_clip_threshold=1e9)
+    model, container = th.build(
+        model_and_spec, dims, param_dtype="float32", lr=0.0, adamw_lr=1e-30, qk_clip_threshold=1e9
+    )
     (opt,) = container.dmuon_optimizers()
     attention = next(m for m in model.modules() if isinstance(m, BaseAttention))
     seen = []
     attention.inner_attention.register_forward_hook(
-        lambda m, args, kw, out: seen.append(_naive(args[0].detach(), args[1].detach(),
-                                                    kw.get("scale") or args[0].shape[-1] ** -0.5)), with_kwargs=True)
+        lambda m, args, kw, out: seen.append(
+            _naive(args[0].detach(), args[1].detach(), kw.get("scale") or args[0].shape[-1] ** -0.5)
+        ),
+        with_kwargs=True,
+    )
     tokens = th.batches(1, world)[0]
     b = tokens.shape[0] // world
     local = tokens[rank * b : (rank + 1) * b]
@@ -98,8 +103,7 @@ def _titan_rule(rank, world, family, kwargs):
         model(local[:, :-1])
     after = seen[-1].float()
     dist.all_reduce(after, op=dist.ReduceOp.MAX)
-    changed = [n for n, p in model.named_parameters()
-               if p.numel() and not torch.equal(_local(p), weights_before[n])]
+    changed = [n for n, p in model.named_parameters() if p.numel() and not torch.equal(_local(p), weights_before[n])]
     return {"before": before, "after": after, "tau": tau, "stats": stats, "changed": changed}
 
 
@@ -110,16 +114,24 @@ def _local(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-@pytest.mark.parametrize("family,kwargs", [
-    ("llama3", {"fuse_qkv": True}), ("llama3", {"fuse_qkv": False}),
-    ("deepseek_v3", {"q_lora_rank": 0}), ("deepseek_v3", {"q_lora_rank": 16}),
-], ids=["llama3-fused-gqa", "llama3-separate-gqa", "deepseek_v3-mla-wq", "deepseek_v3-mla-wq_b"])
+@pytest.mark.parametrize(
+    "family,kwargs",
+    [
+        ("llama3", {"fuse_qkv": True}),
+        ("llama3", {"fuse_qkv": False}),
+        ("deepseek_v3", {"q_lora_rank": 0}),
+        ("deepseek_v3", {"q_lora_rank": 16}),
+    ],
+    ids=["llama3-fused-gqa", "llama3-separate-gqa", "deepseek_v3-mla-wq", "deepseek_v3-mla-wq_b"],
+)
 def test_rule_on_titan_attention(pool2, family, kwargs):
     results = pool2.run(_titan_rule, family, kwargs)
     for r in results:
         clipped = r["before"] > r["tau"]
         assert clipped.any() and not clipped.all()
-        torch.testing.assert_close(r["after"][clipped], torch.full_like(r["after"][clipped], r["tau"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            r["after"][clipped], torch.full_like(r["after"][clipped], r["tau"]), rtol=1e-5, atol=0
+        )
         # unclipped heads: their rows are multiplied by exactly 1 (bitwise: tests/distributed/test_qk_clip.py); the
         # recomputed logits agree to one fp32 ulp (MKL's GEMM rounding depends on the buffers' alignment)
         torch.testing.assert_close(r["after"][~clipped], r["before"][~clipped], rtol=1e-6, atol=0)
@@ -133,14 +145,6 @@ def test_rule_on_titan_attention(pool2, family, kwargs):
         assert not any("wk." in n for n in changed)  # GQA: the shared key heads are left alone
 
 
-
-
-
-
-
-
-
-
 # ---- pipeline parallelism and activation checkpointing ----------------------------------------------------------
 PP_TAU = 0.05
 
@@ -151,12 +155,12 @@ def _clip_job(rank, world, state, schedule=None, ac="none", steps=3):
     sample per data-parallel rank), with TorchTitan's activation checkpointing ``ac``. Returns the
     losses, this rank's weights, each step's figures, step 1's S per head by layer and the
     captures each step ran (``max_logits`` calls)."""
-    from tests.support import titan_harness as th
-    from tests.support.helpers import full_parameters
-    from tests.support.titan_outputs import pp_weights
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     import titan_dmuon.optim.qk_clip as qk_clip_module
+    from tests.support import titan_harness as th
+    from tests.support.helpers import full_parameters
+    from tests.support.titan_outputs import pp_weights
 
     ac_config = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[ac]
     kwargs = {"state": state, "lr": 0.02, "param_dtype": "float32", "qk_clip_threshold": PP_TAU, "ac_config": ac_config}
@@ -245,8 +249,15 @@ def test_clip_under_every_activation_checkpointing_with_and_without_pipelining(p
     from tests.support.helpers import merge_rank_states
 
     state, straight, piped = clip_jobs
-    jobs = [(None, "selective"), (None, "full"), ("1F1B", "selective"), ("1F1B", "full"),
-            ("Interleaved1F1B", "none"), ("Interleaved1F1B", "selective"), ("Interleaved1F1B", "full")]
+    jobs = [
+        (None, "selective"),
+        (None, "full"),
+        ("1F1B", "selective"),
+        ("1F1B", "full"),
+        ("Interleaved1F1B", "none"),
+        ("Interleaved1F1B", "selective"),
+        ("Interleaved1F1B", "full"),
+    ]
     results = pool4.run(_clip_matrix, state, jobs)
     reference = straight[0]["s"]
     assert len(reference) == 2 and all(torch.isfinite(s).all() for s in reference.values())
@@ -264,8 +275,6 @@ def test_clip_under_every_activation_checkpointing_with_and_without_pipelining(p
             assert r["captures"][0] == r["layers"] * (1 if schedule is None else 4), (schedule, ac, r["captures"])
 
 
-
-
 def test_log_figure_shows_a_stage_s_nan():
     """The log's max logit over a rank's pipeline stages. Regression: Python's max hid a stage's NaN
     behind the other stage's figure (Interleaved1F1B's first rank logged 0.5953, a NaN stage unseen)."""
@@ -274,10 +283,14 @@ def test_log_figure_shows_a_stage_s_nan():
     from titan_dmuon.integration.trainer import qk_clip_figures
 
     logit, heads = StepStat.QK_MAX_LOGIT, StepStat.QK_CLIPPED_HEADS
-    for stats in ([{logit: 0.6, heads: 2}, {logit: math.nan, heads: 0}],
-                  [{logit: math.nan, heads: 0}, {logit: 0.6, heads: 2}]):
+    for stats in (
+        [{logit: 0.6, heads: 2}, {logit: math.nan, heads: 0}],
+        [{logit: math.nan, heads: 0}, {logit: 0.6, heads: 2}],
+    ):
         figures = qk_clip_figures(stats)
         assert math.isnan(figures[Metric.QK_MAX_LOGIT]) and figures[Metric.QK_CLIPPED_HEADS] == 2.0
     assert qk_clip_figures([{logit: 0.6, heads: 1}, {logit: 0.7, heads: 3}, {StepStat.NS_MATRICES: 4}]) == {
-        Metric.QK_MAX_LOGIT: 0.7, Metric.QK_CLIPPED_HEADS: 4.0}
+        Metric.QK_MAX_LOGIT: 0.7,
+        Metric.QK_CLIPPED_HEADS: 4.0,
+    }
     assert qk_clip_figures([{StepStat.NS_MATRICES: 4}]) == {}

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from tests.support.helpers import (
     TOLERANCE,
     batches,
@@ -34,8 +33,8 @@ from tests.support.helpers import (
     normuon_newton_schulz,
     reference_newton_schulz,
     reference_train,
-    toy_model,
     torch_muon_newton_schulz,
+    toy_model,
     train,
 )
 
@@ -55,8 +54,10 @@ FLOAT16_TP = 2 * 0.02 * 2 * (4 * 2**-10 + 4 * 2**-11)
 def _toy_vs_reference(rank, world, mode, experts, options):
     data = batches(STEPS)
     model = toy_model(num_experts=experts) if experts else toy_model()
-    reference_options = {"normuon_beta2": options.get("normuon_beta2"),
-                         "ns_dtype": getattr(torch, options.get("ns_dtype", "bfloat16"))}
+    reference_options = {
+        "normuon_beta2": options.get("normuon_beta2"),
+        "ns_dtype": getattr(torch, options.get("ns_dtype", "bfloat16")),
+    }
     ref, _, _ = reference_train(model, data, slices=world, **reference_options)  # (the ranks' gradient sums)
     muon_ref, _, _ = reference_train(model, data, slices=world)
     setup = distribute(model, mode, world, opt_kwargs=options)
@@ -115,12 +116,18 @@ def _head_blocks_here(model, fqn: str, shape) -> tuple[list, list]:
     if module is None or name[-2] in ("wq_a", "wkv_a"):
         return [(0, rows)], [(0, cols)]
     mla = hasattr(module, "wkv_b")
-    step_rows = {"wqkv": getattr(module, "head_dim", 0), "wq": getattr(module, "head_dim", 0),
-                 "wk": getattr(module, "head_dim", 0), "wv": getattr(module, "head_dim", 0)}
+    step_rows = {
+        "wqkv": getattr(module, "head_dim", 0),
+        "wq": getattr(module, "head_dim", 0),
+        "wk": getattr(module, "head_dim", 0),
+        "wv": getattr(module, "head_dim", 0),
+    }
     if mla:
-        step_rows = {"wq": module.qk_nope_head_dim + module.qk_rope_head_dim,
-                     "wq_b": module.qk_nope_head_dim + module.qk_rope_head_dim,
-                     "wkv_b": module.qk_nope_head_dim + module.v_head_dim}
+        step_rows = {
+            "wq": module.qk_nope_head_dim + module.qk_rope_head_dim,
+            "wq_b": module.qk_nope_head_dim + module.qk_rope_head_dim,
+            "wkv_b": module.qk_nope_head_dim + module.v_head_dim,
+        }
     if name[-2] == "wo":
         step = module.v_head_dim if mla else module.head_dim
         return [(0, rows)], [(c, c + step) for c in range(0, cols, step)]
@@ -172,7 +179,9 @@ def _heads_vs_reference(rank, world, family, tp, beta2, ns_dtype="bfloat16"):
             for e in range(weight.shape[0] if weight.ndim == 3 else 1):
                 for r0, r1 in row_blocks:
                     for c0, c1 in col_blocks:
-                        target = (e, slice(r0, r1), slice(c0, c1)) if weight.ndim == 3 else (slice(r0, r1), slice(c0, c1))
+                        target = (
+                            (e, slice(r0, r1), slice(c0, c1)) if weight.ndim == 3 else (slice(r0, r1), slice(c0, c1))
+                        )
                         key = (m.fqn, e, r0, c0)
                         if key not in references:
                             leaf = torch.nn.Parameter(weight[target].clone())

@@ -5,13 +5,11 @@ second moments the checkpoint does not hold start at zero, as in a new job)."""
 
 import torch
 from torch.distributed.tensor import DTensor
-
-from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
-
 from torchtitan.components.optimizer import LRSchedulersContainer
 
-from tests.support.helpers import ADAMW, MUON, Counter, distribute, merge_rank_states, toy_model
+from tests.support import titan_harness as th  # noqa: I001 (enables the CPU accommodations first)
 from tests.support.checkpoint_jobs import STEPS, train_until, training_state
+from tests.support.helpers import ADAMW, MUON, Counter, distribute, merge_rank_states, toy_model
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
 from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
 
@@ -24,14 +22,20 @@ def _variant_job(rank, world, mode, folder, options):
     distributed as in TorchTitan, with DMuon's container built with ``options``, a schedule and a checkpointer."""
     model = toy_model(num_experts=4)
     setup = distribute(model, mode, world)
-    config = DMuonOptimizersContainer.Config(name="dmuon", lr=MUON["lr"], momentum=MUON["momentum"],
-                                             adamw_lr=ADAMW["adamw_lr"], ns_mode="exact", **options)
+    config = DMuonOptimizersContainer.Config(
+        name="dmuon", lr=MUON["lr"], momentum=MUON["momentum"], adamw_lr=ADAMW["adamw_lr"], ns_mode="exact", **options
+    )
     setup.opt = DMuonOptimizersContainer(config, model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=setup.opt, training_steps=STEPS)
     counter = Counter()
     manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=1).build(
-        dataloader=Counter(), model_parts=[model], optimizers=setup.opt, lr_schedulers=schedule,
-        states={"train_state": counter}, sd_adapter=None, base_folder=folder,
+        dataloader=Counter(),
+        model_parts=[model],
+        optimizers=setup.opt,
+        lr_schedulers=schedule,
+        states={"train_state": counter},
+        sd_adapter=None,
+        base_folder=folder,
     )
     return setup, schedule, counter, manager
 
@@ -77,7 +81,9 @@ def test_normuon_resumes_bit_exact_and_reshards(pool2, pool4, tmp_path):
     assert any(".moe.w" in k for k in moments) and any("attention" in k for k in moments)  # local experts, dedicated
     saved = merge_rank_states(s for _, s in first)
     pool4.restart()
-    resharded = merge_rank_states(loaded for loaded, _, _ in pool4.run(_load_then_train, "z3", str(tmp_path / "b"), NORMUON))
+    resharded = merge_rank_states(
+        loaded for loaded, _, _ in pool4.run(_load_then_train, "z3", str(tmp_path / "b"), NORMUON)
+    )
     assert not _equal(saved, resharded, saved) and resharded.keys() == saved.keys()
 
 
@@ -106,12 +112,17 @@ def _tp_job(rank, world, folder, tp, until, load: bool):
     counter = Counter()
     schedule = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=container, training_steps=4)
     manager = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=2).build(
-        dataloader=Counter(), model_parts=[model], optimizers=container, lr_schedulers=schedule,
-        states={"train_state": counter}, sd_adapter=None, base_folder=folder,
+        dataloader=Counter(),
+        model_parts=[model],
+        optimizers=container,
+        lr_schedulers=schedule,
+        states={"train_state": counter},
+        sd_adapter=None,
+        base_folder=folder,
     )
     if load:
         assert manager.load(step=until)
-    for batch in th.batches(until, 1, batch=8)[counter.step:until]:
+    for batch in th.batches(until, 1, batch=8)[counter.step : until]:
         th.train(model, container, dims, [batch])
         schedule.step()
         counter.step += 1

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-
 from titan_dmuon import with_dmuon
 from titan_dmuon.integration.config.check import main
 from titan_dmuon.integration.config.toml_file import ConfigError, load_config
@@ -34,12 +33,18 @@ def test_every_door_sets_them(tmp_path):
 
     assert _set(load_config(MAIN_JOB, world_size=2).optimizer) == (None, "matrix", "bfloat16")
     path = tmp_path / "job.toml"
-    path.write_text(open(MAIN_JOB).read().replace('name = "dmuon"\n', 'name = "dmuon"\nnormuon_beta2 = 0.9\nns_blocks = "heads"\n'
-                                                                      'ns_dtype = "float16"\n', 1))
+    path.write_text(
+        open(MAIN_JOB)
+        .read()
+        .replace(
+            'name = "dmuon"\n', 'name = "dmuon"\nnormuon_beta2 = 0.9\nns_blocks = "heads"\nns_dtype = "float16"\n', 1
+        )
+    )
     assert _set(load_config(str(path), world_size=2).optimizer) == (0.9, "heads", "float16")
     assert _set(load_config(MAIN_JOB, VARIANTS, world_size=2).optimizer) == (0.95, "heads", "float16")
-    assert _set(with_dmuon(llama3_debugmodel(), normuon_beta2=0.95, ns_blocks="heads", ns_dtype="float16").optimizer) == (
-        0.95, "heads", "float16")
+    assert _set(
+        with_dmuon(llama3_debugmodel(), normuon_beta2=0.95, ns_blocks="heads", ns_dtype="float16").optimizer
+    ) == (0.95, "heads", "float16")
     parsed = ConfigManager().parse_args([*PYTHON_DOOR, *VARIANTS])
     assert _set(parsed.optimizer) == (0.95, "heads", "float16")
     for door in (TOML_DOOR, PYTHON_DOOR):  # the pre-launch check of run_train.sh passes them
@@ -67,13 +72,17 @@ def test_dmuon_takes_them_as_keywords_not_per_group():
 
 # (arguments, the one line after "config error: command line: [optimizer] ")
 REFUSED = [
-    (["--optimizer.ns_dtype", "float16", "--optimizer.ns_mode", "exact"],
-     "ns_dtype = 'float16': expected 'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'"),
+    (
+        ["--optimizer.ns_dtype", "float16", "--optimizer.ns_mode", "exact"],
+        "ns_dtype = 'float16': expected 'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'",
+    ),
     (["--optimizer.normuon_beta2", "1"], "normuon_beta2 = 1.0: expected a number in [0, 1), or unset (Muon)"),
     (["--optimizer.ns_blocks", "head"], "ns_blocks = 'head': expected one of 'matrix', 'heads'"),
-    (["--optimizer.ns_blocks", "heads", "--optimizer.muon_params", r"\.feed_forward\.w[123]\.weight$"],
-     "ns_blocks = 'heads': none of the llama3 debugmodel model's attention projections is on Muon "
-     "(command line: [optimizer] muon_params), so no weight would be split by heads; add them or use ns_blocks = \"matrix\""),
+    (
+        ["--optimizer.ns_blocks", "heads", "--optimizer.muon_params", r"\.feed_forward\.w[123]\.weight$"],
+        "ns_blocks = 'heads': none of the llama3 debugmodel model's attention projections is on Muon "
+        '(command line: [optimizer] muon_params), so no weight would be split by heads; add them or use ns_blocks = "matrix"',
+    ),
 ]
 
 
@@ -92,12 +101,16 @@ def test_heads_on_attention_of_an_unknown_layout_is_refused(monkeypatch):
     from titan_dmuon.integration.models import attention_heads
 
     def unknown(model, tp_size=1):
-        raise attention_heads.HeadBlocksNotSupported("attention 'layers.0.attention' (x.Y) has a layout per-head "
-                                                     "Newton–Schulz does not know")
+        raise attention_heads.HeadBlocksNotSupported(
+            "attention 'layers.0.attention' (x.Y) has a layout per-head Newton–Schulz does not know"
+        )
 
     monkeypatch.setattr(attention_heads, "head_blocks", unknown)
-    with pytest.raises(ConfigError, match="command line: \\[optimizer\\] ns_blocks = 'heads' with the llama3 debugmodel "
-                                          "model: attention 'layers.0.attention' .* does not know; use ns_blocks = \"matrix\""):
+    with pytest.raises(
+        ConfigError,
+        match="command line: \\[optimizer\\] ns_blocks = 'heads' with the llama3 debugmodel "
+        "model: attention 'layers.0.attention' .* does not know; use ns_blocks = \"matrix\"",
+    ):
         load_config(MAIN_JOB, ["--optimizer.ns_blocks", "heads"], world_size=2)
 
 
@@ -107,10 +120,14 @@ def test_other_optimizers_refuse_them_by_name(tmp_path, key, value):
     DMuon's only, it would not run them."""
     path = tmp_path / "adamw.toml"
     path.write_text(f'[optimizer]\nname = "AdamW"\n{key} = {value!r}\n'.replace("'", '"'))
-    with pytest.raises(ConfigError, match=f"\\[optimizer\\] {key} applies to name = \"dmuon\" \\(or \"naive_muon\"\\) only"):
+    with pytest.raises(
+        ConfigError, match=f'\\[optimizer\\] {key} applies to name = "dmuon" \\(or "naive_muon"\\) only'
+    ):
         load_config(str(path), world_size=2)
     from benchmarks.naive_muon_job import NaiveMuonContainer
 
-    with pytest.raises(ConfigError, match=f"\\[optimizer\\] {key} = {value!r} applies to optimizer.name = 'dmuon' only"):
+    with pytest.raises(
+        ConfigError, match=f"\\[optimizer\\] {key} = {value!r} applies to optimizer.name = 'dmuon' only"
+    ):
         path.write_text(f'[optimizer]\nname = "naive_muon"\n{key} = {value!r}\n'.replace("'", '"'))
         load_config(str(path), world_size=2, optimizer_config=NaiveMuonContainer.Config)

@@ -5,9 +5,7 @@ and AdamW in 382 lines; ``DedicatedParams`` 335), so the scan reads every module
 import ast
 from pathlib import Path
 
-
 import titan_dmuon
-
 
 MAX_CLASS_LINES = 250
 PACKAGE = Path(titan_dmuon.__file__).parent
@@ -39,6 +37,10 @@ def test_the_scan_measures_a_class_from_its_first_line_to_its_last():
 def test_no_class_in_the_package_is_over_250_lines():
     modules = sorted(PACKAGE.rglob("*.py"))
     assert len(modules) > 40  # (the scan found the package)
-    too_long = {f"{path.relative_to(PACKAGE)}: {name}": lines for path in modules
-                for name, lines in class_lengths(path.read_text()).items() if lines > MAX_CLASS_LINES}
+    too_long = {
+        f"{path.relative_to(PACKAGE)}: {name}": lines
+        for path in modules
+        for name, lines in class_lengths(path.read_text()).items()
+        if lines > MAX_CLASS_LINES
+    }
     assert not too_long, f"classes over {MAX_CLASS_LINES} lines (split their concerns into classes): {too_long}"

@@ -31,7 +31,8 @@ def test_cpu_attention_of_each_ranks_part_is_causal_attention_of_the_sequence(cp
     length = 8 * cp
     q, k, v = (torch.randn(2, length, heads, 16, generator=g) for heads in (4, 2, 2))
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     order = load_balanced_order(balancer, cp, length, "cpu")
     part = length // cp
     for rank in range(cp):
@@ -51,10 +52,16 @@ def test_max_logits_by_positions_cover_the_whole_sequence():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 16, 4, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
     order = load_balanced_order("headtail", 2, 16, "cpu")
-    parts = [max_logits(q[:, order[r * 8 : (r + 1) * 8]], k[:, order], scale=0.5, query_positions=order[r * 8 : (r + 1) * 8],
-                        key_positions=order) for r in range(2)]
+    parts = [
+        max_logits(
+            q[:, order[r * 8 : (r + 1) * 8]],
+            k[:, order],
+            scale=0.5,
+            query_positions=order[r * 8 : (r + 1) * 8],
+            key_positions=order,
+        )
+        for r in range(2)
+    ]
     torch.testing.assert_close(torch.maximum(*parts), max_logits(q, k, scale=0.5), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="one per row of q"):
         max_logits(q, k, scale=0.5, query_positions=order)
-
-

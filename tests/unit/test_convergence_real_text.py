@@ -5,7 +5,6 @@ import pytest
 
 from benchmarks.convergence_real_text import parse_log, reach
 
-
 TRAIN, HELD_OUT, STEP_S, OPTIMIZER_MS = (8.14389, 8.09961), (8.0958, 8.0168), (1.124, 0.543), (226.4, 99.5)
 LOG = "".join(
     f"[rank0]:[titan] ... - root - INFO - step:  {s}  loss:  {TRAIN[s - 1]:.5f}  grad_norm:  0.8623  memory:  0.92GiB\n"
@@ -18,7 +17,7 @@ LOG = "".join(
 
 
 def test_a_validation_line_is_not_read_as_the_steps_training_loss():
-    """"validate step:  2  loss: ..." contains "step:  2  loss:"; the first version read it as step 2's
+    """ "validate step:  2  loss: ..." contains "step:  2  loss:"; the first version read it as step 2's
     training loss (the held-out loss overwrote it: both columns showed 6.1094 at the last step)."""
     curves = parse_log(LOG, 2)
     assert curves["loss"] == list(TRAIN)

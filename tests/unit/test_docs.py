@@ -14,7 +14,6 @@ import pytest
 
 from tests.support import error_messages
 
-
 ROOT = error_messages.ROOT
 DOCS = os.path.join(ROOT, "docs")
 README_MAX_LINES = 300
@@ -46,8 +45,11 @@ def test_every_error_message_has_a_troubleshooting_entry(sites):
     in docs/troubleshooting.md by one of its own stable pieces of text, so a reader who searches for
     the line they got finds its cause and fix; a new or reworded message without an entry fails here."""
     page = _read(os.path.join(DOCS, "troubleshooting.md"))
-    missing = [f"{s.path}:{s.line} {s.error}: {s.template}" for s in sites
-               if s.fragments and not error_messages.answered(s, page)]
+    missing = [
+        f"{s.path}:{s.line} {s.error}: {s.template}"
+        for s in sites
+        if s.fragments and not error_messages.answered(s, page)
+    ]
     assert not missing, "no entry in docs/troubleshooting.md for:\n" + "\n".join(missing)
 
 
@@ -57,7 +59,8 @@ def test_every_message_without_text_is_passed_on(sites):
     textless = {s.key for s in sites if not s.fragments}
     assert textless == set(error_messages.PASSED_ON), (
         f"raises without text not in PASSED_ON: {sorted(textless - set(error_messages.PASSED_ON))}; "
-        f"stale PASSED_ON entries: {sorted(set(error_messages.PASSED_ON) - textless)}")
+        f"stale PASSED_ON entries: {sorted(set(error_messages.PASSED_ON) - textless)}"
+    )
 
 
 def test_the_scan_finds_messages_built_elsewhere(sites):
@@ -85,8 +88,11 @@ def _attribute_docstrings(cls) -> dict[str, bool]:
     for i, node in enumerate(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             following = body[i + 1] if i + 1 < len(body) else None
-            out[node.target.id] = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                                   and isinstance(following.value.value, str))
+            out[node.target.id] = (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            )
     return out
 
 
@@ -130,8 +136,9 @@ def _anchors(path: str) -> set[str]:
     """A page's headings as anchors, and the objects its ``::: path`` lines render (mkdocstrings'
     anchor is the object's path)."""
     text = re.sub(r"```.*?```", "", _read(path), flags=re.S)
-    return ({_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M)}
-            | set(re.findall(r"^::: ([\w.]+)\s*$", text, flags=re.M)))
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M)} | set(
+        re.findall(r"^::: ([\w.]+)\s*$", text, flags=re.M)
+    )
 
 
 def test_every_relative_link_resolves():
@@ -154,8 +161,9 @@ def test_every_relative_link_resolves():
 
 def test_the_readme_is_a_front_page():
     lines = _read(os.path.join(ROOT, "README.md")).count("\n")
-    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; move detail into docs/ "
-                                       f"(at most {README_MAX_LINES})")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    )
 
 
 # ---- what a reader meets first: a TL;DR, formulas as math, diagrams as drawn -----------------------------
@@ -168,7 +176,9 @@ def test_every_page_opens_with_a_tldr():
             continue
         paragraphs = _read(path).split("\n", 1)[1].strip("\n").split("\n\n")
         quote = paragraphs[1 if path.endswith("README.md") else 0].splitlines()  # the README: under its tagline
-        if not (quote and quote[0].startswith("> **TL;DR**") and len(quote) <= 3 and all(q.startswith(">") for q in quote)):
+        if not (
+            quote and quote[0].startswith("> **TL;DR**") and len(quote) <= 3 and all(q.startswith(">") for q in quote)
+        ):
             missing.append(os.path.relpath(path, ROOT))
     assert not missing, f"pages without a TL;DR of 1-3 lines right under the title: {missing}"
 
@@ -191,8 +201,11 @@ def test_formulas_are_written_as_math():
         text = re.sub(r"\$\$.*?\$\$", "", re.sub(r"```.*?```", "", _read(path), flags=re.S), flags=re.S)
         for line in text.splitlines():
             bare = re.sub(r"\$[^$]+\$", "", re.sub(r"`[^`]*`", "", line))
-            if (PLAIN_FORMULA.search(bare) and not (line.lstrip().startswith("|") and rel == "docs/performance.md")
-                    and not any(rel == page and piece in line for page, piece in PRINTED)):
+            if (
+                PLAIN_FORMULA.search(bare)
+                and not (line.lstrip().startswith("|") and rel == "docs/performance.md")
+                and not any(rel == page and piece in line for page, piece in PRINTED)
+            ):
                 plain.append(f"{rel}: {line.strip()[:100]}")
     assert not plain, "formulas in plain text (write them as $...$):\n" + "\n".join(plain)
 

@@ -18,7 +18,6 @@ import pytest
 
 from tests.support import error_messages
 
-
 ROOT = error_messages.ROOT
 IMAGE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp")
 MATHML_NS = "{http://www.w3.org/1998/Math/MathML}"
@@ -36,15 +35,22 @@ def site(tmp_path_factory) -> str:
         _require(module)
     out = str(tmp_path_factory.mktemp("site"))
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", out],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", out],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
     return out
 
 
 def _pages(site: str) -> list[str]:
-    return sorted(os.path.join(folder, name) for folder, _, names in os.walk(site)
-                  for name in names if name.endswith(".html"))
+    return sorted(
+        os.path.join(folder, name) for folder, _, names in os.walk(site) for name in names if name.endswith(".html")
+    )
 
 
 class _Refs(HTMLParser):
@@ -136,8 +142,12 @@ def test_every_formula_is_rendered_mathml(site):
 def test_nothing_is_loaded_from_the_network(site):
     """Scripts, stylesheets and fonts come from the site itself: the build and the reader need no
     network (no MathJax or KaTeX from a CDN, no Google Fonts)."""
-    remote = [f"{os.path.relpath(page, site)}: {url}" for page in _pages(site) for url in _refs(page).loads
-              if re.match(r"(https?:)?//", url)]
+    remote = [
+        f"{os.path.relpath(page, site)}: {url}"
+        for page in _pages(site)
+        for url in _refs(page).loads
+        if re.match(r"(https?:)?//", url)
+    ]
     assert not remote, "loaded from the network:\n" + "\n".join(sorted(set(remote)))
 
 

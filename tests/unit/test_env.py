@@ -4,16 +4,20 @@ import subprocess
 import sys
 from importlib import metadata
 
-
 from titan_dmuon import env
 from titan_dmuon.options import DMuonOptions
 
 
-
 def test_the_report_names_versions_backends_devices_kernels_defaults():
     text = env.report()
-    for heading in ("versions", "distributed backends", "devices", "CPU kernels", "DMuon option defaults",
-                    "environment variables"):
+    for heading in (
+        "versions",
+        "distributed backends",
+        "devices",
+        "CPU kernels",
+        "DMuon option defaults",
+        "environment variables",
+    ):
         assert f"== {heading}\n" in text
     import torch
 
@@ -53,8 +57,10 @@ def test_the_variables_that_matter_are_listed(monkeypatch):
 def test_python_m_prints_it_without_importing_torchtitan():
     """The command a user runs; neither TorchTitan nor torchft is imported (their versions are read from
     the installed metadata), so the report also works where they cannot import."""
-    code = ("import runpy, sys; runpy.run_module('titan_dmuon.env', run_name='__main__'); "
-            "print('imported:', 'torchtitan' in sys.modules, 'torchft' in sys.modules)")
+    code = (
+        "import runpy, sys; runpy.run_module('titan_dmuon.env', run_name='__main__'); "
+        "print('imported:', 'torchtitan' in sys.modules, 'torchft' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith("== versions\n") and "== DMuon option defaults\n" in out
     assert out.rstrip().endswith("imported: False False")

@@ -47,12 +47,12 @@ from titan_dmuon.math.group_newton_schulz import (
 )
 from titan_dmuon.math.ns_methods import NS_METHODS, newton_schulz, ns_flops
 
-
 U = 2.0**-8  # bf16 unit round-off
 
 
-def simulate_group(matrices: torch.Tensor, group_size: int, *, ns_method: str = "torch", normalise=None,
-                   calls: list | None = None) -> torch.Tensor:
+def simulate_group(
+    matrices: torch.Tensor, group_size: int, *, ns_method: str = "torch", normalise=None, calls: list | None = None
+) -> torch.Tensor:
     """``group_newton_schulz`` of ``matrices`` (B, rows, cols) by ``group_size`` members, one thread each,
     reassembled. The all-reduce sums the members' parts in member order and gives every member the same
     sum; ``calls`` collects each all-reduce's numel (member 0's)."""
@@ -79,8 +79,13 @@ def simulate_group(matrices: torch.Tensor, group_size: int, *, ns_method: str = 
         lo, hi = bounds[i], bounds[i + 1]
         block = matrices[:, lo:hi] if tall else matrices[:, :, lo:hi]
         try:
-            results[i] = group_newton_schulz(block, shape=(rows, cols), group_size=group_size, ns_method=ns_method,
-                                             all_reduce=all_reduce if normalise is None else normalise(all_reduce))
+            results[i] = group_newton_schulz(
+                block,
+                shape=(rows, cols),
+                group_size=group_size,
+                ns_method=ns_method,
+                all_reduce=all_reduce if normalise is None else normalise(all_reduce),
+            )
         except BaseException as e:  # (a failing member must not leave the others at the barrier)
             failures.append(e)
             barrier.abort()
@@ -93,8 +98,6 @@ def simulate_group(matrices: torch.Tensor, group_size: int, *, ns_method: str = 
     if failures:
         raise failures[0]
     return torch.cat(results, dim=1 if tall else 2)
-
-
 
 
 def test_blocks_cover_the_long_side_contiguously():
@@ -196,6 +199,7 @@ def test_the_group_is_as_accurate_as_one_owner(ns_method, shape, group_size):
 
 def test_the_bound_catches_a_norm_left_unsummed():
     """A member that divides its block by its own norm (the norm's all-reduce skipped) is well past it."""
+
     def unsummed_norm(all_reduce):
         first = [True]
 
@@ -204,6 +208,7 @@ def test_the_bound_catches_a_norm_left_unsummed():
             all_reduce(tensor)
             if first.pop() if first else False:  # (the first sum: packed Gram matrices, then the squared norms)
                 tensor[:, -1] = own
+
         return skip_the_norm
 
     torch.manual_seed(0)
@@ -216,19 +221,23 @@ def test_the_bound_catches_a_norm_left_unsummed():
 
 
 @pytest.mark.parametrize("ns_method", NS_METHODS)
-@pytest.mark.parametrize("shape, group_size", [((1024, 4096), 2), ((1024, 4096), 8), ((4096, 1024), 3),
-                                               ((2048, 2048), 4), ((40, 16), 2), ((16, 40), 5)])
+@pytest.mark.parametrize(
+    "shape, group_size",
+    [((1024, 4096), 2), ((1024, 4096), 8), ((4096, 1024), 3), ((2048, 2048), 4), ((40, 16), 2), ((16, 40), 5)],
+)
 def test_group_flops_are_the_flops_run(ns_method, shape, group_size):
     """Counted on meta tensors for one member's block (its width from ``block_bounds``): every matmul it
     runs is in ``group_ns_flops``; the all-reduces are ``gram_all_reduces`` Gram matrices, the first with the norm."""
     short, long = min(shape), max(shape)
     width = block_bounds(long, group_size)[1]
-    block = torch.empty((1, width, short) if shape[0] > shape[1] else (1, short, width), device="meta",
-                        dtype=torch.bfloat16)
+    block = torch.empty(
+        (1, width, short) if shape[0] > shape[1] else (1, short, width), device="meta", dtype=torch.bfloat16
+    )
     sizes = []
     with FlopCounterMode(display=False) as counter:
-        group_newton_schulz(block, shape=shape, group_size=group_size, ns_method=ns_method,
-                            all_reduce=lambda t: sizes.append(t.numel()))
+        group_newton_schulz(
+            block, shape=shape, group_size=group_size, ns_method=ns_method, all_reduce=lambda t: sizes.append(t.numel())
+        )
     assert counter.get_total_flops() == group_ns_flops(short, long, width, group_size, ns_method=ns_method)
     count = gram_all_reduces(short, long, group_size, ns_method=ns_method)
     assert sizes == [packed_numel(short) + 1] + [packed_numel(short)] * (count - 1)  # (the norm rides with the first)
@@ -254,8 +263,9 @@ def test_a_group_of_one_is_the_one_owner_iteration():
     for ns_method in NS_METHODS:
         matrices = torch.randn(3, 48, 80)
         one_owner = newton_schulz(matrices, ns_method=ns_method).float()
-        alone = group_newton_schulz(matrices, shape=(48, 80), group_size=1, all_reduce=lambda t: None,
-                                    ns_method=ns_method).float()
+        alone = group_newton_schulz(
+            matrices, shape=(48, 80), group_size=1, all_reduce=lambda t: None, ns_method=ns_method
+        ).float()
         assert scale_ulps(alone - one_owner, one_owner) <= BATCHED_ULPS
 
 

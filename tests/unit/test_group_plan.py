@@ -8,13 +8,12 @@ import pytest
 
 from benchmarks.plan_scale import deepseek_v3_expert_specs, llama3_405b_specs
 from tests.support.plan_reference import reference_build_plan
-from titan_dmuon.plan.cost_model import owner_group_elements_per_rank
 from titan_dmuon.math.group_newton_schulz import block_bounds, group_ns_flops, packed_numel
-from titan_dmuon.plan.owner_groups import GroupOptions, group_sizes, member_load
 from titan_dmuon.math.ns_methods import ns_flops
-from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.plan.cost_model import owner_group_elements_per_rank
+from titan_dmuon.plan.owner_groups import GroupOptions, group_sizes, member_load
 from titan_dmuon.plan.ownership import build_plan
-
+from titan_dmuon.plan.specs import MatrixSpec
 
 GROUPS = GroupOptions()
 
@@ -28,8 +27,7 @@ S = 4096  # the dominant matrix's short side: (4 S, S), 13 TFLOP of NS, ~17 ms a
 
 def _dominant(scale: int = S):
     """One matrix whose NS is several times all the others' together: a 4-rank job's floor today."""
-    return [_spec("big", (4 * scale, scale))] + [_spec(f"small{i}", (scale // 4, scale // 4), unit=1)
-                                                  for i in range(6)]
+    return [_spec("big", (4 * scale, scale))] + [_spec(f"small{i}", (scale // 4, scale // 4), unit=1) for i in range(6)]
 
 
 def _max_over_mean(values):
@@ -114,8 +112,10 @@ def test_rules_that_need_the_whole_matrix_keep_one_owner():
     ]
     plan = build_plan(kept, replicate_size=1, shard_size=64, groups=GROUPS)
     assert all(e.group is None for e in plan.entries)
-    assert build_plan([_spec("free", (8192, 2048))], replicate_size=1, shard_size=64,
-                      groups=GROUPS).entries[0].group is not None
+    assert (
+        build_plan([_spec("free", (8192, 2048))], replicate_size=1, shard_size=64, groups=GROUPS).entries[0].group
+        is not None
+    )
 
 
 def test_moe_experts_are_left_alone():
@@ -149,8 +149,15 @@ def test_a_group_pays_only_where_it_beats_one_owner():
 
 
 def test_group_options_are_checked():
-    for bad in ({"node_size": 0}, {"ns_tflops": 0}, {"nic_gbps": float("inf")}, {"margin": -1}, {"max_size": 0},
-                {"latency_us": -1.0}, {"min_gain": 1.0}):
+    for bad in (
+        {"node_size": 0},
+        {"ns_tflops": 0},
+        {"nic_gbps": float("inf")},
+        {"margin": -1},
+        {"max_size": 0},
+        {"latency_us": -1.0},
+        {"min_gain": 1.0},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GroupOptions(**bad)
 
@@ -176,8 +183,9 @@ from titan_dmuon.plan.owner_groups import place_groups  # noqa: E402
 from titan_dmuon.plan.ownership import _least_loaded_owners  # noqa: E402
 
 # Cheap sums next to Newton–Schulz (a latency, a low bandwidth: every term of the model counts), nodes of 4.
-CPU_LIKE = GroupOptions(ns_tflops=1e-3, latency_us=50.0, nic_latency_us=100.0, intra_node_gbps=1.0, nic_gbps=0.5,
-                        node_size=4, min_gain=0.0)
+CPU_LIKE = GroupOptions(
+    ns_tflops=1e-3, latency_us=50.0, nic_latency_us=100.0, intra_node_gbps=1.0, nic_gbps=0.5, node_size=4, min_gain=0.0
+)
 BEST_PLAN_BOUND = 1.2  # the plan's busiest rank over the exhaustive search's (the same placement of each sizing)
 
 
@@ -207,13 +215,17 @@ def test_the_search_is_within_its_bound_of_the_best_sizing():
     rng = random.Random(0)
     for _ in range(60):
         shard_size = rng.choice([4, 8])
-        specs = [_spec(f"w{i}", (rng.choice([64, 512, 2048, 4096, 8192]), rng.choice([16, 32, 64])), unit=i)
-                 for i in range(rng.randint(1, 4))]
+        specs = [
+            _spec(f"w{i}", (rng.choice([64, 512, 2048, 4096, 8192]), rng.choice([16, 32, 64])), unit=i)
+            for i in range(rng.randint(1, 4))
+        ]
         plan = build_plan(specs, replicate_size=1, shard_size=shard_size, groups=CPU_LIKE)
         chosen = _busiest(specs, shard_size, CPU_LIKE, {i: e.group.size for i, e in enumerate(plan.entries) if e.group})
         choices = [[1] + group_sizes(shard_size, max(s.shape), CPU_LIKE) for s in specs]
-        best = min(_busiest(specs, shard_size, CPU_LIKE, {i: k for i, k in enumerate(combo) if k > 1})
-                   for combo in itertools.product(*choices))
+        best = min(
+            _busiest(specs, shard_size, CPU_LIKE, {i: k for i, k in enumerate(combo) if k > 1})
+            for combo in itertools.product(*choices)
+        )
         assert chosen <= BEST_PLAN_BOUND * best, [s.shape for s in specs]
 
 
@@ -241,8 +253,9 @@ def test_a_nearly_balanced_job_keeps_one_owner():
     """21 equal matrices on 2 ranks (one owner: 11 against 10): splitting one would gain under 5 %, so
     with the default ``min_gain`` the plan keeps one owner per weight; with none it splits."""
     specs = [_spec(f"w{i}", (2048, 64), unit=i) for i in range(21)]
-    kept = build_plan(specs, replicate_size=1, shard_size=2,
-                      groups=dataclasses.replace(CPU_LIKE, min_gain=GroupOptions().min_gain))
+    kept = build_plan(
+        specs, replicate_size=1, shard_size=2, groups=dataclasses.replace(CPU_LIKE, min_gain=GroupOptions().min_gain)
+    )
     assert all(e.group is None for e in kept.entries)
     split = build_plan(specs, replicate_size=1, shard_size=2, groups=CPU_LIKE)
     assert any(e.group is not None for e in split.entries)

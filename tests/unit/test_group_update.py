@@ -19,7 +19,6 @@ from titan_dmuon.math.ns_methods import MAX_STACK_BYTES, workspace_elements
 from titan_dmuon.optim.grouped_update import batch_order, member_batches
 
 
-
 def _weights(shape, group_ranks, names, member_index=0):
     """GroupedWeight stand-ins: a member (its block of ``shape`` on ``group_ranks``) per name."""
     k = len(group_ranks)
@@ -28,8 +27,12 @@ def _weights(shape, group_ranks, names, member_index=0):
     group = SimpleNamespace(ranks=group_ranks, size=k, long_dim=long_dim, bounds=bounds)
     width = bounds[member_index + 1] - bounds[member_index]
     block = (width, shape[1]) if long_dim == 0 else (shape[0], width)
-    return [SimpleNamespace(param=SimpleNamespace(shape=block), grad=None,
-                            member=SimpleNamespace(fqn=name, shape=shape, group=group)) for name in names]
+    return [
+        SimpleNamespace(
+            param=SimpleNamespace(shape=block), grad=None, member=SimpleNamespace(fqn=name, shape=shape, group=group)
+        )
+        for name in names
+    ]
 
 
 @pytest.mark.parametrize("shape, k", [((53248, 16384), 8), ((16384, 16384), 16), ((2048, 64), 4), ((64, 6000), 3)])

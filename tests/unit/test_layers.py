@@ -5,8 +5,6 @@ or through others. A new module goes into the folder of its layer; this test say
 import ast
 import os
 
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "titan_dmuon")
 # Lowest first. A module may import its own package (the first part of its path) and every layer below.

@@ -15,10 +15,10 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from benchmarks.ns_deviation import scale_ulps
-from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, newton_schulz, ns_flops
-from titan_dmuon.math.muon_update import adjusted_lr, exact_mode_refusal, muon_step
 from titan_dmuon.math.matrix_blocks import row_blocks
-
+from titan_dmuon.math.muon_update import muon_step
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, newton_schulz, ns_flops
+from titan_dmuon.math.update_rules import adjusted_lr, exact_mode_refusal
 
 BATCHED_ULPS = 4.0  # batched vs per-matrix Newton-Schulz, in bf16 ulps at the output's scale
 # Weights after a few batched steps vs torch.optim.Muon: each step's update is lr * scale * NS, off by
@@ -67,7 +67,9 @@ def test_muon_step_is_torch_muon(ns_mode, nesterov, adjust_lr_fn):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(*s)) for s in [(12, 8), (8, 12), (12, 8), (5, 5)] + [(16, 32)] * 5]
     reference = copy.deepcopy(params)
-    opt = torch.optim.Muon(reference, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    opt = torch.optim.Muon(
+        reference, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn
+    )
     buffers = [torch.zeros_like(p) for p in params]
     for step in range(3):
         grads = [torch.randn_like(p) for p in params]
@@ -76,8 +78,16 @@ def test_muon_step_is_torch_muon(ns_mode, nesterov, adjust_lr_fn):
         opt.step()
         with torch.no_grad():
             count = muon_step(
-                params, grads, buffers, [row_blocks(p.shape) for p in params],
-                lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, adjust_lr_fn=adjust_lr_fn,
+                params,
+                grads,
+                buffers,
+                [row_blocks(p.shape) for p in params],
+                lr=0.05,
+                weight_decay=0.1,
+                momentum=0.9,
+                nesterov=nesterov,
+                ns_steps=5,
+                adjust_lr_fn=adjust_lr_fn,
                 ns_mode=ns_mode,
             )
         assert count == 9
@@ -103,8 +113,18 @@ def test_exact_mode_on_blocks_and_experts_is_torch_muon_per_matrix(split):
         for leaf, (e, block) in zip(leaves, [(e, b) for e in range(3) for b in blocks]):
             leaf.grad = torch.cat([grad[e][a:b] for a, b in block])
         opt.step()
-        count = muon_step([experts], [grad], [buffer], [blocks], lr=0.05, weight_decay=0.1, momentum=0.9,
-                          nesterov=True, ns_steps=5, ns_mode="exact")
+        count = muon_step(
+            [experts],
+            [grad],
+            [buffer],
+            [blocks],
+            lr=0.05,
+            weight_decay=0.1,
+            momentum=0.9,
+            nesterov=True,
+            ns_steps=5,
+            ns_mode="exact",
+        )
         assert count == 3 * len(blocks)
         for leaf, (e, block) in zip(leaves, [(e, b) for e in range(3) for b in blocks]):
             assert torch.equal(torch.cat([experts[e][a:b] for a, b in block]), leaf)
@@ -118,10 +138,28 @@ def test_split_rows_equal_separate_matrices():
     grads = [torch.randn_like(p) for p in parts]
     separate = [p.clone() for p in parts]
     fused = torch.cat(parts)
-    muon_step(separate, grads, [torch.zeros_like(p) for p in parts], [row_blocks(p.shape) for p in parts],
-              lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
-    muon_step([fused], [torch.cat(grads)], [torch.zeros_like(fused)], [row_blocks(fused.shape, [8, 4, 4])],
-              lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    muon_step(
+        separate,
+        grads,
+        [torch.zeros_like(p) for p in parts],
+        [row_blocks(p.shape) for p in parts],
+        lr=0.1,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=True,
+        ns_steps=5,
+    )
+    muon_step(
+        [fused],
+        [torch.cat(grads)],
+        [torch.zeros_like(fused)],
+        [row_blocks(fused.shape, [8, 4, 4])],
+        lr=0.1,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=True,
+        ns_steps=5,
+    )
     assert torch.equal(fused, torch.cat(separate))
 
 
@@ -133,18 +171,32 @@ def test_interleaved_blocks_equal_separate_matrices():
     gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
 
     def interleave(a, b, c):
-        return torch.cat([torch.cat([a[g * 2 * hd : (g + 1) * 2 * hd], b[g * hd : (g + 1) * hd], c[g * hd : (g + 1) * hd]]) for g in range(2)])
+        return torch.cat(
+            [
+                torch.cat([a[g * 2 * hd : (g + 1) * 2 * hd], b[g * hd : (g + 1) * hd], c[g * hd : (g + 1) * hd]])
+                for g in range(2)
+            ]
+        )
 
     fused, grad = interleave(q, k, v), interleave(gq, gk, gv)
     group = 4 * hd
-    blocks = row_blocks(fused.shape, [
-        [(g * group, g * group + 2 * hd) for g in range(2)],
-        [(g * group + 2 * hd, g * group + 3 * hd) for g in range(2)],
-        [(g * group + 3 * hd, (g + 1) * group) for g in range(2)],
-    ])
+    blocks = row_blocks(
+        fused.shape,
+        [
+            [(g * group, g * group + 2 * hd) for g in range(2)],
+            [(g * group + 2 * hd, g * group + 3 * hd) for g in range(2)],
+            [(g * group + 3 * hd, (g + 1) * group) for g in range(2)],
+        ],
+    )
     separate = [q.clone(), k.clone(), v.clone()]
     kwargs = dict(lr=0.1, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
-    muon_step(separate, [gq, gk, gv], [torch.zeros_like(t) for t in separate], [row_blocks(t.shape) for t in separate], **kwargs)
+    muon_step(
+        separate,
+        [gq, gk, gv],
+        [torch.zeros_like(t) for t in separate],
+        [row_blocks(t.shape) for t in separate],
+        **kwargs,
+    )
     muon_step([fused], [grad], [torch.zeros_like(fused)], [blocks], **kwargs)
     assert torch.equal(fused, interleave(*separate))
 
@@ -179,14 +231,26 @@ def test_shapes_equal_up_to_transpose_share_one_batch(monkeypatch):
 
     batches = []
     original = muon_update.orthogonalise_wide_
-    monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(tuple(x.shape)) or original(x, **k))
+    monkeypatch.setattr(
+        muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(tuple(x.shape)) or original(x, **k)
+    )
     torch.manual_seed(0)
     params = [torch.randn(12, 8), torch.randn(8, 12), torch.randn(24, 8)]  # w1, w2, a fused (8; 8; 8) q/k/v
-    reference = [torch.nn.Parameter(p.clone()) for p in params[:2]] + [torch.nn.Parameter(t.clone()) for t in params[2].split(8)]
+    reference = [torch.nn.Parameter(p.clone()) for p in params[:2]] + [
+        torch.nn.Parameter(t.clone()) for t in params[2].split(8)
+    ]
     grads = [torch.randn_like(p) for p in params]
-    count = muon_step(params, grads, [torch.zeros_like(p) for p in params],
-                      [row_blocks(p.shape) for p in params[:2]] + [row_blocks(params[2].shape, [8, 8, 8])],
-                      lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    count = muon_step(
+        params,
+        grads,
+        [torch.zeros_like(p) for p in params],
+        [row_blocks(p.shape) for p in params[:2]] + [row_blocks(params[2].shape, [8, 8, 8])],
+        lr=0.05,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=True,
+        ns_steps=5,
+    )
     assert count == 5 and sorted(batches) == [(2, 8, 12), (3, 8, 8)]
     for p, g in zip(reference, grads[:2] + list(grads[2].split(8))):
         p.grad = g.clone()
@@ -206,10 +270,21 @@ def test_stack_cap_splits_batches_without_changing_the_update(monkeypatch):
         monkeypatch.setattr(ns_methods, "MAX_STACK_BYTES", cap)
         batches = []
         original = muon_update.orthogonalise_wide_
-        monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
+        monkeypatch.setattr(
+            muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k)
+        )
         out = [p.clone() for p in params]
-        muon_step(out, grads, [torch.zeros_like(p) for p in params], [row_blocks(p.shape) for p in params],
-                  lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+        muon_step(
+            out,
+            grads,
+            [torch.zeros_like(p) for p in params],
+            [row_blocks(p.shape) for p in params],
+            lr=0.05,
+            weight_decay=0.1,
+            momentum=0.9,
+            nesterov=True,
+            ns_steps=5,
+        )
         monkeypatch.setattr(muon_update, "orthogonalise_wide_", original)
         return out, batches
 
@@ -239,7 +314,9 @@ def test_capped_batches_are_smaller_for_a_method_with_a_larger_workspace(monkeyp
     for method, expected in (("torch", [4, 2]), ("polar_express", [4, 2]), ("gram", [2, 2, 2])):
         assert ns_methods.uses_gram(short, long) or method != "gram"
         batches = []
-        monkeypatch.setattr(muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k))
+        monkeypatch.setattr(
+            muon_update, "orthogonalise_wide_", lambda x, **k: batches.append(x.shape[0]) or original(x, **k)
+        )
         muon_update.orthogonalise([torch.randn(short, long) for _ in range(6)], ns_method=method)
         assert batches == expected, (method, batches)
         assert max(batches) * workspace[method] <= 4 * standard  # within the standard iteration's at the cap

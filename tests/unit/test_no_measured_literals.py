@@ -13,16 +13,16 @@ design figure named in ``DESIGN_FIGURES`` with why it is exact. (Counts are inte
 import ast
 import os
 
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(ROOT, "tests")
 SIGNIFICANT = 4  # 0.9329 is flagged, 0.5, 1e-3, 0.0008 and 2.5 are not
 
 # (file, literal) -> why the figure is exact (elements from the model's shapes, not a measurement)
 DESIGN_FIGURES = {
-    ("e2e/test_titan_e2e.py", 7.2417):
-        "M elements/rank/step of Z3 on the debug model, 3(N-1)/N P_M - (N-1)/N P_layer, from its shapes",
+    (
+        "e2e/test_titan_e2e.py",
+        7.2417,
+    ): "M elements/rank/step of Z3 on the debug model, 3(N-1)/N P_M - (N-1)/N P_layer, from its shapes",
     ("e2e/test_titan_e2e.py", 19.5953): "MB of the same elements (bf16 broadcasts, fp32 reduces), from the shapes",
     ("e2e/test_titan_e2e.py", 7.6677): "step 1's Z3 elements (the last layer re-broadcast), from the shapes",
     ("e2e/test_titan_e2e.py", 5.1118): "2(N-1)/N P_M of the debug model, from its shapes",
@@ -71,8 +71,13 @@ def compared_literals(source: str) -> list[tuple[int, float]]:
 
 
 def _compared(tree: ast.AST):
-    named = {target.id: node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-             for target in node.targets if isinstance(target, ast.Name)}
+    named = {
+        target.id: node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     for node in ast.walk(tree):
         operands = []
         if isinstance(node, ast.Assert):

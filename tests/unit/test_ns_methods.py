@@ -23,20 +23,21 @@ from tests.support.helpers import PAPER_POLAR_EXPRESS, PAPER_SAFETY, paper_sched
 from titan_dmuon.math import ns_methods
 from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_METHODS, newton_schulz, ns_flops, ns_schedule, uses_gram
 
-
 BATCHED_ULPS = 4.0  # as test_muon_math.py: batched vs per-matrix GEMM rounding, in bf16 ulps at the output's scale
 U = 2.0**-8  # bf16 unit round-off (8 significant bits, rounding to nearest)
 STEPS = 5
 
 
 def test_the_schedules_are_torchs_and_the_papers():
-    """"torch": torch.optim.Muon's triple every step; "polar_express" and "gram": the paper's
+    """ "torch": torch.optim.Muon's triple every step; "polar_express" and "gram": the paper's
     Algorithm 1 list with its safety factor on all but the last polynomial, the last repeated."""
     assert ns_schedule("torch", 3) == (NS_COEFFICIENTS,) * 3
     for method in ("polar_express", "gram"):
         assert list(ns_schedule(method, 5)) == paper_schedule(5)
-        assert list(ns_schedule(method, 10)) == paper_schedule(10) and ns_schedule(method, 10)[-3:] == (
-            PAPER_POLAR_EXPRESS[-1],) * 3
+        assert (
+            list(ns_schedule(method, 10)) == paper_schedule(10)
+            and ns_schedule(method, 10)[-3:] == (PAPER_POLAR_EXPRESS[-1],) * 3
+        )
     assert ns_methods.ns_input_scale("polar_express") == PAPER_SAFETY
     with pytest.raises(ValueError, match="ns_method must be one of"):
         ns_schedule("newton", 5)
@@ -75,8 +76,9 @@ def test_the_bound_catches_a_wrong_schedule_or_restart():
     torch.manual_seed(0)
     gaussian = torch.randn(4, 16, 48)
     g = torch.Generator().manual_seed(0)
-    graded = torch.stack([spectrum(64, 192, torch.logspace(0, -3, 64, dtype=torch.float64), g)
-                          for _ in range(2)]).float()
+    graded = torch.stack(
+        [spectrum(64, 192, torch.logspace(0, -3, 64, dtype=torch.float64), g) for _ in range(2)]
+    ).float()
     for method, stack in (("polar_express", gaussian), ("gram", gaussian), ("gram", graded)):
         reference = reference_newton_schulz(method)
         expected = torch.stack([reference(m, NS_COEFFICIENTS, STEPS, 1e-7) for m in stack]).float()
@@ -84,16 +86,19 @@ def test_the_bound_catches_a_wrong_schedule_or_restart():
         x = stack.bfloat16()
         x = x / (x.flatten(1).norm(dim=1) * PAPER_SAFETY)[:, None, None]
         if stack is gaussian:
-            wrong = [ns_methods._iterate(x.clone(), PAPER_POLAR_EXPRESS[:STEPS]),
-                     ns_methods._iterate(x.clone(), [NS_COEFFICIENTS] * STEPS)]
+            wrong = [
+                ns_methods._iterate(x.clone(), PAPER_POLAR_EXPRESS[:STEPS]),
+                ns_methods._iterate(x.clone(), [NS_COEFFICIENTS] * STEPS),
+            ]
         else:
             wrong = [ns_methods._gram_newton_schulz(x.clone(), paper_schedule(STEPS), restarts=r) for r in ((), (2,))]
         for output in wrong:
             assert scale_ulps(output.float() - expected, expected) > 4 * BATCHED_ULPS
 
 
-@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (24, 32), (1024, 1024), (1030, 3001), (2048, 2048),
-                                   (4096, 14336)])
+@pytest.mark.parametrize(
+    "shape", [(16, 40), (40, 16), (24, 32), (1024, 1024), (1030, 3001), (2048, 2048), (4096, 14336)]
+)
 @pytest.mark.parametrize("method", NS_METHODS)
 def test_ns_flops_are_the_flops_run(shape, method):
     """Counted on meta tensors (no arithmetic): every matmul of the iteration each method runs on this
@@ -196,7 +201,8 @@ def test_the_polynomials_absorb_the_round_off_of_a_step():
     unit = torch.ones(1, dtype=torch.float64)
     for method in NS_METHODS:
         assert _band(method, unit * torch.logspace(0, -3, 50, dtype=torch.float64), PER_STEP)[1] == pytest.approx(
-            _band(method, unit * torch.logspace(0, -3, 50, dtype=torch.float64), 0.0)[1], rel=1e-9)
+            _band(method, unit * torch.logspace(0, -3, 50, dtype=torch.float64), 0.0)[1], rel=1e-9
+        )
     raw = {"torch": NS_COEFFICIENTS}
 
     def unsafe(method, steps):  # the paper's polynomials without the safety factor

@@ -7,9 +7,8 @@ import pytest
 
 from tests.support.plan_reference import reference_build_plan
 from titan_dmuon.math.ns_methods import ns_flops
-from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.plan.ownership import build_plan
-
+from titan_dmuon.plan.specs import MatrixSpec
 
 
 def _specs(shapes, unit_size=3):
@@ -76,10 +75,17 @@ def _llama_specs(layers, dim, hidden, kv_dim):
     specs = []
     for layer in range(layers):
         qkv = (((0, dim),), ((dim, dim + kv_dim),), ((dim + kv_dim, dim + 2 * kv_dim),))
-        shapes = {"wqkv": ((dim + 2 * kv_dim, dim), qkv), "wo": ((dim, dim), None), "w1": ((hidden, dim), None),
-                  "w2": ((dim, hidden), None), "w3": ((hidden, dim), None)}
+        shapes = {
+            "wqkv": ((dim + 2 * kv_dim, dim), qkv),
+            "wo": ((dim, dim), None),
+            "w1": ((hidden, dim), None),
+            "w2": ((dim, hidden), None),
+            "w3": ((hidden, dim), None),
+        }
         for name, (shape, blocks) in shapes.items():
-            specs.append(MatrixSpec(fqn=f"layers.{layer}.{name}", shape=shape, unit=layer, blocks=blocks or (((0, shape[0]),),)))
+            specs.append(
+                MatrixSpec(fqn=f"layers.{layer}.{name}", shape=shape, unit=layer, blocks=blocks or (((0, shape[0]),),))
+            )
     return specs
 
 
@@ -89,7 +95,9 @@ def _toy_specs():
     model = ToyTransformer(ToyConfig())
     names = {id(p): n for n, p in model.named_parameters()}
     return [
-        MatrixSpec(fqn=names[id(p)], shape=tuple(p.shape), unit=int(names[id(p)].split(".")[1]), blocks=(((0, p.shape[0]),),))
+        MatrixSpec(
+            fqn=names[id(p)], shape=tuple(p.shape), unit=int(names[id(p)].split(".")[1]), blocks=(((0, p.shape[0]),),)
+        )
         for p in muon_targets(model)
     ]
 
@@ -122,8 +130,13 @@ def test_experts_kept_on_their_rank_count_toward_balance():
 def test_tensor_parallel_homes_balance_each_layer_over_the_tp_ranks():
     """Each TP matrix's NS home: per layer the largest first to the least-loaded tp rank (load carried
     over layers), deterministic, in the digest; the cost is the full matrix's."""
-    specs = [MatrixSpec(fqn=f"l{u}.w{i}", shape=(8 * (i + 1), 16), unit=u, blocks=(((0, 16 * (i + 1)),),), tp_dim=0,
-                        tp_size=2) for u in range(2) for i in range(4)]
+    specs = [
+        MatrixSpec(
+            fqn=f"l{u}.w{i}", shape=(8 * (i + 1), 16), unit=u, blocks=(((0, 16 * (i + 1)),),), tp_dim=0, tp_size=2
+        )
+        for u in range(2)
+        for i in range(4)
+    ]
     plan = build_plan(specs, replicate_size=1, shard_size=1)
     assert plan == build_plan(specs, replicate_size=1, shard_size=1)
     assert specs[0].full_shape == (16, 16) and plan.entries[0].ns_flops == ns_flops(16, 16)
@@ -152,14 +165,20 @@ def test_tensor_parallel_homes_of_experts_and_replicated_weights():
     assert len(by_name["l0.experts"].tp_homes) == 4 and set(by_name["l0.experts"].tp_homes) == {0, 1}
     assert by_name["l0.router"].tp_replicated and len(by_name["l0.router"].tp_homes) == 1
     # 3 experts over 2 shard indices: 2 on index 0, 1 on index 1, on both replicas (global ranks r * 2 + s)
-    assert [(x.rank, x.first, len(x.tp_homes)) for x in plan.local_tp_experts] == [(0, 0, 2), (1, 2, 1), (2, 0, 2),
-                                                                                      (3, 2, 1)]
+    assert [(x.rank, x.first, len(x.tp_homes)) for x in plan.local_tp_experts] == [
+        (0, 0, 2),
+        (1, 2, 1),
+        (2, 0, 2),
+        (3, 2, 1),
+    ]
     assert set(plan.local_tp_experts_of(0)[0].tp_homes) == {0, 1}  # one expert per TP rank
     assert plan.local_tp_numel == 2 * 3 * 8 * 16  # each replica's experts
     assert plan.digest() != build_plan([experts, router, dense], replicate_size=2, shard_size=2).digest()
     moved = dataclasses.replace(kept, shape=(4, 8, 16))
-    assert plan.digest() != build_plan([experts, router, dense], replicate_size=2, shard_size=2,
-                                       local_tp_specs=[moved]).digest()
+    assert (
+        plan.digest()
+        != build_plan([experts, router, dense], replicate_size=2, shard_size=2, local_tp_specs=[moved]).digest()
+    )
 
 
 # ---- the heap assigns as the scan of every rank did ----------------------------------------------
@@ -179,8 +198,16 @@ def _random_specs(rng: random.Random) -> list[MatrixSpec]:
         elif kind < 0.4:
             tp_dim, tp_size = rng.choice([0, 1]), rng.choice([2, 4])
             shape = (rows // tp_size, cols) if tp_dim == 0 else (rows, cols // tp_size)
-        specs.append(MatrixSpec(fqn=f"layers.{i // 5}.w{i}", shape=shape, unit=rng.randrange(4), blocks=blocks,
-                                tp_dim=tp_dim, tp_size=tp_size))
+        specs.append(
+            MatrixSpec(
+                fqn=f"layers.{i // 5}.w{i}",
+                shape=shape,
+                unit=rng.randrange(4),
+                blocks=blocks,
+                tp_dim=tp_dim,
+                tp_size=tp_size,
+            )
+        )
     return specs
 
 
@@ -196,11 +223,13 @@ def test_heap_assignment_equals_the_scan_of_every_rank(seed):
         specs = _random_specs(rng)
         replicate_size, shard_size = rng.choice([1, 1, 2, 3]), rng.randrange(1, 10)
         world = replicate_size * shard_size
-        initial_load = rng.choice([None, [rng.choice([0, 0, unit, 2 * unit, rng.randrange(10 * unit)])
-                                          for _ in range(world)]])
+        initial_load = rng.choice(
+            [None, [rng.choice([0, 0, unit, 2 * unit, rng.randrange(10 * unit)]) for _ in range(world)]]
+        )
         plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, initial_load=initial_load)
-        expected = reference_build_plan(specs, replicate_size=replicate_size, shard_size=shard_size,
-                                        initial_load=initial_load)
+        expected = reference_build_plan(
+            specs, replicate_size=replicate_size, shard_size=shard_size, initial_load=initial_load
+        )
         assert [e.owner for e in plan.entries] == [e.owner for e in expected.entries]
         assert plan == expected and plan.digest() == expected.digest()
 
@@ -209,9 +238,12 @@ def test_heap_assignment_equals_the_scan_of_every_rank(seed):
 def test_heap_assignment_equals_the_scan_at_scale(replicate_size, shard_size):
     """The same on llama3 405B's shapes (fewer weights than ranks: every rank but the busiest idle or
     nearly) and on experts that all cost the same (every pick a tie)."""
-    experts = [MatrixSpec(fqn=f"layers.{layer}.experts.{name}.{e}", shape=shape, unit=layer, blocks=(((0, shape[0]),),))
-               for layer in range(4) for name, shape in (("w1", (64, 112)), ("w2", (112, 64)), ("w3", (64, 112)))
-               for e in range(64)]
+    experts = [
+        MatrixSpec(fqn=f"layers.{layer}.experts.{name}.{e}", shape=shape, unit=layer, blocks=(((0, shape[0]),),))
+        for layer in range(4)
+        for name, shape in (("w1", (64, 112)), ("w2", (112, 64)), ("w3", (64, 112)))
+        for e in range(64)
+    ]
     for specs in (_llama_specs(126, 16384, 53248, 1024), experts):
         plan = build_plan(specs, replicate_size=replicate_size, shard_size=shard_size)
         assert plan == reference_build_plan(specs, replicate_size=replicate_size, shard_size=shard_size)

@@ -9,14 +9,14 @@ from torch import nn
 from tests.support.helpers import toy_model
 from tests.support.runtime_parts import fake_pg, runtime_parts
 from titan_dmuon.math.ns_methods import ns_flops
-from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.plan.ownership import build_plan
-from titan_dmuon.runtime.dedicate import assign_units, layout_unit, local_expert_load, make_members
+from titan_dmuon.plan.specs import MatrixSpec
+from titan_dmuon.runtime.dedicate import local_expert_load, make_members
 from titan_dmuon.runtime.members import LocalExperts
 from titan_dmuon.runtime.mode import MeshInfo
 from titan_dmuon.runtime.request import Requested, registration_sites, requested_params
+from titan_dmuon.runtime.unit_layout import assign_units, layout_unit
 from titan_dmuon.testing.toy_model import muon_targets
-
 
 
 class _Model(nn.Module):
@@ -85,8 +85,16 @@ def _unit_layout():
     shapes = [(4, 2), (2, 6), (8, 2), (2, 2), (6, 4), (4, 4)]
     specs = [MatrixSpec(fqn=f"w{i}", shape=s, unit=0, blocks=(((0, s[0]),),)) for i, s in enumerate(shapes)]
     plan = build_plan(specs, replicate_size=2, shard_size=2)
-    mesh = MeshInfo(mesh=None, shard_group=None, shard_size=2, shard_rank=0, replicate_group=None, replicate_size=2,
-                    replicate_rank=0, device=torch.device("cpu"))
+    mesh = MeshInfo(
+        mesh=None,
+        shard_group=None,
+        shard_size=2,
+        shard_rank=0,
+        replicate_group=None,
+        replicate_size=2,
+        replicate_rank=0,
+        device=torch.device("cpu"),
+    )
     layer = nn.Module()
     params = []
     for i, s in enumerate(shapes):
@@ -111,8 +119,10 @@ def test_a_units_buffer_is_laid_out_by_shard_owner_then_global_owner():
         for bucket in buckets:
             for piece in bucket.pieces:
                 m = piece.member
-                assert (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)) == (segment.shard_owner,
-                                                                                      bucket.replicate_owner)
+                assert (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)) == (
+                    segment.shard_owner,
+                    bucket.replicate_owner,
+                )
                 assert m.offset == piece.offset == offset and piece.index is None
                 offset += m.numel
         assert segment.stop == offset
@@ -142,8 +152,8 @@ def _dedication(world):
         return {
             "unit_modules": [model.layers[i] is m for i, m in enumerate(dedication.unit_modules)],
             "unit_names": [u.name for u in ctx.units],
-            "members": sorted(m.fqn for m in dedication.members) == sorted(
-                n for n, p in model.named_parameters() if any(p is q for q in muon_targets(model))),
+            "members": sorted(m.fqn for m in dedication.members)
+            == sorted(n for n, p in model.named_parameters() if any(p is q for q in muon_targets(model))),
             "in_units": all(m in ctx.units[m.entry.unit].members for m in dedication.members)
             and sum(len(u.members) for u in ctx.units) == len(dedication.members),
             "held": all(m.param.numel() == (m.numel if m.holds_full else 0) for m in dedication.members),

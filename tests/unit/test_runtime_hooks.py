@@ -12,7 +12,6 @@ from torch import nn
 
 from tests.support.runtime_parts import fake_pg, runtime_parts
 
-
 # The dedicated layers compute on views of one packed fp32 buffer holding copies of the weights: the
 # same math as plain autograd, but a kernel may take another path for a view at an offset: equal up to
 # fp32 rounding of these 8-wide sums.
@@ -47,10 +46,16 @@ class _Tiny(nn.Module):
 def _hooked(model, *, reshard=True, followed=None):
     from titan_dmuon.runtime.hooks import StepHooks
 
-    parts = runtime_parts(1, model=model, params=[layer.weight for layer in model.layers], allocate=False,
-                          reshard=reshard)
-    hooks = StepHooks(module=model, ctx=parts.ctx, members=parts.dedication.members, param_dtype=None,
-                      follow_params=(lambda: followed.append("followed")) if followed is not None else (lambda: None))
+    parts = runtime_parts(
+        1, model=model, params=[layer.weight for layer in model.layers], allocate=False, reshard=reshard
+    )
+    hooks = StepHooks(
+        module=model,
+        ctx=parts.ctx,
+        members=parts.dedication.members,
+        param_dtype=None,
+        follow_params=(lambda: followed.append("followed")) if followed is not None else (lambda: None),
+    )
     return parts, hooks
 
 
@@ -74,21 +79,28 @@ def _step(reshard):
         model.events = events
         model(x).backward()
         reference(x).backward()
-        out[f"close{step}"] = all(torch.allclose(a.grad, b.grad, rtol=TOLERANCE, atol=TOLERANCE)
-                                  for a, b in zip(model.parameters(), reference.parameters()))
+        out[f"close{step}"] = all(
+            torch.allclose(a.grad, b.grad, rtol=TOLERANCE, atol=TOLERANCE)
+            for a, b in zip(model.parameters(), reference.parameters())
+        )
         for p in (*model.parameters(), *reference.parameters()):
             p.grad = None
     out["events"] = list(events)
-    out["registered"] = all(layer._parameters["weight"] is m.param for layer, m in
-                            zip(model.layers, sorted(parts.dedication.members, key=lambda m: m.fqn)))
+    out["registered"] = all(
+        layer._parameters["weight"] is m.param
+        for layer, m in zip(model.layers, sorted(parts.dedication.members, key=lambda m: m.fqn))
+    )
     out["buffer_bytes"] = parts.ctx.buffer_bytes
     out["followed"] = followed
     out["order"] = [u.name for u in parts.ctx.forward_order]
     with torch.no_grad():
         model.events = None
         model(x)  # evaluation: each layer's buffer freed as it is done, the weights put back
-    out["after_no_grad"] = (parts.ctx.buffer_bytes, [u.phase.value for u in parts.units],
-                            all(layer._parameters["weight"] is layer.weight for layer in model.layers))
+    out["after_no_grad"] = (
+        parts.ctx.buffer_bytes,
+        [u.phase.value for u in parts.units],
+        all(layer._parameters["weight"] is layer.weight for layer in model.layers),
+    )
     return out
 
 
@@ -108,8 +120,15 @@ def test_the_hooks_give_owners_autograds_gradients_and_leave_the_model_as_it_was
     assert out["before"] is False and out["followed"] == ["followed"]
     assert out["close0"] and out["close1"]
     assert out["order"] == ["layers.0", "layers.1", "layers.2"]
-    assert out["events"] == [("grad", "layers.2"), ("reduce", "layers.2"), ("grad", "layers.1"),
-                             ("reduce", "layers.1"), ("grad", "layers.0"), ("reduce", "layers.0"), ("finish",)]
+    assert out["events"] == [
+        ("grad", "layers.2"),
+        ("reduce", "layers.2"),
+        ("grad", "layers.1"),
+        ("reduce", "layers.1"),
+        ("grad", "layers.0"),
+        ("reduce", "layers.0"),
+        ("finish",),
+    ]
     assert out["registered"] and out["buffer_bytes"] == 0
     assert out["after_no_grad"] == (0, ["idle", "idle", "idle"], True)
 

@@ -8,7 +8,6 @@ from torch import nn
 from tests.support.runtime_parts import fake_pg, runtime_parts
 
 
-
 def _stand_ins(world, hsdp, *, sharded, shard_dim=None, replicated_layout=False):
     """The stand-ins seen inside ``initialising`` (placements, local and global shapes) for every
     dedicated weight of the toy model; each is filled with its index + 1, then what the owners kept.
@@ -22,8 +21,9 @@ def _stand_ins(world, hsdp, *, sharded, shard_dim=None, replicated_layout=False)
         members, written, seen = parts.dedication.members, [], []
         layout = (lambda m: (parts.mode.mesh.mesh, (Replicate(),))) if replicated_layout else None
         dims = None if shard_dim is None else (lambda m: shard_dim)
-        with initialising(members, parts.mode, sharded=sharded, shard_dim=dims, layout=layout,
-                          on_written=lambda: written.append(True)):
+        with initialising(
+            members, parts.mode, sharded=sharded, shard_dim=dims, layout=layout, on_written=lambda: written.append(True)
+        ):
             for i, m in enumerate(members):
                 stand_in = m.module._parameters[m.name]
                 if isinstance(stand_in.data, DTensor):
@@ -32,8 +32,14 @@ def _stand_ins(world, hsdp, *, sharded, shard_dim=None, replicated_layout=False)
                     seen.append((None, tuple(stand_in.shape), tuple(stand_in.shape)))
                 with torch.no_grad():
                     nn.init.constant_(stand_in, float(i + 1))
-        kept = [(m.holds_full, m.param.numel() == (m.numel if m.holds_full else 0),
-                 bool((m.param == i + 1).all()) if m.holds_full else None) for i, m in enumerate(members)]
+        kept = [
+            (
+                m.holds_full,
+                m.param.numel() == (m.numel if m.holds_full else 0),
+                bool((m.param == i + 1).all()) if m.holds_full else None,
+            )
+            for i, m in enumerate(members)
+        ]
         restored = all(m.module._parameters[m.name] is m.param for m in members)
         return seen, kept, written, restored, [m.shape for m in members]
 

@@ -5,15 +5,16 @@ from torch import nn
 
 from titan_dmuon.math.matrix_blocks import block_rows
 from titan_dmuon.math.ns_methods import ns_flops
-from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.plan.ownership import build_plan
+from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece
 
 
-
 def _entries():
-    specs = [MatrixSpec(fqn="a.weight", shape=(6, 4), unit=0, blocks=(((0, 6),),)),
-             MatrixSpec(fqn="b.weight", shape=(3, 5), unit=1, blocks=(((0, 3),),))]
+    specs = [
+        MatrixSpec(fqn="a.weight", shape=(6, 4), unit=0, blocks=(((0, 6),),)),
+        MatrixSpec(fqn="b.weight", shape=(3, 5), unit=1, blocks=(((0, 3),),)),
+    ]
     return build_plan(specs, replicate_size=1, shard_size=2).entries
 
 
@@ -22,8 +23,9 @@ def test_a_member_reads_its_name_and_size_from_its_plan_entry():
     owner = nn.Linear(4, 6, bias=False)
     member = Member(entry=a, module=owner, name="weight", param=owner.weight, holds_full=True, runs_ns=True)
     assert (member.fqn, member.shape, member.numel) == ("a.weight", (6, 4), 24)
-    other = Member(entry=b, module=owner, name="weight", param=nn.Parameter(torch.empty(0)), holds_full=False,
-                   runs_ns=False)
+    other = Member(
+        entry=b, module=owner, name="weight", param=nn.Parameter(torch.empty(0)), holds_full=False, runs_ns=False
+    )
     pieces = [Piece(member=m, index=None, shard_owner=0, replicate_owner=0) for m in (member, other)]
     bucket = Bucket(shard_owner=0, replicate_owner=0, pieces=pieces)
     assert bucket.numel == 24 + 15  # the full sizes, also of a weight this rank holds a placeholder of

@@ -17,7 +17,6 @@ from titan_dmuon.runtime.reducer import GradientReducer
 from titan_dmuon.runtime.streams import Streams
 
 
-
 def _recorded_backward(world, *, hsdp=False, hook=False, deferred=False):
     """The log of one simulated backward: ("reduce", unit) as each post-backward starts, ("hook",
     stream) for each all-reduce hook call, ("wait", flight, stream) for each wait on a launch,
@@ -38,8 +37,13 @@ def _recorded_backward(world, *, hsdp=False, hook=False, deferred=False):
         with fake_pg(world):
             parts = runtime_parts(world, hsdp=hsdp)
             stats = CommStats()
-            reducer = GradientReducer(mode=parts.mode, streams=Streams(torch.device("cuda", 0)), stats=stats,
-                                      reduce_dtype=torch.float32, divide_factor=1.0)
+            reducer = GradientReducer(
+                mode=parts.mode,
+                streams=Streams(torch.device("cuda", 0)),
+                stats=stats,
+                reduce_dtype=torch.float32,
+                divide_factor=1.0,
+            )
             if hook:
                 reducer.all_reduce_hook = lambda flat: device.log.append(("hook", device.current))
 
@@ -65,9 +69,15 @@ def _recorded_backward(world, *, hsdp=False, hook=False, deferred=False):
             reducer.finish()
             handed = sum(m.param.grad is not None for m in parts.dedication.members if m.runs_ns)
             owners = sum(m.runs_ns for m in parts.dedication.members)
-            return {"log": device.log, "units": len(parts.units), "handed": handed, "owners": owners,
-                    "replicate_reduces": stats.pop().get(CommLabel.REPLICATE_REDUCE, (0, 0, 0))[2],
-                    "pending": pending if deferred else None, "after": reducer.awaiting_finish}
+            return {
+                "log": device.log,
+                "units": len(parts.units),
+                "handed": handed,
+                "owners": owners,
+                "replicate_reduces": stats.pop().get(CommLabel.REPLICATE_REDUCE, (0, 0, 0))[2],
+                "pending": pending if deferred else None,
+                "after": reducer.awaiting_finish,
+            }
     finally:
         torch.get_device_module, InFlight.wait = real_module, real_wait
 

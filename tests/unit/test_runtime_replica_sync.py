@@ -3,10 +3,8 @@ from their global owner to its replicate peers, in place, one launch per unit; n
 
 from fractions import Fraction
 
-
 from tests.support.runtime_parts import fake_pg, runtime_parts
 from titan_dmuon.runtime.comm import CommLabel
-
 
 
 def _replica_broadcasts(world, hsdp):
@@ -31,8 +29,13 @@ def _replica_broadcasts(world, hsdp):
         finally:
             Launch.broadcast = real
         mesh = parts.mode.mesh
-        held = [(b.replicate_owner, p.member.param.untyped_storage().data_ptr(), p.numel)
-                for u in ctx.units for b in u.buckets if b.shard_owner == mesh.shard_rank for p in b.pieces]
+        held = [
+            (b.replicate_owner, p.member.param.untyped_storage().data_ptr(), p.numel)
+            for u in ctx.units
+            for b in u.buckets
+            if b.shard_owner == mesh.shard_rank
+            for p in b.pieces
+        ]
         units_holding = sum(any(s.shard_owner == mesh.shard_rank for s in u.segments) for u in ctx.units)
         return sent, held, units_holding, mesh.replicate_size, ctx.stats.pop()
 

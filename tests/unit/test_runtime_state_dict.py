@@ -9,12 +9,10 @@ import torch
 from torch import nn
 
 from tests.support.runtime_parts import RecordingDevice
-
-from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.plan.ownership import build_plan
+from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.runtime.members import Member
 from titan_dmuon.runtime.state_dict import install_state_dict_hooks
-
 
 
 class _Handle:
@@ -48,15 +46,25 @@ def _layer(tp_dim=None, device="cpu"):
     """``held`` (6 x 4, this rank keeps it) and ``other`` (a 0-element placeholder: another rank's);
     the handle's mesh is on ``device`` (the tensors stay on the CPU)."""
     tp_size = 1 if tp_dim is None else 2
-    specs = [MatrixSpec(fqn=name, shape=(6, 4), unit=0, blocks=(((0, 6 * (2 if tp_dim == 0 else 1)),),), tp_dim=tp_dim,
-                        tp_size=tp_size) for name in ("held", "other")]
+    specs = [
+        MatrixSpec(
+            fqn=name,
+            shape=(6, 4),
+            unit=0,
+            blocks=(((0, 6 * (2 if tp_dim == 0 else 1)),),),
+            tp_dim=tp_dim,
+            tp_size=tp_size,
+        )
+        for name in ("held", "other")
+    ]
     held_entry, other_entry = build_plan(specs, replicate_size=1, shard_size=2).entries
     layer = nn.Module()
     layer.held = nn.Parameter(torch.zeros(6, 4))
     layer.other = nn.Parameter(torch.empty(0))
-    members = [Member(entry=held_entry, module=layer, name="held", param=layer.held, holds_full=True, runs_ns=True),
-               Member(entry=other_entry, module=layer, name="other", param=layer.other, holds_full=False,
-                      runs_ns=False)]
+    members = [
+        Member(entry=held_entry, module=layer, name="held", param=layer.held, holds_full=True, runs_ns=True),
+        Member(entry=other_entry, module=layer, name="other", param=layer.other, holds_full=False, runs_ns=False),
+    ]
     handle = _Handle(members, device)
     install_state_dict_hooks(handle, layer)
     return layer, handle

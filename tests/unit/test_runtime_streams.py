@@ -9,7 +9,6 @@ from tests.support.runtime_parts import RecordingDevice
 from titan_dmuon.runtime.streams import DeviceTimer, Streams, synchronize_device
 
 
-
 class _Event:
     def __init__(self, log, name, enable_timing=False):
         self.log, self.name = log, name
@@ -130,8 +129,10 @@ def test_a_device_timer_records_events_and_syncs_only_when_read(device_module):
         pass
     assert [entry[0] for entry in device_module.log] == ["record"] * 4
     assert timer.seconds() == 2 * 0.25
-    assert [entry for entry in device_module.log if entry[0] == "synchronize"] == [("synchronize", "event2"),
-                                                                                 ("synchronize", "event4")]
+    assert [entry for entry in device_module.log if entry[0] == "synchronize"] == [
+        ("synchronize", "event2"),
+        ("synchronize", "event4"),
+    ]
     with timer.timing():
         pass
     assert timer.seconds() == 0.25

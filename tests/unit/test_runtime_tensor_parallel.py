@@ -9,14 +9,13 @@ from torch import nn
 from tests.support.runtime_parts import fake_pg
 from titan_dmuon.runtime.comm import CommLabel
 
-
 TP, RANK = 4, 2
 
 
 def _member(tp_dim, local_shape):
     """A dedicated weight held as a TP shard of ``local_shape`` split on ``tp_dim`` (None: replicated)."""
-    from titan_dmuon.plan.specs import MatrixSpec
     from titan_dmuon.plan.ownership import build_plan
+    from titan_dmuon.plan.specs import MatrixSpec
     from titan_dmuon.runtime.members import Member
 
     rows = local_shape[0] * (TP if tp_dim == 0 else 1)
@@ -52,9 +51,11 @@ def _conversions():
                 checks = {
                     "local": torch.equal(local, full.chunk(TP, dim=dim)[RANK]),
                     "full": torch.equal(gathered, torch.cat([shard] * TP, dim=dim)),
-                    "sharded": (tuple(sharded.shape) == member.entry.full_shape
-                                and tuple(sharded.placements) == (Shard(dim),)
-                                and _same_storage(sharded.to_local(), shard)),
+                    "sharded": (
+                        tuple(sharded.shape) == member.entry.full_shape
+                        and tuple(sharded.placements) == (Shard(dim),)
+                        and _same_storage(sharded.to_local(), shard)
+                    ),
                 }
             checks["local_is_view"] = _same_storage(local, full)
             checks["labels"] = [r.source for r in ledger.records]
@@ -77,6 +78,11 @@ def test_a_tp_shard_to_its_full_matrix_and_back(solo):
     weight TP replicates passes through unchanged, with no collective."""
     out = solo.run(_conversions_on_fake_pg)[0]
     for dim in (0, 1):
-        assert out[dim] == {"local": True, "local_is_view": True, "full": True, "labels": [CommLabel.EXPORT],
-                            "sharded": True}, dim
+        assert out[dim] == {
+            "local": True,
+            "local_is_view": True,
+            "full": True,
+            "labels": [CommLabel.EXPORT],
+            "sharded": True,
+        }, dim
     assert out[None] == {"local": True, "local_is_view": True, "full": True, "labels": [], "sharded": True}

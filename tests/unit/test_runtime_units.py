@@ -18,7 +18,6 @@ from tests.support.runtime_parts import fake_pg, runtime_parts
 from titan_dmuon.runtime.comm import CommLabel
 
 
-
 def _on_fake_pg(world, fn):
     with fake_pg(world):
         return fn()
@@ -108,10 +107,11 @@ def _modes():
         init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")), reshard_after_forward=False
     )
     errors = []
-    for bad in (lambda: DedicationMode.build(init_device_mesh("cpu", (2, 2)), reshard_after_forward=True),
-                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward="yes"),
-                lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True,
-                                             expert_sharding="x")):
+    for bad in (
+        lambda: DedicationMode.build(init_device_mesh("cpu", (2, 2)), reshard_after_forward=True),
+        lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward="yes"),
+        lambda: DedicationMode.build(init_device_mesh("cpu", (4,)), reshard_after_forward=True, expert_sharding="x"),
+    ):
         try:
             bad()
         except (TypeError, ValueError) as e:
@@ -119,7 +119,8 @@ def _modes():
     return (
         (one_d.name, one_d.mesh.shard_size, one_d.mesh.replicate_size, one_d.mesh.hsdp, one_d.mesh.coalesces),
         (two_d.name, two_d.mesh.shard_size, two_d.mesh.replicate_size, two_d.mesh.hsdp),
-        [one_d.experts_stay_local(e) for e in (2, 4, 8)], [two_d.experts_stay_local(e) for e in (2, 4)],
+        [one_d.experts_stay_local(e) for e in (2, 4, 8)],
+        [two_d.experts_stay_local(e) for e in (2, 4)],
         errors,
     )
 
@@ -158,8 +159,15 @@ def _unit_lifecycle():
     prefetched = ctx.units[1]
     prefetched.gather(CommLabel.FORWARD_BROADCAST)
     prefetched.free()  # never used: freed straight from GATHERING
-    return ([s.value for s in states], allocated, unit.numel * 4, ctx.buffer_bytes, swapped, restored,
-            prefetched.state is BufferState.FREE)
+    return (
+        [s.value for s in states],
+        allocated,
+        unit.numel * 4,
+        ctx.buffer_bytes,
+        swapped,
+        restored,
+        prefetched.state is BufferState.FREE,
+    )
 
 
 def test_a_units_buffer_goes_free_gathering_ready_free(solo):

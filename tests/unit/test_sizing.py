@@ -28,8 +28,10 @@ def test_z2_holds_p_m_per_rank_and_z3_two_layers():
         assert memory["DMuon-Z3"].buffers_peak == 2 * 2 * layer
 
 
-@pytest.mark.parametrize("layout", [Layout(shard=8), Layout(replicate=4, shard=8), Layout(replicate=4),
-                                    Layout(shard=4, tp=2), Layout(shard=4, pp=2)])
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(shard=8), Layout(replicate=4, shard=8), Layout(replicate=4), Layout(shard=4, tp=2), Layout(shard=4, pp=2)],
+)
 def test_traffic_is_the_cost_models(layout):
     """Elements come from ``cost_model`` (what the ledger tests hold the runtime to); the bytes split
     them by dtype, so with 1 byte per element they are the elements again (the TP exchange is bf16
@@ -44,16 +46,22 @@ def test_traffic_is_the_cost_models(layout):
             assert stage.traffic[name].bytes - tp.bytes + tp.elements == stage.traffic[name].elements
         mode = figures._dedication_mode(layout, reshard_after_forward=False)
         assert stage.traffic["DMuon-Z2"].elements == cost_model.dmuon_elements_per_rank(
-            mode, numel=stage.dedicated_numel, deferred=layout.pp > 1)
+            mode, numel=stage.dedicated_numel, deferred=layout.pp > 1
+        )
         world = mode.mesh.world_size
         assert stage.floor.elements == 2 * (world - 1) * stage.dedicated_numel / world
 
 
-@pytest.mark.parametrize("model,flavor,layout", [
-    ("llama3", "8B", Layout(shard=64)), ("llama3", "70B", Layout(replicate=4, shard=64, tp=8)),
-    ("llama3", "405B", Layout(replicate=8, shard=128, tp=8, pp=16)),
-    ("deepseek_v3", "671B", Layout(shard=64, ep=64, pp=8)), ("deepseek_v3", "671B", Layout(shard=1024)),
-])
+@pytest.mark.parametrize(
+    "model,flavor,layout",
+    [
+        ("llama3", "8B", Layout(shard=64)),
+        ("llama3", "70B", Layout(replicate=4, shard=64, tp=8)),
+        ("llama3", "405B", Layout(replicate=8, shard=128, tp=8, pp=16)),
+        ("deepseek_v3", "671B", Layout(shard=64, ep=64, pp=8)),
+        ("deepseek_v3", "671B", Layout(shard=1024)),
+    ],
+)
 def test_cluster_layouts_answer_from_the_tables(model, flavor, layout):
     """The scale the tool is for, from the shape tables alone (no TorchTitan, nothing built): every
     rank is accounted for, Newton–Schulz runs once per matrix in the job, and the report says which
@@ -65,8 +73,15 @@ def test_cluster_layouts_answer_from_the_tables(model, flavor, layout):
     assert len(result.stages) == layout.pp
     assert all(len(s.ns_per_rank) == layout.world // layout.pp for s in result.stages)
     once = sum(e.ns_flops for s in result.stages for e in s.plan.entries)  # each dedicated weight on one owner
-    kept = sum(figures._one_expert(w) * w.experts for w in weights if w.muon and w.experts and w not in
-               [w for s in result.stages for w in []]) if model == "deepseek_v3" and layout.ep > 1 else 0
+    kept = (
+        sum(
+            figures._one_expert(w) * w.experts
+            for w in weights
+            if w.muon and w.experts and w not in [w for s in result.stages for w in []]
+        )
+        if model == "deepseek_v3" and layout.ep > 1
+        else 0
+    )
     assert sum(sum(s.ns_per_rank) for s in result.stages) == pytest.approx(once + kept, rel=1e-9)
     report = render.render(result, title=f"{model} {flavor}")
     assert "Recommendation: " in report and result.reasons
@@ -106,15 +121,27 @@ def test_the_workspace_bound_is_what_a_step_on_every_muon_weight_keeps():
     from titan_dmuon.optim.workspace import Workspace
 
     blocks = (((0, 32),), ((32, 48),), ((48, 64),))
-    weights = [Weight(fqn="wqkv", shape=(64, 32), muon=True, layer=0, blocks=blocks),
-               Weight(fqn="w1", shape=(96, 32), muon=True, layer=0), Weight(fqn="w2", shape=(32, 96), muon=True, layer=0),
-               Weight(fqn="experts", shape=(4, 48, 32), muon=True, layer=0),
-               Weight(fqn="norm", shape=(32,), muon=False, layer=0)]
+    weights = [
+        Weight(fqn="wqkv", shape=(64, 32), muon=True, layer=0, blocks=blocks),
+        Weight(fqn="w1", shape=(96, 32), muon=True, layer=0),
+        Weight(fqn="w2", shape=(32, 96), muon=True, layer=0),
+        Weight(fqn="experts", shape=(4, 48, 32), muon=True, layer=0),
+        Weight(fqn="norm", shape=(32,), muon=False, layer=0),
+    ]
     muon = [w for w in weights if w.muon]
     params = [torch.randn(w.shape) for w in muon]
     workspace = Workspace()
-    muon_step(params, [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params],
-              [w.blocks or row_blocks(w.shape[-2:]) for w in muon], lr=0.02, weight_decay=0.1, momentum=0.95,
-              nesterov=True, ns_steps=5, scratch=workspace)
+    muon_step(
+        params,
+        [torch.randn_like(p) for p in params],
+        [torch.zeros_like(p) for p in params],
+        [w.blocks or row_blocks(w.shape[-2:]) for w in muon],
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        scratch=workspace,
+    )
     assert figures.workspace_bound(weights) == workspace.nbytes() > 0
     assert figures.workspace_bytes([[(w.shape, w.blocks) for w in muon]]) == workspace.nbytes()

@@ -52,10 +52,13 @@ class _Handle:
         for unit, params in zip(self._units, params_by_unit):
             for p in params:
                 entry = SimpleNamespace(tensor_parallel=False, blocks=(((0, p.shape[0]),),), col_blocks=())
-                self._members[id(p)] = SimpleNamespace(unit=unit.index, runs_ns=owned(unit.index), group=None,
-                                                       entry=entry)
-        self._experts = {id(p): SimpleNamespace(tp_dim=None, blocks=(((0, p.shape[1]),),), col_blocks=(), fqn=f"e{i}")
-                         for i, p in enumerate(experts)}
+                self._members[id(p)] = SimpleNamespace(
+                    unit=unit.index, runs_ns=owned(unit.index), group=None, entry=entry
+                )
+        self._experts = {
+            id(p): SimpleNamespace(tp_dim=None, blocks=(((0, p.shape[1]),),), col_blocks=(), fqn=f"e{i}")
+            for i, p in enumerate(experts)
+        }
 
     def step_units(self):
         return list(self._units)
@@ -113,8 +116,10 @@ def _run(units, owned, *, split_groups=False, qk_clip=None, experts=()):
     handle = _Handle(log, params, owned, experts=experts)
     flat = [p for unit in params for p in unit]
     if split_groups:  # each unit's first weight in group "a", its second in group "b"
-        groups = [{"name": "a", "params": [unit[0] for unit in params]},
-                  {"name": "b", "params": [unit[1] for unit in params]}]
+        groups = [
+            {"name": "a", "params": [unit[0] for unit in params]},
+            {"name": "b", "params": [unit[1] for unit in params]},
+        ]
     else:
         groups = [{"name": "a", "params": list(flat)}]
     for i, e in enumerate(experts):
@@ -159,13 +164,16 @@ def test_weights_without_a_gradient_or_not_run_here_are_left_alone():
 
 def test_qk_clip_rescales_each_unit_before_it_is_sent_on_and_finishes_once():
     log = _Log()
-    qk_clip = SimpleNamespace(rescale=lambda handle, index: log.events.append(("rescale", index)),
-                              finish=lambda: log.events.append(("finish",)))
+    qk_clip = SimpleNamespace(
+        rescale=lambda handle, index: log.events.append(("rescale", index)),
+        finish=lambda: log.events.append(("finish",)),
+    )
     params, names = _model(4)
     handle = _Handle(log, params, lambda u: True)
     flat = [p for unit in params for p in unit]
     StepSchedule(_Rule(log, names), [handle], qk_clip=qk_clip, dedicated_ids={id(p) for p in flat}).run(
-        [{"name": "a", "params": flat}])
+        [{"name": "a", "params": flat}]
+    )
     sent = [e for e in log.events if e[0] in ("rescale", "updated", "finish")]
     expected = []
     for chunk in _chunks_by_rule(4):
@@ -179,7 +187,7 @@ def test_local_experts_are_updated_last_whole_and_nothing_is_sent_after_them():
         e.grad = torch.ones_like(e)
     events, _ = _run(3, lambda u: True, experts=experts)
     last_updated = max(i for i, e in enumerate(events) if e[0] == "updated")
-    assert events[last_updated + 1:] == [("update", "a", ["expert0", "expert1"])]
+    assert events[last_updated + 1 :] == [("update", "a", ["expert0", "expert1"])]
 
 
 def test_a_replaced_dedicated_parameter_is_named_not_skipped():

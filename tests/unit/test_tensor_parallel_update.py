@@ -18,10 +18,18 @@ from tests.support.helpers import allocation_peak
 from tests.support.runtime_parts import fake_pg
 from titan_dmuon.runtime.comm import CommLabel
 
-
 TP = 2
-GROUP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
-             ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, adjust_lr_fn=None, ns_mode="batched")
+GROUP = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    ns_coefficients=(3.4445, -4.7750, 2.0315),
+    eps=1e-7,
+    adjust_lr_fn=None,
+    ns_mode="batched",
+)
 
 
 class _RecordingStreams:
@@ -52,13 +60,15 @@ class _RecordingStreams:
 def _experts(count, *, rows=16, cols=64, homes=None):
     """A TP item: a stack of ``count`` experts split on their rows over the TP group (this rank's
     shards: ``rows`` x ``cols``), expert e homed on ``homes[e]`` (default: alternating)."""
-    from titan_dmuon.plan.specs import TPMatrix
     from titan_dmuon.optim.tensor_parallel_update import TPItem
+    from titan_dmuon.plan.specs import TPMatrix
 
     homes = homes if homes is not None else [e % TP for e in range(count)]
     weight = torch.randn(count, rows, cols)
-    matrices = [TPMatrix(shape=(rows, cols), dim=0, home=home, blocks=(((0, rows * TP),),), col_blocks=(((0, cols),),))
-                for home in homes]
+    matrices = [
+        TPMatrix(shape=(rows, cols), dim=0, home=home, blocks=(((0, rows * TP),),), col_blocks=(((0, cols),),))
+        for home in homes
+    ]
     return TPItem(param=weight, weight=weight, grad=torch.randn_like(weight), matrices=matrices)
 
 
@@ -66,12 +76,12 @@ def _tp_step(log=None):
     """A ``TensorParallelStep`` on tp rank 0 of the fake process group (which must be up)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep
+    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
     from titan_dmuon.runtime.comm import CommStats
     from titan_dmuon.runtime.mode import TensorParallelInfo
-    from titan_dmuon.optim.whole_update import NSFigures, OwnerUpdate
     from titan_dmuon.runtime.streams import Streams
     from titan_dmuon.runtime.tensor_parallel import TensorParallelNewtonSchulz
-    from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep
 
     tp = TensorParallelInfo.from_mesh(init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
     streams = _RecordingStreams(log) if log is not None else Streams(torch.device("cpu"))
@@ -84,8 +94,8 @@ def _recorded(log, *, ns=True, waits=False):
     """Each all-to-all's label (``("all_to_all", label)``), each Newton–Schulz call (``("newton_schulz",
     matrices)``) and, with ``waits``, each wait for collectives that moved data (``("wait",)``), into
     ``log`` as they are issued."""
-    from titan_dmuon.runtime import comm
     from titan_dmuon.optim import whole_update as owner_update
+    from titan_dmuon.runtime import comm
 
     real = comm.Launch.all_to_all, owner_update.orthogonalise, comm.InFlight.wait
 
@@ -173,7 +183,6 @@ def test_the_newton_schulz_timer_starts_once_the_shards_are_home(solo):
     order, matrices = solo.run(_timer_order)[0]
     assert order == [("wait",), ("timer starts",), ("newton_schulz", 1), ("timer stops",), ("wait",), ("applied",)]
     assert matrices == 1
-
 
 
 def _step_peak(_rank, _world, cap_matrices, jobs, experts):

@@ -21,10 +21,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from benchmarks.ns_deviation import scale_ulps
 from tests.support.helpers import reference_newton_schulz, reference_normuon
 from titan_dmuon.math import ns_methods
-from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_METHODS, newton_schulz
-from titan_dmuon.math.muon_update import adjusted_lr, muon_step, normuon, orthogonalise, second_moment_shape
 from titan_dmuon.math.matrix_blocks import column_blocks, row_blocks
-
+from titan_dmuon.math.muon_update import muon_step, orthogonalise
+from titan_dmuon.math.ns_methods import NS_COEFFICIENTS, NS_METHODS, newton_schulz
+from titan_dmuon.math.update_rules import adjusted_lr, normuon, second_moment_shape
 
 BATCHED_ULPS = 4.0  # as test_muon_math.py
 BATCHED_WEIGHT_TOLERANCE = 2e-3  # as test_muon_math.py
@@ -36,8 +36,9 @@ HYPER = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
 
 
 # ---- references, written from the stated rules ----------------------------------------------------------
-def reference_step(leaves, grads, buffers, moments, *, orthogonalise_fn, beta2, lr, weight_decay, momentum,
-                   nesterov, ns_steps):
+def reference_step(
+    leaves, grads, buffers, moments, *, orthogonalise_fn, beta2, lr, weight_decay, momentum, nesterov, ns_steps
+):
     """One step on separate 2-D leaves: torch.optim.Muon's momentum and Nesterov input, ``orthogonalise_fn``,
     NorMuon (``beta2`` None: none), lr scaled for the leaf's shape, decoupled weight decay."""
     for leaf, grad, buffer, k in zip(leaves, grads, buffers, range(len(leaves))):
@@ -118,8 +119,12 @@ def test_muon_step_with_normuon_matches_the_reference(ns_mode):
     torch.manual_seed(0)
     interleaved = [[(0, 2), (8, 10)], [(2, 8)], [(10, 16)]]
     layout = [  # (shape, row split, column split)
-        ((12, 8), None, None), ((8, 12), None, None), ((6, 6), None, None),
-        ((16, 6), interleaved, None), ((3, 16, 6), [8, 8], None), ((6, 12), None, [4, 4, 4]),
+        ((12, 8), None, None),
+        ((8, 12), None, None),
+        ((6, 6), None, None),
+        ((16, 6), interleaved, None),
+        ((3, 16, 6), [8, 8], None),
+        ((6, 12), None, [4, 4, 4]),
     ]
     params = [torch.randn(shape) for shape, _, _ in layout]
     blocks = [row_blocks(shape[-2:], rows) for shape, rows, _ in layout]
@@ -141,11 +146,21 @@ def test_muon_step_with_normuon_matches_the_reference(ns_mode):
     for _ in range(3):
         grads = [torch.randn_like(p) for p in params]
         leaf_grads = [t for i, g in enumerate(grads) for t in split(g, i)]
-        muon_step(params, grads, buffers, blocks, col_blocks=cols, ns_mode=ns_mode, normuon_beta2=BETA2,
-                  second_moments=moments, **HYPER)
+        muon_step(
+            params,
+            grads,
+            buffers,
+            blocks,
+            col_blocks=cols,
+            ns_mode=ns_mode,
+            normuon_beta2=BETA2,
+            second_moments=moments,
+            **HYPER,
+        )
         reference_step(leaves, leaf_grads, leaf_buffers, leaf_moments, orthogonalise_fn=ns, beta2=BETA2, **HYPER)
-        reference_step(muon_leaves, leaf_grads, muon_buffers, [None] * len(leaves), orthogonalise_fn=ns, beta2=None,
-                       **HYPER)
+        reference_step(
+            muon_leaves, leaf_grads, muon_buffers, [None] * len(leaves), orthogonalise_fn=ns, beta2=None, **HYPER
+        )
     tolerance = EXACT_WEIGHT_TOLERANCE if ns_mode == "exact" else BATCHED_WEIGHT_TOLERANCE
     got = [t for i, p in enumerate(params) for t in split(p, i)]
     assert max((a - b).abs().max().item() for a, b in zip(got, leaves)) <= tolerance
@@ -160,7 +175,7 @@ def _moment_rows(moment: torch.Tensor, layout) -> list[torch.Tensor]:
     order of ``tiles``."""
     shape, rows, _ = layout
     out = []
-    for m in (moment if moment.ndim == 3 else moment[None]):
+    for m in moment if moment.ndim == 3 else moment[None]:
         blocks = row_blocks(shape[-2:], rows)
         for block in blocks:
             for c in range(m.shape[1]):
@@ -173,8 +188,16 @@ def test_normuon_needs_its_state():
     with pytest.raises(ValueError, match="second_moments"):
         muon_step([p], [p.clone()], [torch.zeros_like(p)], [row_blocks(p.shape)], normuon_beta2=BETA2, **HYPER)
     with pytest.raises(ValueError, match=r"expected \(4, 2\)"):
-        muon_step([p], [p.clone()], [torch.zeros_like(p)], [row_blocks(p.shape)], col_blocks=[column_blocks(p.shape, [3, 3])],
-                  normuon_beta2=BETA2, second_moments=[torch.zeros(4, 1)], **HYPER)
+        muon_step(
+            [p],
+            [p.clone()],
+            [torch.zeros_like(p)],
+            [row_blocks(p.shape)],
+            col_blocks=[column_blocks(p.shape, [3, 3])],
+            normuon_beta2=BETA2,
+            second_moments=[torch.zeros(4, 1)],
+            **HYPER,
+        )
 
 
 # ---- blocks of columns -----------------------------------------------------------------------------------
@@ -204,11 +227,20 @@ def test_column_blocks_equal_separate_matrices(ns_mode, beta2):
     for _ in range(2):
         grads = [torch.randn_like(p) for p in params]
         count = muon_step(params, grads, buffers, blocks, col_blocks=cols, ns_mode=ns_mode, **state, **HYPER)
-        muon_step(separate, [t for i, g in enumerate(grads) for t in split(g, i)], separate_buffers,
-                  [row_blocks(t.shape) for t in separate], ns_mode=ns_mode, **separate_state, **HYPER)
+        muon_step(
+            separate,
+            [t for i, g in enumerate(grads) for t in split(g, i)],
+            separate_buffers,
+            [row_blocks(t.shape) for t in separate],
+            ns_mode=ns_mode,
+            **separate_state,
+            **HYPER,
+        )
         assert count == len(separate)
     assert all(torch.equal(a, b) for a, b in zip([t for i, p in enumerate(params) for t in split(p, i)], separate))
-    assert all(torch.equal(a, b) for a, b in zip([t for i, p in enumerate(buffers) for t in split(p, i)], separate_buffers))
+    assert all(
+        torch.equal(a, b) for a, b in zip([t for i, p in enumerate(buffers) for t in split(p, i)], separate_buffers)
+    )
     if beta2 is not None:
         mine = [m for i, v in enumerate(moments) for m in _moment_rows(v, layout[i])]
         assert all(torch.equal(a, b[:, 0]) for a, b in zip(mine, separate_moments))
@@ -221,8 +253,19 @@ def test_the_learning_rate_of_a_block_is_its_shape():
     assert adjusted_lr(1.0, "match_rms_adamw", (8, 2)) == adjusted_lr(1.0, "match_rms_adamw", (8, 8))
     p = torch.zeros(8, 8)
     grad = torch.randn(8, 8)
-    muon_step([p], [grad], [torch.zeros_like(p)], [row_blocks(p.shape)], col_blocks=[column_blocks(p.shape, [2] * 4)],
-              lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False, ns_steps=5, ns_mode="exact")
+    muon_step(
+        [p],
+        [grad],
+        [torch.zeros_like(p)],
+        [row_blocks(p.shape)],
+        col_blocks=[column_blocks(p.shape, [2] * 4)],
+        lr=1.0,
+        weight_decay=0.0,
+        momentum=0.0,
+        nesterov=False,
+        ns_steps=5,
+        ns_mode="exact",
+    )
     for c in range(4):
         expected = _zeropower_via_newtonschulz(grad[:, 2 * c : 2 * c + 2].contiguous(), NS_COEFFICIENTS, 5, 1e-7)
         assert torch.equal(p[:, 2 * c : 2 * c + 2], -2.0 * expected.float())
@@ -261,8 +304,10 @@ def test_float16_normalises_in_float32(method):
         scaled = newton_schulz(m * scale, ns_method=method, ns_dtype="float16").float()
         assert torch.isfinite(scaled).all()
         assert scale_ulps(scaled - unit, unit) * FLOAT16_ULPS_PER_BF16_ULP <= BATCHED_ULPS
-    assert torch.equal(newton_schulz(torch.zeros(1, 16, 40), ns_method=method, ns_dtype="float16"),
-                       torch.zeros(1, 16, 40, dtype=torch.float16))
+    assert torch.equal(
+        newton_schulz(torch.zeros(1, 16, 40), ns_method=method, ns_dtype="float16"),
+        torch.zeros(1, 16, 40, dtype=torch.float16),
+    )
 
 
 @pytest.mark.parametrize("method", NS_METHODS)
@@ -278,8 +323,10 @@ def test_float16_rounds_less_than_bf16(method):
     for a, b, c in ns_methods.ns_schedule(method, 5):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    errors = {dtype: (newton_schulz(m.float(), ns_method=method, ns_dtype=dtype).double() - x).norm() / x.norm()
-              for dtype in ("bfloat16", "float16")}
+    errors = {
+        dtype: (newton_schulz(m.float(), ns_method=method, ns_dtype=dtype).double() - x).norm() / x.norm()
+        for dtype in ("bfloat16", "float16")
+    }
     assert errors["float16"] < errors["bfloat16"] / 2, errors
 
 
@@ -294,18 +341,45 @@ def test_a_float16_step_matches_the_reference(method):
     reference = reference_newton_schulz(method, dtype=torch.float16)
     for _ in range(2):
         grads = [torch.randn_like(p) for p in params]
-        muon_step(params, grads, buffers, [row_blocks(p.shape[-2:]) for p in params], ns_method=method,
-                  ns_dtype="float16", **HYPER)
-        reference_step(leaves, [grads[0], grads[1], *grads[2]], leaf_buffers, [None] * 5, orthogonalise_fn=reference,
-                       beta2=None, **HYPER)
+        muon_step(
+            params,
+            grads,
+            buffers,
+            [row_blocks(p.shape[-2:]) for p in params],
+            ns_method=method,
+            ns_dtype="float16",
+            **HYPER,
+        )
+        reference_step(
+            leaves,
+            [grads[0], grads[1], *grads[2]],
+            leaf_buffers,
+            [None] * 5,
+            orthogonalise_fn=reference,
+            beta2=None,
+            **HYPER,
+        )
     got = [params[0], params[1], *params[2]]
-    assert max((a - b).abs().max().item() for a, b in zip(got, leaves)) <= BATCHED_WEIGHT_TOLERANCE / FLOAT16_ULPS_PER_BF16_ULP
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(got, leaves))
+        <= BATCHED_WEIGHT_TOLERANCE / FLOAT16_ULPS_PER_BF16_ULP
+    )
     matrices = [torch.randn(24, 40), torch.randn(40, 24)]
     for m, o in zip(matrices, orthogonalise([m.bfloat16() for m in matrices], ns_method=method, ns_dtype="float16")):
         expected = reference(m.bfloat16(), NS_COEFFICIENTS, 5, 1e-7).float()
-        assert o.dtype == torch.float16 and scale_ulps(o.float() - expected, expected) * FLOAT16_ULPS_PER_BF16_ULP <= BATCHED_ULPS
+        assert (
+            o.dtype == torch.float16
+            and scale_ulps(o.float() - expected, expected) * FLOAT16_ULPS_PER_BF16_ULP <= BATCHED_ULPS
+        )
     with pytest.raises(ValueError, match="ns_dtype must be 'bfloat16'"):
-        muon_step(params, grads, buffers, [row_blocks(p.shape[-2:]) for p in params], ns_mode="exact",
-                  ns_dtype="float16", **HYPER)
+        muon_step(
+            params,
+            grads,
+            buffers,
+            [row_blocks(p.shape[-2:]) for p in params],
+            ns_mode="exact",
+            ns_dtype="float16",
+            **HYPER,
+        )
     with pytest.raises(ValueError, match="ns_dtype must be one of"):
         newton_schulz(torch.randn(1, 4, 4), ns_dtype="float32")

@@ -16,11 +16,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_dmuon.math.muon_update import adjusted_lr, second_moment_shape
+from titan_dmuon.math.update_rules import adjusted_lr, second_moment_shape
 from titan_dmuon.optim.whole_update import SECOND_MOMENT, NSFigures, OwnedWeight, OwnerUpdate
 
-GROUP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
-             ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, adjust_lr_fn=None, ns_mode="exact")
+GROUP = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    ns_coefficients=(3.4445, -4.7750, 2.0315),
+    eps=1e-7,
+    adjust_lr_fn=None,
+    ns_mode="exact",
+)
 STEPS = 3
 SHAPES = [(64, 32), (32, 48), (64, 32)]  # two of one shape: the batched mode stacks them
 
@@ -28,8 +37,9 @@ SHAPES = [(64, 32), (32, 48), (64, 32)]  # two of one shape: the batched mode st
 def _optimizer(**options):
     """What OwnerUpdate reads of DMuon: its state mapping (a defaultdict, as torch.optim.Optimizer's) and the
     job's Newton–Schulz options."""
-    return SimpleNamespace(state=defaultdict(dict), ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None,
-                           **options)
+    return SimpleNamespace(
+        state=defaultdict(dict), ns_method="torch", ns_dtype="bfloat16", normuon_beta2=None, **options
+    )
 
 
 def _weights(shapes, seed=0):
@@ -47,12 +57,19 @@ def _reference(weights, grads_by_step, group, blocks=None):
     row ranges; None: whole)."""
     pieces = []
     for i, w in enumerate(weights):
-        for start, stop in (blocks[i] if blocks else [(0, w.shape[0])]):
+        for start, stop in blocks[i] if blocks else [(0, w.shape[0])]:
             pieces.append((i, start, stop, torch.nn.Parameter(w[start:stop].clone())))
-    muon = torch.optim.Muon([p for *_, p in pieces], lr=group["lr"], weight_decay=group["weight_decay"],
-                            momentum=group["momentum"], nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-                            ns_coefficients=group["ns_coefficients"], eps=group["eps"],
-                            adjust_lr_fn=group["adjust_lr_fn"])
+    muon = torch.optim.Muon(
+        [p for *_, p in pieces],
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        momentum=group["momentum"],
+        nesterov=group["nesterov"],
+        ns_steps=group["ns_steps"],
+        ns_coefficients=group["ns_coefficients"],
+        eps=group["eps"],
+        adjust_lr_fn=group["adjust_lr_fn"],
+    )
     for grads in grads_by_step:
         for i, start, stop, p in pieces:
             p.grad = grads[i][start:stop].clone()
@@ -70,8 +87,10 @@ def _blocks(ranges) -> tuple:
 
 def _run(rule, weights, grads_by_step, group, blocks=None):
     for grads in grads_by_step:
-        owned = [OwnedWeight(param=w, tensor=w, grad=g, blocks=_blocks(blocks[i] if blocks else [(0, w.shape[0])]))
-                 for i, (w, g) in enumerate(zip(weights, grads))]
+        owned = [
+            OwnedWeight(param=w, tensor=w, grad=g, blocks=_blocks(blocks[i] if blocks else [(0, w.shape[0])]))
+            for i, (w, g) in enumerate(zip(weights, grads))
+        ]
         rule.update(group, owned)
     return weights
 
@@ -165,8 +184,10 @@ def test_normuon_keeps_one_second_moment_per_row_made_zero_on_first_use():
     made = rule.second_moment(weight, shape)
     assert made.dtype == torch.float32 and tuple(made.shape) == tuple(shape) and not made.any()
     assert optimizer.state[weight][SECOND_MOMENT] is made
-    rule.update({**GROUP, "ns_mode": "batched"},
-                [OwnedWeight(param=weight, tensor=weight, grad=_gradients([(48, 32)], 0)[0], blocks=(((0, 48),),))])
+    rule.update(
+        {**GROUP, "ns_mode": "batched"},
+        [OwnedWeight(param=weight, tensor=weight, grad=_gradients([(48, 32)], 0)[0], blocks=(((0, 48),),))],
+    )
     moment = optimizer.state[weight][SECOND_MOMENT]
     assert moment is made and (moment > 0).all() and (moment <= 1 - beta2).all()
 
@@ -191,12 +212,25 @@ def test_the_rule_split_over_tensor_parallel_shards_is_the_whole_rule(tp_dim):
 
     shards = [shard(whole, k) for k in range(tp)]
     rules = [OwnerUpdate(_optimizer(), NSFigures()) for _ in range(tp)]  # each TP rank's own state
-    matrix = [TPMatrix(shape=tuple(shards[k].shape), dim=tp_dim, home=0, blocks=(((0, rows),),),
-                       col_blocks=(((0, cols),),)) for k in range(tp)]
+    matrix = [
+        TPMatrix(shape=tuple(shards[k].shape), dim=tp_dim, home=0, blocks=(((0, rows),),), col_blocks=(((0, cols),),))
+        for k in range(tp)
+    ]
     for g in grads:
-        inputs = [rules[k].momentum_inputs(group, shards[k], shard(g, k), slice(0, 1), matrix[:1])[0]
-                  for k in range(tp)]
-        (result,) = rules[0].orthogonalise_fn(group)([torch.cat(inputs, dim=tp_dim)])
+        inputs = [
+            rules[k].momentum_inputs(
+                group,
+                shards[k],
+                shard(g, k),
+                slice(0, 1),
+                matrix[:1],
+                out=torch.empty((1, *shards[k].shape), dtype=torch.bfloat16),
+            )[0]
+            for k in range(tp)
+        ]
+        results = []
+        rules[0].orthogonalise_fn(group)([torch.cat(inputs, dim=tp_dim)], lambda i, r: results.append(r.clone()))
+        (result,) = results
         for k in range(tp):
             rules[k].apply_shards(group, shards[k], [matrix[k]], iter([shard(result, k)]), tp_rank=k)
     got = torch.cat(shards, dim=tp_dim)

@@ -18,15 +18,27 @@ from importlib import metadata
 
 PACKAGES = ("torch", "torchtitan", "torchft", "titan_dmuon")
 ENV_PREFIXES = ("ONEDNN_", "DNNL_", "TORCH_NCCL_", "NCCL_", "MALLOC_", "TORCH_DISTRIBUTED_", "TITAN_DMUON_")
-ENV_NAMES = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF",
-             "GLOO_SOCKET_IFNAME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+ENV_NAMES = (
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "GLOO_SOCKET_IFNAME",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+)
 
 
 def report() -> str:
     """The report, one ``key: value`` line each, under a heading per part."""
-    parts = [("versions", _versions()), ("distributed backends", _backends()), ("devices", _devices()),
-             ("CPU kernels", _cpu_kernels()), ("DMuon option defaults", _option_defaults()),
-             ("environment variables", _environment())]
+    parts = [
+        ("versions", _versions()),
+        ("distributed backends", _backends()),
+        ("devices", _devices()),
+        ("CPU kernels", _cpu_kernels()),
+        ("DMuon option defaults", _option_defaults()),
+        ("environment variables", _environment()),
+    ]
     lines = []
     for title, rows in parts:
         lines.append(f"== {title}")
@@ -60,8 +72,10 @@ def _backends() -> list[tuple[str, str]]:
 
     if not dist.is_available():
         return [("torch.distributed", "not available")]
-    return [(name, "available" if getattr(dist, f"is_{name}_available")() else "not available")
-            for name in ("gloo", "nccl", "mpi")]
+    return [
+        (name, "available" if getattr(dist, f"is_{name}_available")() else "not available")
+        for name in ("gloo", "nccl", "mpi")
+    ]
 
 
 def _devices() -> list[tuple[str, str]]:
@@ -72,8 +86,12 @@ def _devices() -> list[tuple[str, str]]:
         return rows + [("CUDA", "not available")]
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        rows.append((f"cuda:{index}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                                      f"compute capability {props.major}.{props.minor}"))
+        rows.append(
+            (
+                f"cuda:{index}",
+                f"{props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}",
+            )
+        )
     return rows
 
 
@@ -81,10 +99,15 @@ def _cpu_kernels() -> list[tuple[str, str]]:
     """The ISA torch's CPU kernels dispatch to, and what oneDNN (bf16 matmuls) may use."""
     import torch
 
-    rows = [("torch CPU capability", _tried(torch.backends.cpu.get_cpu_capability)),
-            ("oneDNN (mkldnn) available", str(torch.backends.mkldnn.is_available()))]
-    for name, probe in (("AVX-512", "_is_avx512_supported"), ("AVX-512 bf16", "_is_avx512_bf16_supported"),
-                        ("AMX tiles", "_is_amx_tile_supported")):
+    rows = [
+        ("torch CPU capability", _tried(torch.backends.cpu.get_cpu_capability)),
+        ("oneDNN (mkldnn) available", str(torch.backends.mkldnn.is_available())),
+    ]
+    for name, probe in (
+        ("AVX-512", "_is_avx512_supported"),
+        ("AVX-512 bf16", "_is_avx512_bf16_supported"),
+        ("AMX tiles", "_is_amx_tile_supported"),
+    ):
         check = getattr(torch.cpu, probe, None)  # (private probes: reported when this torch has them)
         rows.append((name, _tried(check) if check is not None else "unknown on this torch"))
     return rows

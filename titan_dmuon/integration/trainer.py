@@ -36,13 +36,13 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_dmuon.plan.cost_model import design_elements_per_rank
-from titan_dmuon.optim.grad_clip import clip_grad_norm_
-from titan_dmuon.integration.names import Metric
 from titan_dmuon.integration.config.finalize import prepare_for_build
 from titan_dmuon.integration.config.validation.naming import ConfigError
-from titan_dmuon.tools.ledger import CommLedger
+from titan_dmuon.integration.names import Metric
+from titan_dmuon.optim.grad_clip import clip_grad_norm_
 from titan_dmuon.optim.optimizer import StepStat
+from titan_dmuon.plan.cost_model import design_elements_per_rank
+from titan_dmuon.tools.ledger import CommLedger
 
 
 def dmuon_handles(optimizers) -> list:
@@ -55,7 +55,9 @@ def dmuon_handles(optimizers) -> list:
 def _clip_for_titan(handles):
     """TorchTitan's clip entry point while a DMuon step runs: DMuon's clip, over these handles."""
 
-    def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False):
+    def clip(
+        parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False
+    ):
         return clip_grad_norm_(
             parameters, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, dedicated=handles, pp_mesh=pp_mesh
         )
@@ -262,21 +264,29 @@ class DMuonMetricsProcessor(MetricsProcessor):
         if self.parallel_dims.pp_enabled:
             global_avg_loss, global_max_loss = self._last_stage_loss(global_avg_loss, global_max_loss)
         figures = self.step_figures(step)
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **figures})
-        parts = [f"step {figures[Metric.STEP_SECONDS]:.3f}s, "
-                 f"optimizer {1e3 * figures[Metric.OPTIMIZER_STEP_SECONDS]:.1f} ms"]
+        super().log(
+            step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **figures}
+        )
+        parts = [
+            f"step {figures[Metric.STEP_SECONDS]:.3f}s, optimizer {1e3 * figures[Metric.OPTIMIZER_STEP_SECONDS]:.1f} ms"
+        ]
         if Metric.ALL_COMM_ELEMENTS in figures:
             parts.append(
                 f"all comm {figures[Metric.ALL_COMM_ELEMENTS] / 1e6:.4f}M elements/rank/step "
                 f"({figures[Metric.ALL_COMM_MB]:.3f} MB; {figures[Metric.ALL_COMM_LAUNCHES]:.0f} launches)"
             )
         if Metric.COMM_ELEMENTS in figures:
-            sync = (f"{self.microbatches_per_step} micro-batch(es)" if not self.deferred_reduce
-                    else "gradient sync once per pipeline step")
+            sync = (
+                f"{self.microbatches_per_step} micro-batch(es)"
+                if not self.deferred_reduce
+                else "gradient sync once per pipeline step"
+            )
             i = 0
             while Metric.part_comm_elements(i) in figures:  # per pipeline stage on this rank
-                sync += (f"; part {i} {figures[Metric.part_comm_elements(i)] / 1e6:.4f}M, "
-                         f"design {figures[Metric.part_design_elements(i)] / 1e6:.4f}M")
+                sync += (
+                    f"; part {i} {figures[Metric.part_comm_elements(i)] / 1e6:.4f}M, "
+                    f"design {figures[Metric.part_design_elements(i)] / 1e6:.4f}M"
+                )
                 i += 1
             parts.append(
                 f"dmuon: comm {figures[Metric.COMM_ELEMENTS] / 1e6:.4f}M elements/rank/step "
@@ -309,7 +319,11 @@ class DMuonMetricsProcessor(MetricsProcessor):
         run_train.sh's default LOG_RANK=0. Every rank takes it (a MAX over the pipeline ranks, at log
         steps only: a loss is >= 0), so each rank's log and metrics show the job's loss."""
         mesh = self.parallel_dims.get_mesh("pp")
-        device = "cpu" if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        device = (
+            "cpu"
+            if mesh.device_type == "cpu"
+            else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        )
         values = torch.tensor(losses, dtype=torch.float64, device=device)
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
         return values.tolist()
@@ -346,7 +360,9 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 host += handle.pop_host_seconds()
                 popped = handle.pop_comm_stats()
                 part_elements = sum(e for e, _, _ in popped.values())
-                part_design = design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
+                part_design = (
+                    design_elements_per_rank(handle, deferred=self.deferred_reduce) * self.microbatches_per_step
+                )
                 if len(handles) > 1:
                     figures[Metric.part_comm_elements(part)] = float(part_elements / steps)
                     figures[Metric.part_design_elements(part)] = float(part_design)
@@ -357,21 +373,23 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 peak += handle.peak_buffer_bytes
                 handle.reset_peak_buffer_bytes()
             stats = [opt.last_step_stats for opt in self.optimizers.dmuon_optimizers()]
-            figures.update({
-                Metric.COMM_ELEMENTS: float(elements / steps),
-                Metric.COMM_MB: float(nbytes / steps) / 1e6,
-                Metric.DESIGN_ELEMENTS: float(design),
-                Metric.LAUNCHES: launches / steps,
-                Metric.NS_MATRICES: sum(s.get(StepStat.NS_MATRICES, 0) for s in stats),
-                Metric.NS_MS: 1e3 * sum(s.get(StepStat.NS_SECONDS, 0.0) for s in stats),
-                Metric.OWNER_IMBALANCE: max(h.plan.imbalance for h in handles),
-                Metric.PEAK_BUFFER_MB: peak / 1e6,
-                # host time per step in DMuon's hooks and its optimizer step (Python, launches; on the
-                # CPU also the work and gloo's waits), and how long the first layer's weights kept the
-                # next forward waiting (its broadcast starts as soon as the step updated that layer)
-                Metric.HOST_MS: 1e3 * (host / steps + sum(s.get(StepStat.HOST_SECONDS, 0.0) for s in stats)),
-                Metric.FIRST_LAYER_WAIT_MS: 1e3 * max(h.first_layer_wait_seconds for h in handles),
-            })
+            figures.update(
+                {
+                    Metric.COMM_ELEMENTS: float(elements / steps),
+                    Metric.COMM_MB: float(nbytes / steps) / 1e6,
+                    Metric.DESIGN_ELEMENTS: float(design),
+                    Metric.LAUNCHES: launches / steps,
+                    Metric.NS_MATRICES: sum(s.get(StepStat.NS_MATRICES, 0) for s in stats),
+                    Metric.NS_MS: 1e3 * sum(s.get(StepStat.NS_SECONDS, 0.0) for s in stats),
+                    Metric.OWNER_IMBALANCE: max(h.plan.imbalance for h in handles),
+                    Metric.PEAK_BUFFER_MB: peak / 1e6,
+                    # host time per step in DMuon's hooks and its optimizer step (Python, launches; on the
+                    # CPU also the work and gloo's waits), and how long the first layer's weights kept the
+                    # next forward waiting (its broadcast starts as soon as the step updated that layer)
+                    Metric.HOST_MS: 1e3 * (host / steps + sum(s.get(StepStat.HOST_SECONDS, 0.0) for s in stats)),
+                    Metric.FIRST_LAYER_WAIT_MS: 1e3 * max(h.first_layer_wait_seconds for h in handles),
+                }
+            )
             figures.update(qk_clip_figures(stats))
         return figures
 

@@ -66,8 +66,10 @@ def block_bounds(long: int, group_size: int) -> tuple[int, ...]:
     contiguous blocks of ceil(long / k), the last one shorter, as ``torch.chunk`` (and so DTensor's
     ``Shard``) splits, none of them empty (``has_blocks``)."""
     if not has_blocks(long, group_size):
-        raise ValueError(f"an owner group of {group_size} ranks cannot split a long side of {long} into "
-                         f"{group_size} blocks of ceil({long}/{group_size}) (torch.chunk's sizes)")
+        raise ValueError(
+            f"an owner group of {group_size} ranks cannot split a long side of {long} into "
+            f"{group_size} blocks of ceil({long}/{group_size}) (torch.chunk's sizes)"
+        )
     width = widest_block(long, group_size)
     return tuple(min(i * width, long) for i in range(group_size + 1))
 
@@ -208,8 +210,9 @@ def _first_gram(x: torch.Tensor, eps: float, scale: float, all_reduce: AllReduce
     return unpack_symmetric(packed, x.size(-2), x.dtype)
 
 
-def _group_iterate(x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, *,
-                   reassociate: bool) -> torch.Tensor:
+def _group_iterate(
+    x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, *, reassociate: bool
+) -> torch.Tensor:
     """``ns_methods._iterate`` on this member's block: X_i <- a X_i + (b A + c A²) X_i with A the
     group's Gram matrix (``first`` at the first step); ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i)
     (no s³ product)."""
@@ -234,8 +237,9 @@ def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.T
     def gram_of(y: torch.Tensor) -> torch.Tensor:
         return given.pop() if given else summed_gram(y, all_reduce, levels)
 
-    return gram_segments(x, schedule, restarts, gram_of=gram_of,
-                         symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw))
+    return gram_segments(
+        x, schedule, restarts, gram_of=gram_of, symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw)
+    )
 
 
 def _batched_symmetric(a: torch.Tensor, b: torch.Tensor, levels: int, **kwargs) -> torch.Tensor:
@@ -243,8 +247,9 @@ def _batched_symmetric(a: torch.Tensor, b: torch.Tensor, levels: int, **kwargs) 
     if levels == 0:
         return _symmetric_matmul(a, b, 0, **kwargs)
     add = kwargs.pop("add", None)
-    return torch.stack([_symmetric_matmul(a[i], b[i], levels, add=None if add is None else add[i], **kwargs)
-                        for i in range(a.size(0))])
+    return torch.stack(
+        [_symmetric_matmul(a[i], b[i], levels, add=None if add is None else add[i], **kwargs) for i in range(a.size(0))]
+    )
 
 
 # ---- the cost -------------------------------------------------------------------------------------------
@@ -266,8 +271,9 @@ def _gram_member_flops(short: int, block: int, steps: int) -> int:
     levels = symmetric_levels(short)
     restarts = len(gram_restarts(steps))
     cubes = steps + 3 * (steps - restarts - 1)
-    return ((restarts + 1) * (symmetric_flops(short, block, levels) + 2 * short * short * block)
-            + cubes * symmetric_flops(short, short, levels))
+    return (restarts + 1) * (
+        symmetric_flops(short, block, levels) + 2 * short * short * block
+    ) + cubes * symmetric_flops(short, short, levels)
 
 
 def member_workspace_elements(short: int, block: int, ns_method: str = "torch", steps: int = NS_STEPS) -> int:
@@ -286,8 +292,9 @@ def group_uses_gram(short: int, long: int, group_size: int, steps: int = NS_STEP
     return _gram_member_flops(short, widest, steps) < _standard_member_flops(short, widest, widest, steps)
 
 
-def group_ns_flops(short: int, long: int, block: int, group_size: int, steps: int = NS_STEPS, *,
-                   ns_method: str = "torch") -> int:
+def group_ns_flops(
+    short: int, long: int, block: int, group_size: int, steps: int = NS_STEPS, *, ns_method: str = "torch"
+) -> int:
     """FLOPs of one member's part of ``ns_method``'s Newton–Schulz of a (short, long) matrix owned by
     ``group_size`` ranks, its block ``block`` wide. One owner (``block == long``): ``ns_flops``."""
     short, long = min(short, long), max(short, long)
@@ -296,8 +303,7 @@ def group_ns_flops(short: int, long: int, block: int, group_size: int, steps: in
     return _standard_member_flops(short, block, widest_block(long, group_size), steps)
 
 
-def gram_all_reduces(short: int, long: int, group_size: int, steps: int = NS_STEPS, *,
-                     ns_method: str = "torch") -> int:
+def gram_all_reduces(short: int, long: int, group_size: int, steps: int = NS_STEPS, *, ns_method: str = "torch") -> int:
     """All-reduces of one matrix's group Newton–Schulz, each of ``packed_numel(short)`` fp32 numbers
     (the first one a number more: the squared norm rides with it): every step (at least the first's,
     which normalises), or Gram Newton–Schulz's restarts + 1; none for one owner."""

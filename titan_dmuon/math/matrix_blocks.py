@@ -3,9 +3,10 @@ per-head blocks), column blocks, and where a tensor-parallel shard's rows and ti
 """
 
 from __future__ import annotations
-from collections.abc import Sequence
-import torch
 
+from collections.abc import Sequence
+
+import torch
 
 Block = tuple[tuple[int, int], ...]  # ranges (start, stop) whose rows (of a column block: columns) form one matrix
 
@@ -84,7 +85,12 @@ def tile_ranges(rows: Block, cols: Block):
     for r0, r1 in rows:
         col_offset = 0
         for c0, c1 in cols:
-            yield slice(r0, r1), slice(c0, c1), slice(row_offset, row_offset + r1 - r0), slice(col_offset, col_offset + c1 - c0)
+            yield (
+                slice(r0, r1),
+                slice(c0, c1),
+                slice(row_offset, row_offset + r1 - r0),
+                slice(col_offset, col_offset + c1 - c0),
+            )
             col_offset += c1 - c0
         row_offset += r1 - r0
 
@@ -111,8 +117,9 @@ def matrix_at(tensor: torch.Tensor, index: int) -> torch.Tensor:
     return tensor[index] if tensor.ndim == 3 else tensor
 
 
-def local_tiles(rows: Block, cols: Block, *, tp_dim: int | None, tp_rank: int,
-                local_shape: Sequence[int]) -> list[tuple[slice, slice]]:
+def local_tiles(
+    rows: Block, cols: Block, *, tp_dim: int | None, tp_rank: int, local_shape: Sequence[int]
+) -> list[tuple[slice, slice]]:
     """The rectangles of a (row block, column block) pair of the full matrix that one tensor-parallel
     shard of ``local_shape`` holds, in the shard's coordinates: a column-wise shard (``tp_dim`` 0) holds
     a range of rows, a row-wise one (1) a range of columns, a replicated matrix (None) everything."""

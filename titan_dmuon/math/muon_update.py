@@ -8,18 +8,16 @@ rounding (``benchmarks/ns_deviation.py``).
 """
 
 from __future__ import annotations
-import math
+
 from collections.abc import Callable, Sequence
+
 import torch
 
+from titan_dmuon.math.exact_update import exact_step
 from titan_dmuon.math.matrix_blocks import (
     Block,
     block_rows,
-    contiguous_tile,
     matrix_at,
-    put_rows,
-    put_tile,
-    take_rows,
     tile_ranges,
     whole_columns,
 )
@@ -34,75 +32,12 @@ from titan_dmuon.math.ns_methods import (
     ns_input_scale,
     ns_torch_dtype,
     orthogonalise_wide_,
+    scratch_like,
     stack_batches,
 )
-
-
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
-
+from titan_dmuon.math.update_rules import adjusted_lr, apply_normuon, scalar, second_moment_shape
 
 NS_MODES = ("batched", "exact")
-
-
-# NorMuon (Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491, Algorithm 1):
-# Ô = O / (sqrt(v) + eps) row by row.
-NORMUON_EPS = 1e-8
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """Learning rate scaled for a (rows, cols) matrix, as ``torch.optim.Muon`` does."""
-    rows, cols = shape[0], shape[1]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    if adjust_lr_fn == "spectral_unclamped":
-        return lr * math.sqrt(rows / cols)
-    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
-
-
-def exact_mode_refusal(adjust_lr_fn: str | None) -> str | None:
-    """Why ``ns_mode="exact"`` cannot run ``adjust_lr_fn`` on this torch, or None. The exact mode is
-    ``torch.optim.Muon``'s own update, whose learning-rate rule must be ``adjusted_lr``'s:
-    "spectral_unclamped" came in torch 2.14, and torch 2.11-2.13's functional update silently
-    scales by 1 for a name it does not know (checked by behaviour, not by version)."""
-    from torch.optim._muon import _adjust_lr
-
-    if _adjust_lr(1.0, adjust_lr_fn, torch.Size((4, 1))) == adjusted_lr(1.0, adjust_lr_fn, (4, 1)):
-        return None
-    return (f"one that torch {torch.__version__}'s torch.optim.Muon knows with ns_mode 'exact' "
-            f"({adjust_lr_fn!r} needs torch >= 2.14), or ns_mode 'batched'")
-
-
-def momentum_update(
-    grad: torch.Tensor, momentum_buffer: torch.Tensor, *, momentum: float, nesterov: bool
-) -> torch.Tensor:
-    """Advance the momentum buffer in place and return the matrix to orthogonalise."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-
-
-def second_moment_shape(shape: Sequence[int], col_blocks: Sequence[Block] | None = None) -> tuple[int, ...]:
-    """NorMuon's second moment of a weight of ``shape`` (a matrix or a stack of experts): one value per
-    row of each Newton–Schulz matrix, i.e. per row and column block (``(..., rows, column blocks)``)."""
-    return (*shape[:-1], len(col_blocks) if col_blocks else 1)
-
-
-def normuon(orthogonal: torch.Tensor, second_moment: torch.Tensor, beta2: float,
-            eps: float = NORMUON_EPS, *, scratch: Scratch = fresh) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon's rule on an orthogonalised update O ``(..., rows, cols)`` and its second moment v
-    ``(..., rows)``: ``v' = beta2 v + (1 - beta2) mean_cols(O²)``; ``Ô = O / (sqrt(v') + eps)`` row by
-    row, rescaled to O's Frobenius norm (a zero O gives a zero Ô). Returns (Ô, v'), in float32; the
-    caller keeps v'. Over whole rows of the matrix Newton–Schulz orthogonalised, never a shard's part of
-    one (which is what makes it exact: dion computes it per local shard). Its O-sized temporaries are
-    ``scratch``'s (Ô is one of them)."""
-    o = _scratch_like(scratch, "normuon_o", orthogonal).copy_(orthogonal)
-    squares = torch.mul(o, o, out=_scratch_like(scratch, "normuon_squares", o))
-    moment = beta2 * second_moment.float() + (1 - beta2) * squares.mean(-1)
-    scaled = torch.div(o, (moment.sqrt() + eps).unsqueeze(-1), out=squares)
-    ratio = (torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
-             / torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny))
-    return scaled.mul_(ratio), moment
 
 
 # How a Newton–Schulz batch is run: ``runner(orthogonalise_wide_, stack, kwargs)`` returns its result.
@@ -120,16 +55,8 @@ def converted(tile: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch
     if tile.dtype == dtype:
         return tile
     if tile.ndim == 2 and not tile.is_contiguous() and tile.mT.is_contiguous():
-        return _scratch_like(scratch, "converted", tile, dtype).copy_(tile)
+        return scratch_like(scratch, "converted", tile, dtype).copy_(tile)
     return scratch("converted", tuple(tile.shape), dtype, tile.device).copy_(tile)
-
-
-def _scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
-    transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
-    if like.ndim == 2 and like.stride(0) == 1 and like.stride(1) != 1:
-        return scratch(name, (like.size(1), like.size(0)), dtype, like.device).T
-    return scratch(name, tuple(like.shape), dtype, like.device)
 
 
 def muon_step(
@@ -178,21 +105,36 @@ def muon_step(
     """
     check_method(ns_method, ns_coefficients)
     dtype = ns_torch_dtype(ns_dtype)
-    cols_of = [tuple(col_blocks[i]) if col_blocks is not None and col_blocks[i] else whole_columns(p.shape)
-               for i, p in enumerate(params)]
+    cols_of = [
+        tuple(col_blocks[i]) if col_blocks is not None and col_blocks[i] else whole_columns(p.shape)
+        for i, p in enumerate(params)
+    ]
     if normuon_beta2 is not None:
         _check_second_moments(params, cols_of, second_moments)
     variant = dict(col_blocks=cols_of, normuon_beta2=normuon_beta2, second_moments=second_moments)
     if ns_mode == "exact":
         if ns_method != "torch":
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', "
-                             f"got {ns_method!r}")
+            raise ValueError(
+                f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch', got {ns_method!r}"
+            )
         if dtype is not torch.bfloat16:
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update, in bf16: ns_dtype must be "
-                             f"'bfloat16', got {ns_dtype!r}")
-        return _exact_step(
-            params, grads, momentum_buffers, blocks, lr=lr, weight_decay=weight_decay, momentum=momentum,
-            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn,
+            raise ValueError(
+                f"ns_mode 'exact' is torch.optim.Muon's own update, in bf16: ns_dtype must be "
+                f"'bfloat16', got {ns_dtype!r}"
+            )
+        return exact_step(
+            params,
+            grads,
+            momentum_buffers,
+            blocks,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
             **variant,
         )
     if ns_mode != "batched":
@@ -201,7 +143,9 @@ def muon_step(
         return 0
     lr = scalar(lr)
     torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - momentum)
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (short, long) -> (param, matrix, block, column block)
+    groups: dict[
+        tuple[int, int], list[tuple[int, int, int, int]]
+    ] = {}  # (short, long) -> (param, matrix, block, column block)
     for i, (param, param_blocks) in enumerate(zip(params, blocks)):
         for e in range(param.shape[0] if param.ndim == 3 else 1):
             for b, block in enumerate(param_blocks):
@@ -213,10 +157,25 @@ def muon_step(
     for (short, long), group in groups.items():
         for batch in stack_batches(group, short, long, ns_method, ns_steps):
             _orthogonalise_batch(
-                batch, short, long, params, grads, momentum_buffers, blocks,
-                lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                eps=eps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, dtype=dtype, scratch=scratch,
-                ns_runner=ns_runner or _call, **variant,
+                batch,
+                short,
+                long,
+                params,
+                grads,
+                momentum_buffers,
+                blocks,
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                ns_coefficients=ns_coefficients,
+                eps=eps,
+                adjust_lr_fn=adjust_lr_fn,
+                ns_method=ns_method,
+                dtype=dtype,
+                scratch=scratch,
+                ns_runner=ns_runner or _call,
+                **variant,
             )
     return sum(len(group) for group in groups.values())
 
@@ -228,85 +187,34 @@ def _check_second_moments(params, cols_of, second_moments) -> None:
     for p, moment, cols in zip(params, second_moments, cols_of):
         expected = second_moment_shape(p.shape, cols)
         if tuple(moment.shape) != expected:
-            raise ValueError(f"a NorMuon second moment of shape {tuple(moment.shape)} for a weight of shape "
-                             f"{tuple(p.shape)} with {len(cols)} column block(s): expected {expected}")
-
-
-def apply_normuon(update: torch.Tensor, second_moment: torch.Tensor, e: int, rows: Block, c: int,
-                   beta2: float, *, scratch: Scratch = fresh) -> torch.Tensor:
-    """NorMuon on one Newton–Schulz matrix's output: its rows' second moments (matrix ``e``, column
-    block ``c`` of ``second_moment``) read, advanced and written back; returns Ô (a ``scratch`` buffer)."""
-    column = matrix_at(second_moment, e)[:, c]
-    update, moment = normuon(update, take_rows(column, rows), beta2, scratch=scratch)
-    put_rows(column, rows, moment)
-    return update
-
-
-def scalar(value):
-    """A hyperparameter as a Python number (a 0-dim tensor's value)."""
-    return value.item() if isinstance(value, torch.Tensor) else value
-
-
-def _exact_step(params, grads, momentum_buffers, blocks, *, lr, weight_decay, momentum, nesterov, ns_steps,
-                ns_coefficients, eps, adjust_lr_fn, col_blocks, normuon_beta2, second_moments) -> int:
-    """torch.optim.Muon's own functional update, one 2-D matrix at a time.
-
-    A block that is one contiguous range of rows (of every column) is a view of
-    the weight (contiguous, like a separate weight); an interleaved block
-    (TorchTitan's fused wqkv) or a block of columns is gathered into a
-    contiguous matrix and written back. Either way ``torch.optim._muon.muon``
-    sees exactly the 2-D weight, gradient and momentum a model with separate
-    weights would give it. With NorMuon, torch.optim.Muon's own steps around
-    its Newton–Schulz (``_exact_normuon``)."""
-    from torch.optim._muon import muon as torch_muon
-
-    refusal = exact_mode_refusal(adjust_lr_fn)
-    if refusal is not None:
-        raise ValueError(f"adjust_lr_fn = {adjust_lr_fn!r}: expected {refusal}")
-    count = 0
-    for i, (param, grad, buffer, param_blocks) in enumerate(zip(params, grads, momentum_buffers, blocks)):
-        for e in range(param.shape[0] if param.ndim == 3 else 1):
-            matrices = (matrix_at(param, e), matrix_at(grad, e), matrix_at(buffer, e))
-            for block in param_blocks:
-                for c, col_block in enumerate(col_blocks[i]):
-                    weight, gradient, momentum_buffer = (contiguous_tile(m, block, col_block) for m in matrices)
-                    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                                 ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
-                                 adjust_lr_fn=adjust_lr_fn)
-                    if normuon_beta2 is None:
-                        torch_muon([weight], [gradient], [momentum_buffer], has_complex=False, **hyper)
-                    else:
-                        _exact_normuon(weight, gradient, momentum_buffer, second_moments[i], e, block, c,
-                                       beta2=normuon_beta2, **hyper)
-                    for target, updated in ((matrices[0], weight), (matrices[2], momentum_buffer)):
-                        if not _shares_memory(target, updated):  # (a copy: written back; a view already is)
-                            put_tile(target, block, col_block, updated)
-                    count += 1
-    return count
-
-
-def _exact_normuon(weight, gradient, momentum_buffer, second_moment, e, block, c, *, beta2, lr, weight_decay,
-                   momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn) -> None:
-    """torch.optim.Muon's single-tensor step (torch 2.14's ``_single_tensor_muon``) with NorMuon between
-    its Newton–Schulz (torch's own ``_zeropower_via_newtonschulz``) and the update."""
-    from torch.optim._muon import _zeropower_via_newtonschulz
-
-    lr = scalar(lr)
-    momentum_buffer.lerp_(gradient, 1 - momentum)
-    update = gradient.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    orthogonal = _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
-    orthogonal = apply_normuon(orthogonal, second_moment, e, block, c, beta2)
-    weight.mul_(1 - lr * weight_decay)
-    weight.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr_fn, weight.shape))
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            raise ValueError(
+                f"a NorMuon second moment of shape {tuple(moment.shape)} for a weight of shape "
+                f"{tuple(p.shape)} with {len(cols)} column block(s): expected {expected}"
+            )
 
 
 def _orthogonalise_batch(
-    members, short, long, params, grads, momentum_buffers, blocks, *, lr, momentum, nesterov, ns_steps,
-    ns_coefficients, eps, adjust_lr_fn, ns_method, dtype, col_blocks, normuon_beta2, second_moments, scratch,
+    members,
+    short,
+    long,
+    params,
+    grads,
+    momentum_buffers,
+    blocks,
+    *,
+    lr,
+    momentum,
+    nesterov,
+    ns_steps,
+    ns_coefficients,
+    eps,
+    adjust_lr_fn,
+    ns_method,
+    dtype,
+    col_blocks,
+    normuon_beta2,
+    second_moments,
+    scratch,
     ns_runner,
 ) -> None:
     """One batch of equally shaped blocks: Nesterov input, stack in the iteration dtype (float16:
@@ -326,11 +234,21 @@ def _orthogonalise_batch(
         if dtype is torch.bfloat16:
             stack[k].copy_(wide)
         else:
-            stack[k].copy_(normalised(wide, eps, scale, out=scratch("normalised", tuple(wide.shape), torch.float32,
-                                                                     device)))
-    orthogonal = ns_runner(orthogonalise_wide_, stack, dict(ns_method=ns_method, steps=ns_steps,
-                                                            coefficients=tuple(ns_coefficients), eps=eps,
-                                                            normalise=dtype is torch.bfloat16, scratch=scratch))
+            stack[k].copy_(
+                normalised(wide, eps, scale, out=scratch("normalised", tuple(wide.shape), torch.float32, device))
+            )
+    orthogonal = ns_runner(
+        orthogonalise_wide_,
+        stack,
+        dict(
+            ns_method=ns_method,
+            steps=ns_steps,
+            coefficients=tuple(ns_coefficients),
+            eps=eps,
+            normalise=dtype is torch.bfloat16,
+            scratch=scratch,
+        ),
+    )
     for k, (i, e, b, c) in enumerate(members):
         param, block, col_block = matrix_at(params[i], e), blocks[i][b], col_blocks[i][c]
         rows, cols = block_rows(block), block_rows(col_block)
@@ -339,8 +257,9 @@ def _orthogonalise_batch(
             update = apply_normuon(update, second_moments[i], e, block, c, normuon_beta2, scratch=scratch)
         step = adjusted_lr(lr, adjust_lr_fn, (rows, cols))
         for matrix_rows, matrix_cols, tile_rows, tile_cols in tile_ranges(block, col_block):
-            param[matrix_rows, matrix_cols].add_(converted(update[tile_rows, tile_cols], param.dtype, scratch),
-                                                 alpha=-step)
+            param[matrix_rows, matrix_cols].add_(
+                converted(update[tile_rows, tile_cols], param.dtype, scratch), alpha=-step
+            )
 
 
 def gather_tile(matrix: torch.Tensor, rows: Block, cols: Block, scratch: Scratch, name: str) -> torch.Tensor:
@@ -398,8 +317,10 @@ def orthogonalise(
 
     if ns_mode == "exact":
         if ns_method != "torch" or dtype is not torch.bfloat16:
-            raise ValueError(f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch' and "
-                             f"ns_dtype 'bfloat16', got {ns_method!r}, {ns_dtype!r}")
+            raise ValueError(
+                f"ns_mode 'exact' is torch.optim.Muon's own update: ns_method must be 'torch' and "
+                f"ns_dtype 'bfloat16', got {ns_method!r}, {ns_dtype!r}"
+            )
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         for i, m in enumerate(matrices):
@@ -416,12 +337,25 @@ def orthogonalise(
             wide = [matrices[i].mT if matrices[i].shape[0] > matrices[i].shape[1] else matrices[i] for i in chosen]
             stack = scratch("ns_stack", (len(chosen), short, long), dtype, wide[0].device)
             for k, matrix in enumerate(wide):
-                stack[k].copy_(matrix if dtype is torch.bfloat16 else
-                               normalised(matrix, eps, scale,
-                                          out=scratch("normalised", (short, long), torch.float32, matrix.device)))
-            result = (ns_runner or _call)(orthogonalise_wide_, stack, dict(
-                ns_method=ns_method, steps=steps, coefficients=tuple(coefficients), eps=eps,
-                normalise=dtype is torch.bfloat16, scratch=scratch))
+                stack[k].copy_(
+                    matrix
+                    if dtype is torch.bfloat16
+                    else normalised(
+                        matrix, eps, scale, out=scratch("normalised", (short, long), torch.float32, matrix.device)
+                    )
+                )
+            result = (ns_runner or _call)(
+                orthogonalise_wide_,
+                stack,
+                dict(
+                    ns_method=ns_method,
+                    steps=steps,
+                    coefficients=tuple(coefficients),
+                    eps=eps,
+                    normalise=dtype is torch.bfloat16,
+                    scratch=scratch,
+                ),
+            )
             for k, i in enumerate(chosen):
                 done(i, result[k].mT if matrices[i].shape[0] > matrices[i].shape[1] else result[k])
     return out if consume is None else None

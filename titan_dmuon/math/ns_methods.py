@@ -9,9 +9,10 @@ Why each constant has its value: docs/newton-schulz.md.
 """
 
 from __future__ import annotations
-from collections.abc import Callable, Sequence
-import torch
 
+from collections.abc import Callable, Sequence
+
+import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -90,8 +91,9 @@ def newton_schulz(
     transposed = matrices.size(-2) > matrices.size(-1)
     if dtype is not torch.bfloat16:
         x = normalised(matrices.mT if transposed else matrices, eps, ns_input_scale(ns_method)).to(dtype)
-        x = orthogonalise_wide_(x, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps,
-                                 normalise=False)
+        x = orthogonalise_wide_(
+            x, ns_method=ns_method, steps=steps, coefficients=coefficients, eps=eps, normalise=False
+        )
         return x.mT if transposed else x
     x = matrices.bfloat16()
     if transposed:
@@ -108,8 +110,9 @@ def ns_torch_dtype(ns_dtype: str) -> torch.dtype:
     return getattr(torch, ns_dtype)
 
 
-def normalised(matrices: torch.Tensor, eps: float = NS_EPS, scale: float = 1.0, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def normalised(
+    matrices: torch.Tensor, eps: float = NS_EPS, scale: float = 1.0, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each matrix of ``(..., rows, cols)`` divided by ``scale`` times its Frobenius norm, clamped at
     ``eps`` (zero stays zero), in float32: what a float16 iteration starts from, normalised before it
     is rounded to float16 (a momentum's entries may lie far below float16's smallest normal number, 6e-5,
@@ -127,8 +130,10 @@ def check_method(ns_method: str, coefficients=NS_COEFFICIENTS) -> None:
     if ns_method not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
     if ns_method != "torch" and tuple(coefficients) != NS_COEFFICIENTS:
-        raise ValueError(f"ns_coefficients {tuple(coefficients)} apply to ns_method 'torch' only; "
-                         f"{ns_method!r} has its own per-step schedule")
+        raise ValueError(
+            f"ns_coefficients {tuple(coefficients)} apply to ns_method 'torch' only; "
+            f"{ns_method!r} has its own per-step schedule"
+        )
 
 
 def polar_express_schedule(steps: int) -> tuple[tuple[float, float, float], ...]:
@@ -163,8 +168,24 @@ def fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 Scratch = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
-def orthogonalise_wide_(x: torch.Tensor, *, ns_method: str, steps: int, coefficients, eps: float,
-                         normalise: bool = True, scratch: Scratch = fresh) -> torch.Tensor:
+def scratch_like(scratch: Scratch, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``scratch`` buffer laid out as ``like`` (as ``like.to(dtype)`` would be: a transposed matrix stays
+    transposed), so reductions over it add in the same order and elementwise kernels take the same path."""
+    if like.ndim == 2 and like.stride(0) == 1 and like.stride(1) != 1:
+        return scratch(name, (like.size(1), like.size(0)), dtype, like.device).T
+    return scratch(name, tuple(like.shape), dtype, like.device)
+
+
+def orthogonalise_wide_(
+    x: torch.Tensor,
+    *,
+    ns_method: str,
+    steps: int,
+    coefficients,
+    eps: float,
+    normalise: bool = True,
+    scratch: Scratch = fresh,
+) -> torch.Tensor:
     """``ns_method`` on a batch with rows <= cols in its iteration dtype: bf16, which it normalises in
     place ("torch": as torch.optim.Muon, ``coefficients`` every step and no input scale), or, with
     ``normalise=False``, already normalised (``normalised``: float16 inputs). The result is ``x`` or a
@@ -201,8 +222,10 @@ def _iterate(x: torch.Tensor, schedule, scratch: Scratch = fresh) -> torch.Tenso
     in two more."""
     gram = scratch("ns_gram", _square(x), x.dtype, x.device)
     poly = scratch("ns_poly", _square(x), x.dtype, x.device)
-    targets = (scratch("ns_next", tuple(x.shape), x.dtype, x.device),
-               x if x.is_contiguous() else scratch("ns_next2", tuple(x.shape), x.dtype, x.device))
+    targets = (
+        scratch("ns_next", tuple(x.shape), x.dtype, x.device),
+        x if x.is_contiguous() else scratch("ns_next2", tuple(x.shape), x.dtype, x.device),
+    )
     for step, (a, b, c) in enumerate(schedule):
         _matmul(x, x.mT, gram)
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
@@ -210,8 +233,9 @@ def _iterate(x: torch.Tensor, schedule, scratch: Scratch = fresh) -> torch.Tenso
     return x
 
 
-def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | None = None, *,
-                        scratch: Scratch = fresh) -> torch.Tensor:
+def _gram_newton_schulz(
+    x: torch.Tensor, schedule, restarts: Sequence[int] | None = None, *, scratch: Scratch = fresh
+) -> torch.Tensor:
     """The ``schedule``'s polynomials on a normalised bf16 batch with rows <= cols, by Gram Newton–Schulz.
 
     A step of ``_iterate`` is X <- P X with P = a I + Z, Z = b R + c R², R = X Xᵀ. Between restarts
@@ -239,8 +263,16 @@ def _gram_newton_schulz(x: torch.Tensor, schedule, restarts: Sequence[int] | Non
     return gram_segments(x, schedule, restarts, gram_of=gram_of, symmetric=symmetric, scratch=scratch)
 
 
-def gram_segments(x: torch.Tensor, schedule, restarts, *, gram_of, symmetric, scratch: Scratch | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def gram_segments(
+    x: torch.Tensor,
+    schedule,
+    restarts,
+    *,
+    gram_of,
+    symmetric,
+    scratch: Scratch | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Gram Newton–Schulz's short-space loop (``_gram_newton_schulz``'s notes): R = ``gram_of(X)`` at the
     start and at each restart, Q and R updated by ``symmetric(a, b, add=, beta=, alpha=)`` (beta add +
     alpha a @ b, known symmetric), Q X at each restart and at the end. An owner group passes its summed
@@ -297,9 +329,17 @@ def symmetric_levels(rows: int) -> int:
     return levels
 
 
-def _symmetric_matmul(a: torch.Tensor, b: torch.Tensor, levels: int, *, add: torch.Tensor | None = None,
-                      beta: float = 1.0, alpha: float = 1.0, out: torch.Tensor | None = None,
-                      scratch: Scratch = fresh) -> torch.Tensor:
+def _symmetric_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    levels: int,
+    *,
+    add: torch.Tensor | None = None,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    out: torch.Tensor | None = None,
+    scratch: Scratch = fresh,
+) -> torch.Tensor:
     """``beta * add + alpha * a @ b`` (accumulated as one ``addmm``/``baddbmm``) for a result known to be
     symmetric: split ``levels`` times (2-D matrices only), its upper-left and lower-right blocks
     (symmetric too: recursively) and its upper-right one; the lower-left is that one's transpose. Into
@@ -328,12 +368,29 @@ def _symmetric_matmul(a: torch.Tensor, b: torch.Tensor, levels: int, *, add: tor
         shape = (a[rows].size(0), b[:, cols].size(1))
         return scratch(f"symmetric_{name}_{levels}", shape, a.dtype, a.device)
 
-    upper_left = _symmetric_matmul(a[top], b[:, top], levels - 1, add=block(top, top), beta=beta, alpha=alpha,
-                                   out=into("upper_left", top, top), scratch=scratch)
-    upper_right = _symmetric_matmul(a[top], b[:, low], 0, add=block(top, low), beta=beta, alpha=alpha,
-                                    out=into("upper_right", top, low))
-    lower_right = _symmetric_matmul(a[low], b[:, low], levels - 1, add=block(low, low), beta=beta, alpha=alpha,
-                                    out=into("lower_right", low, low), scratch=scratch)
+    upper_left = _symmetric_matmul(
+        a[top],
+        b[:, top],
+        levels - 1,
+        add=block(top, top),
+        beta=beta,
+        alpha=alpha,
+        out=into("upper_left", top, top),
+        scratch=scratch,
+    )
+    upper_right = _symmetric_matmul(
+        a[top], b[:, low], 0, add=block(top, low), beta=beta, alpha=alpha, out=into("upper_right", top, low)
+    )
+    lower_right = _symmetric_matmul(
+        a[low],
+        b[:, low],
+        levels - 1,
+        add=block(low, low),
+        beta=beta,
+        alpha=alpha,
+        out=into("lower_right", low, low),
+        scratch=scratch,
+    )
     if out is None:
         return torch.cat([torch.cat([upper_left, upper_right], 1), torch.cat([upper_right.T, lower_right], 1)], 0)
     out[top, top].copy_(upper_left)
@@ -385,8 +442,9 @@ def gram_flops(short: int, long: int, steps: int = NS_STEPS) -> int:
     restarts = len(gram_restarts(steps))
     levels = symmetric_levels(short)
     cubes = steps + 3 * (steps - restarts - 1)
-    return ((restarts + 1) * (symmetric_flops(short, long, levels) + 2 * short * short * long)
-            + cubes * symmetric_flops(short, short, levels))
+    return (restarts + 1) * (symmetric_flops(short, long, levels) + 2 * short * short * long) + cubes * symmetric_flops(
+        short, short, levels
+    )
 
 
 def symmetric_flops(rows: int, inner: int, levels: int) -> int:
@@ -394,8 +452,11 @@ def symmetric_flops(rows: int, inner: int, levels: int) -> int:
     if levels == 0:
         return 2 * rows * rows * inner
     half = rows // 2
-    return (symmetric_flops(half, inner, levels - 1) + 2 * half * (rows - half) * inner
-            + symmetric_flops(rows - half, inner, levels - 1))
+    return (
+        symmetric_flops(half, inner, levels - 1)
+        + 2 * half * (rows - half) * inner
+        + symmetric_flops(rows - half, inner, levels - 1)
+    )
 
 
 def uses_gram(short: int, long: int, steps: int = NS_STEPS) -> bool:

@@ -50,16 +50,24 @@ def max_logits(
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if k.shape[0] != b or k.shape[3] != d or h % hkv:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not fit (B, N, L, H) with N_q a multiple of N_k")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} do not fit (B, N, L, H) with N_q a multiple of N_k"
+        )
     g = h // hkv
     qg = q.reshape(b, hkv, g, lq, d)
     kt = k.reshape(b, hkv, 1, lk, d).transpose(-1, -2)
     best = torch.full((hkv, g), float("-inf"), dtype=torch.float32, device=q.device)
     rows = max(1, chunk_elements // max(1, b * h * lk))
     positioned = query_positions is not None or key_positions is not None
-    if positioned and (query_positions is None or key_positions is None
-                       or query_positions.shape != (lq,) or key_positions.shape != (lk,)):
-        raise ValueError(f"query_positions and key_positions must both be given, one per row of q ({lq}) and of k ({lk})")
+    if positioned and (
+        query_positions is None
+        or key_positions is None
+        or query_positions.shape != (lq,)
+        or key_positions.shape != (lk,)
+    ):
+        raise ValueError(
+            f"query_positions and key_positions must both be given, one per row of q ({lq}) and of k ({lk})"
+        )
     offset = lk - lq
     for start in range(0, lq, rows):
         stop = min(lq, start + rows)

@@ -20,7 +20,7 @@ import torch
 
 from titan_dmuon.math.group_newton_schulz import group_newton_schulz, member_workspace_elements, widest_block
 from titan_dmuon.math.ns_methods import MAX_STACK_BYTES, workspace_elements
-from titan_dmuon.math.muon_update import adjusted_lr, scalar
+from titan_dmuon.math.update_rules import adjusted_lr, scalar
 from titan_dmuon.runtime.members import Member
 
 
@@ -71,9 +71,16 @@ def update_grouped(rule, group: dict, weights: list[GroupedWeight], comm) -> Non
                 stack[k].copy_(weight.grad.lerp(buffer, momentum) if nesterov else buffer)
             with rule.figures.timing(param.device):
                 orthogonal = group_newton_schulz(
-                    stack, shape=member.shape, group_size=member.group.size, all_reduce=comm.all_reduce(member),
-                    steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
-                    ns_method=rule.ns_method, overwrite=True)
+                    stack,
+                    shape=member.shape,
+                    group_size=member.group.size,
+                    all_reduce=comm.all_reduce(member),
+                    steps=group["ns_steps"],
+                    coefficients=group["ns_coefficients"],
+                    eps=group["eps"],
+                    ns_method=rule.ns_method,
+                    overwrite=True,
+                )
                 rule.figures.matrices += len(batch)
             del stack
             scale = adjusted_lr(lr, group["adjust_lr_fn"], member.shape)

@@ -36,8 +36,13 @@ class NSGraphs:
         if self.workspace.grown != self._grown:  # (buffers moved: every graph read or wrote the old ones)
             self._graphs.clear()
             self._grown = self.workspace.grown
-        key = (fn, x.data_ptr(), tuple(x.shape), x.dtype,
-               tuple(sorted((k, v) for k, v in kwargs.items() if k != "scratch")))
+        key = (
+            fn,
+            x.data_ptr(),
+            tuple(x.shape),
+            x.dtype,
+            tuple(sorted((k, v) for k, v in kwargs.items() if k != "scratch")),
+        )
         if key not in self._graphs:
             self.eager += 1
             out = fn(x, **kwargs)

@@ -27,15 +27,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
-from titan_dmuon.math.muon_update import scalar
+from titan_dmuon.math.update_rules import scalar
 from titan_dmuon.optim.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
-from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError, check_whole_matrix_rules
 from titan_dmuon.optim.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
-from titan_dmuon.runtime.fsdp_ignore import check_left_alone
-from titan_dmuon.runtime.handle import handles_for
-from titan_dmuon.optim.whole_update import SECOND_MOMENT, NSFigures, OwnerUpdate
 from titan_dmuon.optim.step_schedule import StepSchedule
 from titan_dmuon.optim.tensor_parallel_update import merged_second_moments
+from titan_dmuon.optim.whole_update import SECOND_MOMENT, NSFigures, OwnerUpdate
+from titan_dmuon.options import JOB_KEYS, OPTION_NAMES, DMuonOptions, OptionError, check_whole_matrix_rules
+from titan_dmuon.runtime.fsdp_ignore import check_left_alone
+from titan_dmuon.runtime.handle import handles_for
 from titan_dmuon.runtime.usage_checks import (
     check_every_member_given,
     check_sole_dmuon,
@@ -44,7 +44,6 @@ from titan_dmuon.runtime.usage_checks import (
     registered_params,
     warn_if_nothing_dedicated,
 )
-
 
 MUON_STEP_RANGE = "DMuon.muon_step"  # the profiler's name for the Muon part of a step
 
@@ -105,7 +104,9 @@ class DMuon(torch.optim.Optimizer):
             _check_known(group_options, "DMuon param-group")
             for key in JOB_KEYS:
                 if key in group_options:
-                    raise OptionError(key, group_options[key], "a DMuon(...) keyword, not a param-group option (one value per job)")
+                    raise OptionError(
+                        key, group_options[key], "a DMuon(...) keyword, not a param-group option (one value per job)"
+                    )
             merged = dataclasses.replace(defaults, **group_options)
             group_params, names = user_group["params"], user_group.get("param_names")
             for use_muon in (True, False):
@@ -124,20 +125,29 @@ class DMuon(torch.optim.Optimizer):
         roots = ([module] if module is not None else []) + [h.module for h in self._handles]
         self._first_step_checks = registered_params(roots, every_param)  # (cleared by the first step)
         # job keys (not in the param groups, so not in checkpoints; NorMuon's second moments are state)
-        self.ns_method, self.ns_dtype, self.normuon_beta2 = defaults.ns_method, defaults.ns_dtype, defaults.normuon_beta2
+        self.ns_method, self.ns_dtype, self.normuon_beta2 = (
+            defaults.ns_method,
+            defaults.ns_dtype,
+            defaults.normuon_beta2,
+        )
         self.ns_graphs = defaults.ns_graphs
         if self.ns_graphs:
             _check_graph_devices([p for g in self.param_groups if g["use_muon"] for p in g["params"]])
-        check_whole_matrix_rules(self.param_groups, self._handles, ns_dtype=self.ns_dtype,
-                                 normuon_beta2=self.normuon_beta2)
+        check_whole_matrix_rules(
+            self.param_groups, self._handles, ns_dtype=self.ns_dtype, normuon_beta2=self.normuon_beta2
+        )
         self._ns = NSFigures()  # this rank's Newton–Schulz in the last step
         self._host_seconds = 0.0
         self.qk_clip = None
         if defaults.qk_clip_threshold is not None:
             from titan_dmuon.optim.qk_clip import QKClip
 
-            self.qk_clip = QKClip(list(qk_clip_attention or ()), self._handles,
-                                  threshold=defaults.qk_clip_threshold, alpha=defaults.qk_clip_alpha)
+            self.qk_clip = QKClip(
+                list(qk_clip_attention or ()),
+                self._handles,
+                threshold=defaults.qk_clip_threshold,
+                alpha=defaults.qk_clip_alpha,
+            )
         rule = self._rule = OwnerUpdate(self, self._ns)
         self._schedule = StepSchedule(rule, self._handles, qk_clip=self.qk_clip, dedicated_ids=self._dedicated_ids)
 
@@ -158,8 +168,11 @@ class DMuon(torch.optim.Optimizer):
     def last_step_stats(self) -> dict[str, float]:
         """This rank's last step: Newton–Schulz matrices (blocks: a fused q/k/v counts 3) and time
         (device), and the step's host time (Python, launches; on the CPU the work too)."""
-        stats = {StepStat.NS_MATRICES: self._ns.matrices, StepStat.NS_SECONDS: self._ns.seconds(),
-                 StepStat.HOST_SECONDS: self._host_seconds}
+        stats = {
+            StepStat.NS_MATRICES: self._ns.matrices,
+            StepStat.NS_SECONDS: self._ns.seconds(),
+            StepStat.HOST_SECONDS: self._host_seconds,
+        }
         if self.qk_clip is not None:  # QK-clip: the largest logit before clipping and the heads clipped
             stats.update(self.qk_clip.stats())
         return stats
@@ -187,7 +200,10 @@ class DMuon(torch.optim.Optimizer):
         for index, p, member, handle in self._tensor_parallel_params():
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
-                packed["state"][index] = {**state, "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"])}
+                packed["state"][index] = {
+                    **state,
+                    "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"]),
+                }
         if self.normuon_beta2 is not None or any(SECOND_MOMENT in s for s in self.state.values()):
             params = [p for group in self.param_groups for p in group["params"]]
             merged = merged_second_moments(self.state, params, self._handles)
@@ -270,12 +286,21 @@ class DMuon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=scalar(group["lr"]), weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False, decoupled_weight_decay=True,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=scalar(group["lr"]),
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            decoupled_weight_decay=True,
         )
-
-
 
 
 def _check_graph_devices(params: list[torch.Tensor]) -> None:
@@ -283,8 +308,9 @@ def _check_graph_devices(params: list[torch.Tensor]) -> None:
     devices = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     if devices or not torch.cuda.is_available():
         where = ", ".join(devices) if devices else "a machine without CUDA"
-        raise OptionError("ns_graphs", True, f"false for Muon weights on {where} (CUDA graphs replay on a "
-                          "CUDA device only)")
+        raise OptionError(
+            "ns_graphs", True, f"false for Muon weights on {where} (CUDA graphs replay on a CUDA device only)"
+        )
 
 
 def _check_known(options: dict, where: str) -> None:

@@ -105,7 +105,9 @@ class QKClipAttention:
 
     def __post_init__(self) -> None:
         if not isinstance(self.capture, nn.Module):
-            raise TypeError(f"QKClipAttention.capture must be an nn.Module (the inner attention), got {type(self.capture).__name__}")
+            raise TypeError(
+                f"QKClipAttention.capture must be an nn.Module (the inner attention), got {type(self.capture).__name__}"
+            )
         if self.n_heads < 1 or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({self.n_kv_heads})")
         object.__setattr__(self, "rows", tuple(self.rows))
@@ -138,8 +140,12 @@ class QKClipAttention:
         hpk, hd = n_heads // n_kv_heads, head_dim
         if grouped:
             r = hpk + 2
-            q_heads = tuple(((g * r * hd + j * hd, g * r * hd + (j + 1) * hd),) for g in range(n_kv_heads) for j in range(hpk))
-            k_heads = tuple(((g * r * hd + hpk * hd, g * r * hd + (hpk + 1) * hd),) for g in range(n_kv_heads) for _ in range(hpk))
+            q_heads = tuple(
+                ((g * r * hd + j * hd, g * r * hd + (j + 1) * hd),) for g in range(n_kv_heads) for j in range(hpk)
+            )
+            k_heads = tuple(
+                ((g * r * hd + hpk * hd, g * r * hd + (hpk + 1) * hd),) for g in range(n_kv_heads) for _ in range(hpk)
+            )
         else:
             q_heads = tuple(((h * hd, (h + 1) * hd),) for h in range(n_heads))
             k_base = n_heads * hd
@@ -150,7 +156,9 @@ class QKClipAttention:
         return cls(capture, n_heads, n_kv_heads, head_dim, tuple(rows), layout=layout, name=name)
 
     @classmethod
-    def mla(cls, capture, *, wq, wkv_b, n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, name="", layout="BLNH"):
+    def mla(
+        cls, capture, *, wq, wkv_b, n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, name="", layout="BLNH"
+    ):
         """DeepSeek-V3's multi-head latent attention (TorchTitan's layout): ``wq`` (or ``wq_b``) rows
         per head [nope | rope], ``wkv_b`` rows per head [k nope | v]; the shared rotary key comes
         from ``wkv_a`` and is left untouched, as v."""
@@ -197,7 +205,9 @@ CLIPPED_HEADS_STAT = "qk_clipped_heads"
 class QKClip:
     """The capture hooks and the per-step rescale; DMuon builds and drives it."""
 
-    def __init__(self, attentions: Sequence[QKClipAttention], handles: Sequence, *, threshold: float, alpha: float) -> None:
+    def __init__(
+        self, attentions: Sequence[QKClipAttention], handles: Sequence, *, threshold: float, alpha: float
+    ) -> None:
         attentions = list(attentions)
         if not attentions:
             raise ValueError(
@@ -212,7 +222,9 @@ class QKClip:
                 raise TypeError(f"qk_clip_attention takes QKClipAttention objects, got {type(attention).__name__}")
             owners = {id(_handle_of(part.param, handles, attention)) for part in attention.rows}
             if len(owners) != 1:
-                raise ValueError(f"attention {attention.name!r}: its q/k weights are in different dedicate_params handles")
+                raise ValueError(
+                    f"attention {attention.name!r}: its q/k weights are in different dedicate_params handles"
+                )
             handle = _handle_of(attention.rows[0].param, handles, attention)
             entry = by_handle.get(id(handle))
             if entry is None:
@@ -227,21 +239,26 @@ class QKClip:
             clip.running = torch.full((len(clip.attentions), heads), float("-inf"), device=clip.handle.mode.mesh.device)
             clip.captured = [0] * len(clip.attentions)
         for clip, slot, attention in placed:
-            self._hooks.append(attention.capture.register_forward_hook(
-                functools.partial(_capture, self._capturing, clip, slot, attention), with_kwargs=True))
+            self._hooks.append(
+                attention.capture.register_forward_hook(
+                    functools.partial(_capture, self._capturing, clip, slot, attention), with_kwargs=True
+                )
+            )
             for param, parts in _parts_by_param(attention, self.alpha).items():
                 member = clip.handle.member_of(param)
                 if member.group is not None:  # (every rank: the plan is the same everywhere)
                     raise ValueError(
                         f"QK-clip rescales {member.fqn!r} by rows of heads on its owner, but the plan split it over "
                         f"an owner group of {member.group.size} ranks: pass the attention's q/k weights in "
-                        "dedicate_params(..., keep_whole=...) (or owner_groups=None)")
+                        "dedicate_params(..., keep_whole=...) (or owner_groups=None)"
+                    )
                 if not member.runs_ns:
                     continue  # another rank rescales it; this one receives it by the broadcast
                 head, exponent = row_map(member.shape[0], parts)
                 device = clip.running.device
                 clip.weights_by_unit.setdefault(member.unit, []).append(
-                    _Weight(param, slot, head.to(device), exponent.to(device)))
+                    _Weight(param, slot, head.to(device), exponent.to(device))
+                )
         self._max_logit: torch.Tensor | None = None
         self._clipped: torch.Tensor | None = None
 
@@ -271,8 +288,11 @@ class QKClip:
             clip.captured = [0] * len(clip.attentions)
             clip.gamma = None
             mesh = clip.handle.mode.mesh
-            clip.work = dist.all_reduce(clip.reduced, op=dist.ReduceOp.MAX, group=mesh.shard_group, async_op=True) \
-                if mesh.shard_size > 1 else None
+            clip.work = (
+                dist.all_reduce(clip.reduced, op=dist.ReduceOp.MAX, group=mesh.shard_group, async_op=True)
+                if mesh.shard_size > 1
+                else None
+            )
 
     def _gamma(self, clip: _HandleClip) -> torch.Tensor:
         if clip.gamma is None:
@@ -321,9 +341,12 @@ class QKClip:
     def max_logits_by_layer(self) -> dict[str, torch.Tensor]:
         """The last step's S per query head before clipping, by attention name (copies on the
         device; this rank's heads under tensor parallelism)."""
-        return {attention.name: clip.reduced[slot, : attention.n_heads].clone()
-                for clip in self._clips if clip.reduced is not None
-                for slot, attention in enumerate(clip.attentions)}
+        return {
+            attention.name: clip.reduced[slot, : attention.n_heads].clone()
+            for clip in self._clips
+            if clip.reduced is not None
+            for slot, attention in enumerate(clip.attentions)
+        }
 
     def stats(self) -> dict[str, float]:
         """The last step's largest logit before clipping and heads clipped (reads the device)."""
@@ -371,21 +394,26 @@ def _counts(clip: _HandleClip, slot: int) -> bool:
 
 
 @torch._dynamo.disable(recursive=True, reason="DMuon's QK-clip capture runs eagerly")
-def _capture(capturing: list, clip: _HandleClip, slot: int, attention: QKClipAttention, module, args, kwargs,
-             output) -> None:
+def _capture(
+    capturing: list, clip: _HandleClip, slot: int, attention: QKClipAttention, module, args, kwargs, output
+) -> None:
     if not capturing[0] or not _counts(clip, slot):
         return
     q, k = (args[0], args[1]) if len(args) >= 2 else (kwargs.get("q", args[0] if args else None), kwargs.get("k"))
     if q is None or k is None:
-        raise RuntimeError(f"QK-clip: the capture module of attention {attention.name!r} got no q and k positional arguments")
+        raise RuntimeError(
+            f"QK-clip: the capture module of attention {attention.name!r} got no q and k positional arguments"
+        )
     scale = kwargs.get("scale")
-    scale = attention.head_dim ** -0.5 if scale is None else float(scale)
+    scale = attention.head_dim**-0.5 if scale is None else float(scale)
     # outside the dispatch modes in effect (selective activation checkpointing's caching mode): the
     # checkpointed region records the model's ops only, not the capture's logits
     with torch.no_grad(), _disable_current_modes():
         q, k, positions = _plain(q), _plain(k), {}
         if attention.sequence is not None and attention.sequence.size > 1:
-            k, positions["query_positions"], positions["key_positions"] = attention.sequence.gather(q, k, attention.layout)
+            k, positions["query_positions"], positions["key_positions"] = attention.sequence.gather(
+                q, k, attention.layout
+            )
         m = max_logits(q, k, scale=scale, causal=attention.causal, layout=attention.layout, **positions)
         row = clip.running[slot, : m.shape[0]]
         torch.maximum(row, m, out=row)

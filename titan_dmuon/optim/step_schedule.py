@@ -29,8 +29,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.optim.grouped_update import GroupedWeight, update_grouped
-from titan_dmuon.optim.whole_update import OwnedWeight, OwnerUpdate
 from titan_dmuon.optim.tensor_parallel_update import TensorParallelStep, TPItem
+from titan_dmuon.optim.whole_update import OwnedWeight, OwnerUpdate
 
 
 @dataclass(eq=False)
@@ -159,8 +159,15 @@ class StepSchedule:
             for p in group["params"]:
                 experts = next((e for h in self.handles if (e := h.local_expert_of(p)) is not None), None)
                 if experts is not None and experts.tp_dim is None and p.grad is not None:
-                    weights.append(OwnedWeight(param=p, tensor=whole_local_experts(p), grad=_local(p.grad),
-                                               blocks=experts.blocks, col_blocks=experts.col_blocks))
+                    weights.append(
+                        OwnedWeight(
+                            param=p,
+                            tensor=whole_local_experts(p),
+                            grad=_local(p.grad),
+                            blocks=experts.blocks,
+                            col_blocks=experts.col_blocks,
+                        )
+                    )
             if weights:
                 self.rule.update(group, weights)
 
@@ -184,7 +191,9 @@ def _dedicated_item(p: torch.Tensor, member):
     if member.group is not None:
         return GroupedWeight(param=p, grad=p.grad, member=member)
     if not member.entry.tensor_parallel:
-        return OwnedWeight(param=p, tensor=p, grad=p.grad, blocks=member.entry.blocks, col_blocks=member.entry.col_blocks)
+        return OwnedWeight(
+            param=p, tensor=p, grad=p.grad, blocks=member.entry.blocks, col_blocks=member.entry.col_blocks
+        )
     return TPItem(param=p, weight=p, grad=p.grad, matrices=member.entry.tp_matrices())
 
 

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_dmuon.optim.whole_update import SECOND_MOMENT, OwnerUpdate
 from titan_dmuon.plan.specs import TPMatrix
 from titan_dmuon.runtime.comm import CommLabel, comm_source
-from titan_dmuon.optim.whole_update import SECOND_MOMENT, OwnerUpdate
 from titan_dmuon.runtime.tensor_parallel import Exchange, TensorParallelNewtonSchulz
 
 MAX_EXCHANGE_BYTES = 64 * 2**20  # of one exchange's matrices (exchange_bytes), as MAX_STACK_BYTES caps NS stacks
@@ -175,8 +175,9 @@ class TensorParallelStep:
             count, shape = len(part.matrices), part.matrices[0].shape
             out = flat[offset : offset + count * part.matrices[0].numel].view(count, *shape)
             offset += out.numel()
-            inputs += self.rule.momentum_inputs(batch.group, part.item.param, part.item.grad,
-                                                slice(part.first, part.stop), part.item.matrices, out=out)
+            inputs += self.rule.momentum_inputs(
+                batch.group, part.item.param, part.item.grad, slice(part.first, part.stop), part.item.matrices, out=out
+            )
         batch.exchange = self.exchange.send_to_homes(matrices, inputs, scratch=workspace, slot=batch.slot)
 
     def _orthogonalise(self, batch: _Batch) -> None:
@@ -190,9 +191,14 @@ class TensorParallelStep:
 
         sent, batch.exchange = batch.exchange, None
         owners = [(part.item, k) for part in batch.parts for k in range(part.first, part.stop)]
-        batch.exchange = self.exchange.orthogonalise_at_homes(sent, timed, dtype=self.rule.result_dtype,
-                                                              rule=self.rule.home_rule(owners),
-                                                              scratch=self.rule.workspace, slot=batch.slot)
+        batch.exchange = self.exchange.orthogonalise_at_homes(
+            sent,
+            timed,
+            dtype=self.rule.result_dtype,
+            rule=self.rule.home_rule(owners),
+            scratch=self.rule.workspace,
+            slot=batch.slot,
+        )
         figures.matrices += batch.exchange.ns_matrices
 
     def _apply(self, batch: _Batch) -> None:
@@ -225,9 +231,18 @@ def merged_second_moments(state: dict, params: list, handles: list) -> dict[int,
         summed = local * (mine.view(-1, *([1] * (local.ndim - 1))) if local.ndim == 3 else mine[0])
         with comm_source(CommLabel.CHECKPOINT):
             dist.all_reduce(summed, group=tp.group)
-        merged[id(p)] = (DTensor.from_local(summed, moment.device_mesh, moment.placements, run_check=False,
-                                            shape=moment.shape, stride=moment.stride())
-                         if isinstance(moment, DTensor) else summed)
+        merged[id(p)] = (
+            DTensor.from_local(
+                summed,
+                moment.device_mesh,
+                moment.placements,
+                run_check=False,
+                shape=moment.shape,
+                stride=moment.stride(),
+            )
+            if isinstance(moment, DTensor)
+            else summed
+        )
     return merged
 
 

@@ -26,16 +26,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.math.matrix_blocks import Block, block_rows, local_tiles
-from titan_dmuon.math.muon_update import (
-    adjusted_lr,
-    apply_normuon,
-    converted,
-    muon_step,
-    orthogonalise,
-    scalar,
-    second_moment_shape,
-)
+from titan_dmuon.math.muon_update import converted, muon_step, orthogonalise
 from titan_dmuon.math.ns_methods import ns_torch_dtype
+from titan_dmuon.math.update_rules import adjusted_lr, apply_normuon, scalar, second_moment_shape
 from titan_dmuon.optim.ns_graphs import NSGraphs
 from titan_dmuon.optim.workspace import Workspace
 from titan_dmuon.runtime.streams import DeviceTimer
@@ -132,8 +125,11 @@ class OwnerUpdate:
         beta2 = self.normuon_beta2
         for weight in weights:
             buffer = self.momentum_buffer(weight.param)
-            moment = None if beta2 is None else self.second_moment(
-                weight.param, second_moment_shape(weight.param.shape, weight.col_blocks))
+            moment = (
+                None
+                if beta2 is None
+                else self.second_moment(weight.param, second_moment_shape(weight.param.shape, weight.col_blocks))
+            )
             if weight.tensor.numel() == 0:
                 continue  # FSDP2 gave this rank no expert of this weight
             tensors.append(weight.tensor)
@@ -146,18 +142,39 @@ class OwnerUpdate:
             return
         with self.figures.timing(tensors[0].device):
             self.figures.matrices += muon_step(
-                tensors, grads, buffers, blocks,
-                lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-                nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_mode=group["ns_mode"],
-                ns_method=self.ns_method, col_blocks=col_blocks, ns_dtype=self.ns_dtype, normuon_beta2=beta2,
-                second_moments=moments if beta2 is not None else None, scratch=self.workspace,
+                tensors,
+                grads,
+                buffers,
+                blocks,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"],
+                eps=group["eps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns_mode=group["ns_mode"],
+                ns_method=self.ns_method,
+                col_blocks=col_blocks,
+                ns_dtype=self.ns_dtype,
+                normuon_beta2=beta2,
+                second_moments=moments if beta2 is not None else None,
+                scratch=self.workspace,
                 ns_runner=self.ns_runner,
             )
 
     # ---- the same rule, split where tensor parallelism splits the matrix --------------------------------
-    def momentum_inputs(self, group: dict, param: torch.Tensor, grad: torch.Tensor, matrices: slice,
-                        tp_matrices: Sequence = (), *, out: torch.Tensor) -> list:
+    def momentum_inputs(
+        self,
+        group: dict,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        matrices: slice,
+        tp_matrices: Sequence = (),
+        *,
+        out: torch.Tensor,
+    ) -> list:
         """torch.optim.Muon's momentum on this rank's shard of ``param`` (``matrices``: the experts of a
         stack, ``slice(0, 1)`` for a matrix); the bf16 Newton–Schulz input of each of those matrices,
         written into ``out`` (one per matrix). With NorMuon, ``param``'s second moment is made here on
@@ -171,8 +188,9 @@ class OwnerUpdate:
         buffer.lerp_(grad, 1 - momentum)
         ns_input = buffer
         if group["nesterov"]:
-            ns_input = torch.lerp(grad, buffer, momentum,
-                                  out=self.workspace("tp_nesterov", tuple(grad.shape), grad.dtype, grad.device))
+            ns_input = torch.lerp(
+                grad, buffer, momentum, out=self.workspace("tp_nesterov", tuple(grad.shape), grad.dtype, grad.device)
+            )
         for k in range(matrices.stop - matrices.start):
             out[k].copy_(ns_input[k] if ns_input.ndim == 3 else ns_input)
         return list(out)
@@ -180,10 +198,20 @@ class OwnerUpdate:
     def orthogonalise_fn(self, group: dict):
         """Newton–Schulz of whole matrices (a TP home's), by ``group``'s options, in the job's dtype, each
         result passed to ``consume(i, result)`` (``muon_update.orthogonalise``)."""
+
         def orthogonalise_matrices(matrices: list[torch.Tensor], consume) -> None:
-            orthogonalise(matrices, ns_mode=group["ns_mode"], steps=group["ns_steps"],
-                          coefficients=group["ns_coefficients"], eps=group["eps"], ns_method=self.ns_method,
-                          ns_dtype=self.ns_dtype, scratch=self.workspace, consume=consume, ns_runner=self.ns_runner)
+            orthogonalise(
+                matrices,
+                ns_mode=group["ns_mode"],
+                steps=group["ns_steps"],
+                coefficients=group["ns_coefficients"],
+                eps=group["eps"],
+                ns_method=self.ns_method,
+                ns_dtype=self.ns_dtype,
+                scratch=self.workspace,
+                consume=consume,
+                ns_runner=self.ns_runner,
+            )
 
         return orthogonalise_matrices
 
@@ -219,8 +247,9 @@ class OwnerUpdate:
             update, target = next(updates), weight[k] if weight.ndim == 3 else weight
             for rows, cols in matrix.tiles():
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (block_rows(rows), block_rows(cols)))
-                for local_rows, local_cols in local_tiles(rows, cols, tp_dim=matrix.dim, tp_rank=tp_rank,
-                                                          local_shape=matrix.shape):
+                for local_rows, local_cols in local_tiles(
+                    rows, cols, tp_dim=matrix.dim, tp_rank=tp_rank, local_shape=matrix.shape
+                ):
                     tile = converted(update[local_rows, local_cols], target.dtype, self.workspace)
                     target[local_rows, local_cols].add_(tile, alpha=-scale)
 
@@ -258,8 +287,14 @@ def zero_second_moment(param: torch.Tensor, shape: Sequence[int]) -> torch.Tenso
         return torch.zeros(tuple(shape), dtype=torch.float32, device=param.device)
     local = torch.zeros((param.to_local().shape[0], *shape[1:]), dtype=torch.float32, device=param.to_local().device)
     size = torch.Size(shape)
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=size,
-                              stride=torch.empty(size, device="meta").stride())
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=size,
+        stride=torch.empty(size, device="meta").stride(),
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

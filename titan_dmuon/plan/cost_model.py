@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from titan_dmuon.plan.owner_groups import gram_elements
 from titan_dmuon.math.ns_methods import NS_STEPS
+from titan_dmuon.plan.owner_groups import gram_elements
 
 BASELINES = ("naive_fsdp_z2", "naive_fsdp_z3", "ddp_muon", "alltoall_z2", "alltoall_z3")
 
@@ -26,7 +26,12 @@ def dedication_shard_size(*, data_parallel_shard: int, context_parallel: int = 1
 
 
 def dmuon_elements_per_rank(
-    mode, *, numel: int, kept_unit_numel: int = 0, deferred: bool = False, local_tp_numel: int = 0,
+    mode,
+    *,
+    numel: int,
+    kept_unit_numel: int = 0,
+    deferred: bool = False,
+    local_tp_numel: int = 0,
 ) -> Fraction:
     """DMuon's own elements per rank per step (per micro-batch with gradient sync on) for the
     Muon targets, under ``mode`` (a ``DedicationMode``), on a shard group of N ranks.
@@ -49,13 +54,15 @@ def dmuon_elements_per_rank(
     if r > 1:
         total += 2 * Fraction(r - 1, r) * Fraction(numel, n)
     if mode.tp is not None:
-        total += tensor_parallel_elements_per_rank(mode.tp.size, numel=numel, local_expert_numel=local_tp_numel,
-                                                   data_parallel_ranks=n * r)
+        total += tensor_parallel_elements_per_rank(
+            mode.tp.size, numel=numel, local_expert_numel=local_tp_numel, data_parallel_ranks=n * r
+        )
     return total
 
 
-def tensor_parallel_elements_per_rank(tp_size: int, *, numel: int, data_parallel_ranks: int,
-                                      local_expert_numel: int = 0) -> Fraction:
+def tensor_parallel_elements_per_rank(
+    tp_size: int, *, numel: int, data_parallel_ranks: int, local_expert_numel: int = 0
+) -> Fraction:
     """The Muon step's TP-group traffic (tensor parallelism over T ranks), per rank averaged over all
     R*N*T ranks. ``numel``: the TP-local elements of the dedicated Muon targets (a stack of experts
     counts all its experts). Each matrix (full size T * n) goes once in the job from its T shards to
@@ -84,15 +91,20 @@ def owner_group_elements_per_rank(plan, *, ns_steps: int = NS_STEPS, ns_method: 
     return total / plan.world_size
 
 
-def design_elements_per_rank(handle, *, deferred: bool = False, ns_steps: int = NS_STEPS,
-                             ns_method: str = "torch") -> Fraction:
+def design_elements_per_rank(
+    handle, *, deferred: bool = False, ns_steps: int = NS_STEPS, ns_method: str = "torch"
+) -> Fraction:
     """``dmuon_elements_per_rank`` for a ``DedicatedParams`` handle (Z3 counts the kept last layer
     once the first step has shown which layer runs last), plus its owner groups' all-reduces
     (``owner_group_elements_per_rank``, at the optimizer's ``ns_steps`` and ``ns_method``)."""
     kept = 0 if deferred else handle.kept_unit_numel
-    return dmuon_elements_per_rank(handle.mode, numel=handle.plan.total_numel, kept_unit_numel=kept, deferred=deferred,
-                                   local_tp_numel=handle.plan.local_tp_numel) + owner_group_elements_per_rank(
-        handle.plan, ns_steps=ns_steps, ns_method=ns_method)
+    return dmuon_elements_per_rank(
+        handle.mode,
+        numel=handle.plan.total_numel,
+        kept_unit_numel=kept,
+        deferred=deferred,
+        local_tp_numel=handle.plan.local_tp_numel,
+    ) + owner_group_elements_per_rank(handle.plan, ns_steps=ns_steps, ns_method=ns_method)
 
 
 def baseline_elements_per_rank(configuration: str, *, shard_size: int, numel: int) -> Fraction:

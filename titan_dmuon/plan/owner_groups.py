@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from titan_dmuon.math.group_newton_schulz import (
     GRAM_REDUCE_BYTES,
-    has_blocks,
-    widest_block,
     gram_all_reduces,
     group_ns_flops,
+    has_blocks,
     packed_numel,
+    widest_block,
 )
 from titan_dmuon.math.ns_methods import NS_STEPS
 
@@ -49,8 +49,13 @@ NIC_GBPS = 45.0
 INTRA_NODE_LATENCY_US = 15.0
 NIC_LATENCY_US = 30.0
 # The plan's figures that may be measured (None: measure at build time, else the H200's), with their defaults
-MEASURABLE = {"ns_tflops": H200_BF16_TFLOPS, "intra_node_gbps": INTRA_NODE_GBPS, "nic_gbps": NIC_GBPS,
-              "latency_us": INTRA_NODE_LATENCY_US, "nic_latency_us": NIC_LATENCY_US}
+MEASURABLE = {
+    "ns_tflops": H200_BF16_TFLOPS,
+    "intra_node_gbps": INTRA_NODE_GBPS,
+    "nic_gbps": NIC_GBPS,
+    "latency_us": INTRA_NODE_LATENCY_US,
+    "nic_latency_us": NIC_LATENCY_US,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,13 +96,15 @@ class GroupOptions:
                 raise ValueError(f"{key} = {value!r}: expected an integer >= 1 (ranks per node)")
         for key in ("ns_tflops", "intra_node_gbps", "nic_gbps"):
             value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < math.inf):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+            ):
                 raise ValueError(f"{key} = {value!r}: expected a finite number > 0, or None (measured)")
         for key in ("latency_us", "nic_latency_us"):
             value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 <= value < math.inf):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf
+            ):
                 raise ValueError(f"{key} = {value!r}: expected a finite number >= 0, or None (measured)")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin >= 0:
             raise ValueError(f"margin = {self.margin!r}: expected a number >= 0")
@@ -120,9 +127,11 @@ class GroupOptions:
     def describe(self) -> str:
         """The figures the plan was priced with, on one line."""
         o = self.stated()
-        return (f"owner groups priced at {o.ns_tflops:.4g} TFLOP/s Newton-Schulz; all-reduce {o.latency_us:.4g} us + "
-                f"bytes / {o.intra_node_gbps:.4g} GB/s in a node of {o.node_size}, {o.nic_latency_us:.4g} us + "
-                f"bytes / {o.nic_gbps:.4g} GB/s across nodes ({o.source or 'given'})")
+        return (
+            f"owner groups priced at {o.ns_tflops:.4g} TFLOP/s Newton-Schulz; all-reduce {o.latency_us:.4g} us + "
+            f"bytes / {o.intra_node_gbps:.4g} GB/s in a node of {o.node_size}, {o.nic_latency_us:.4g} us + "
+            f"bytes / {o.nic_gbps:.4g} GB/s across nodes ({o.source or 'given'})"
+        )
 
     def flops_per_second(self) -> float:
         """``ns_tflops`` in FLOP/s."""
@@ -165,8 +174,11 @@ def gram_elements(short: int, long: int, group_size: int, steps: int = NS_STEPS,
 def member_comm_seconds(short: int, long: int, group_size: int, options: GroupOptions, steps: int = NS_STEPS) -> float:
     """One member's time in its group's sums (``GroupOptions.all_reduce_seconds``: each all-reduce's
     latency, and the bytes of all of them at the bandwidth)."""
-    return options.all_reduce_seconds(gram_elements(short, long, group_size, steps) * GRAM_REDUCE_BYTES, group_size,
-                                      gram_all_reduces(short, long, group_size, steps))
+    return options.all_reduce_seconds(
+        gram_elements(short, long, group_size, steps) * GRAM_REDUCE_BYTES,
+        group_size,
+        gram_all_reduces(short, long, group_size, steps),
+    )
 
 
 def member_load(short: int, long: int, group_size: int, options: GroupOptions, steps: int = NS_STEPS) -> int:
@@ -183,12 +195,17 @@ def group_sizes(shard_size: int, long: int, options: GroupOptions) -> list[int]:
     blocks of the long side (``has_blocks``)."""
     cap = min(shard_size, long, options.max_size or shard_size)
     node = options.node_size
-    return [k for k in range(2, cap + 1)
-            if shard_size % k == 0 and (node % k == 0 or k % node == 0) and has_blocks(long, k)]
+    return [
+        k for k in range(2, cap + 1) if shard_size % k == 0 and (node % k == 0 or k % node == 0) and has_blocks(long, k)
+    ]
 
 
 def sizings(
-    candidates: Sequence[Candidate], costs: Sequence[int], *, shard_size: int, options: GroupOptions,
+    candidates: Sequence[Candidate],
+    costs: Sequence[int],
+    *,
+    shard_size: int,
+    options: GroupOptions,
     steps: int = NS_STEPS,
 ) -> list[tuple[dict[int, int], dict[int, int]]]:
     """The group sizes worth trying, each ({weight index: group size >= 2}, {weight index: its busiest
@@ -203,8 +220,9 @@ def sizings(
     loads: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (short, long) -> [(k, busiest member's load)]
     for c in candidates:
         if (c.short, c.long) not in loads:
-            loads[c.short, c.long] = [(k, member_load(c.short, c.long, k, options, steps))
-                                      for k in group_sizes(shard_size, c.long, options)]
+            loads[c.short, c.long] = [
+                (k, member_load(c.short, c.long, k, options, steps)) for k in group_sizes(shard_size, c.long, options)
+            ]
     largest = max((costs[c.index] for c in candidates), default=0)
     # (a threshold at or above every cost splits nothing; there are at most distinct shapes x sizes)
     thresholds = sorted({load for options_k in loads.values() for _, load in options_k if load < largest})
@@ -225,7 +243,12 @@ def sizings(
 
 
 def place_groups(
-    sizes: dict[int, int], loads: dict[int, int], *, load: list[int], replicate_size: int, shard_size: int,
+    sizes: dict[int, int],
+    loads: dict[int, int],
+    *,
+    load: list[int],
+    replicate_size: int,
+    shard_size: int,
 ) -> dict[int, tuple[int, ...]]:
     """{weight index: its members' global ranks} for ``sizes``: largest member load first (then index),
     each on the aligned slot of k consecutive shard indices (in one replicate row) whose busiest rank
@@ -253,4 +276,3 @@ def place_groups(
         heapq.heapreplace(heap, (max(load[start : start + k]), start))
         placed[index] = ranks
     return placed
-

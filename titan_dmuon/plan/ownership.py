@@ -9,17 +9,27 @@ may instead be owned by k ranks of one replicate row, each keeping one block alo
 """
 
 from __future__ import annotations
+
 import hashlib
 import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
 from titan_dmuon.math.group_newton_schulz import block_bounds, group_ns_flops
-from titan_dmuon.plan.specs import LocalTPExperts, MatrixSpec, OwnerGroup, PlanEntry
-from titan_dmuon.plan.owner_groups import Candidate, GroupOptions, gram_elements, member_comm_seconds, place_groups, sizings
 from titan_dmuon.math.ns_methods import NS_STEPS
+from titan_dmuon.plan.owner_groups import (
+    Candidate,
+    GroupOptions,
+    gram_elements,
+    member_comm_seconds,
+    place_groups,
+    sizings,
+)
+from titan_dmuon.plan.specs import LocalTPExperts, MatrixSpec, OwnerGroup, PlanEntry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,11 +126,15 @@ class OwnershipPlan:
         """A hash of the whole plan: ``validate_across_ranks`` compares it between ranks."""
         payload = json.dumps(
             [self.replicate_size, self.shard_size, list(self.local_load)]
-            + [[e.fqn, e.shape, e.unit, e.blocks, e.col_blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes]
-               + ([list(e.group.ranks), list(e.group.bounds), e.group.long_dim] if e.group else [])
-               for e in self.entries]
-            + [[x.fqn, x.rank, x.first, x.spec.shape, x.spec.col_blocks, x.spec.tp_dim, x.tp_homes]
-               for x in self.local_tp_experts]
+            + [
+                [e.fqn, e.shape, e.unit, e.blocks, e.col_blocks, e.owner, e.tp_dim, e.tp_size, e.tp_homes]
+                + ([list(e.group.ranks), list(e.group.bounds), e.group.long_dim] if e.group else [])
+                for e in self.entries
+            ]
+            + [
+                [x.fqn, x.rank, x.first, x.spec.shape, x.spec.col_blocks, x.spec.tp_dim, x.tp_homes]
+                for x in self.local_tp_experts
+            ]
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -144,7 +158,7 @@ class OwnershipPlan:
         ]
         owned = [0] * self.world_size
         for e in self.entries:
-            for rank in (e.group.ranks if e.group else (e.owner,)):
+            for rank in e.group.ranks if e.group else (e.owner,):
                 owned[rank] += 1
         grouped = [e for e in self.entries if e.group is not None]
         if grouped:
@@ -214,23 +228,46 @@ def build_plan(
             first = (rank % shard_size) * per_rank
             count = max(0, min(per_rank, experts - first))
             local_chunks.append((j, rank, first, count))
-            matrices += [(rank, s.unit, s.ns_flops(ns_steps) // experts, ("local", len(local_chunks) - 1, e), s.tp_size)
-                         for e in range(count)]
+            matrices += [
+                (rank, s.unit, s.ns_flops(ns_steps) // experts, ("local", len(local_chunks) - 1, e), s.tp_size)
+                for e in range(count)
+            ]
     homes = _tp_homes(matrices)
     entries = tuple(
-        PlanEntry(fqn=s.fqn, shape=s.shape, unit=s.unit, blocks=s.blocks, col_blocks=s.col_blocks, tp_dim=s.tp_dim,
-                  tp_size=s.tp_size, groupable=s.groupable, owner=o, ns_flops=c, tp_homes=_entry_homes(s, i, homes),
-                  group=owner_groups.get(i))
+        PlanEntry(
+            fqn=s.fqn,
+            shape=s.shape,
+            unit=s.unit,
+            blocks=s.blocks,
+            col_blocks=s.col_blocks,
+            tp_dim=s.tp_dim,
+            tp_size=s.tp_size,
+            groupable=s.groupable,
+            owner=o,
+            ns_flops=c,
+            tp_homes=_entry_homes(s, i, homes),
+            group=owner_groups.get(i),
+        )
         for i, (s, o, c) in enumerate(zip(specs, owners, costs))
     )
     local = tuple(
-        LocalTPExperts(fqn=local_tp_specs[j].fqn, rank=rank, first=first, spec=local_tp_specs[j],
-                       tp_homes=tuple(homes["local", k, e] for e in range(count)))
-        for k, (j, rank, first, count) in enumerate(local_chunks) if count
+        LocalTPExperts(
+            fqn=local_tp_specs[j].fqn,
+            rank=rank,
+            first=first,
+            spec=local_tp_specs[j],
+            tp_homes=tuple(homes["local", k, e] for e in range(count)),
+        )
+        for k, (j, rank, first, count) in enumerate(local_chunks)
+        if count
     )
     return OwnershipPlan(
-        replicate_size=replicate_size, shard_size=shard_size, entries=entries,
-        local_load=tuple(initial_load) if initial_load is not None else (), local_tp_experts=local, groups=groups,
+        replicate_size=replicate_size,
+        shard_size=shard_size,
+        entries=entries,
+        local_load=tuple(initial_load) if initial_load is not None else (),
+        local_tp_experts=local,
+        groups=groups,
     )
 
 
@@ -248,8 +285,15 @@ def _least_loaded_owners(costs: Sequence[int], indices: Sequence[int], load: lis
     return owners
 
 
-def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int], replicate_size: int,
-                  shard_size: int, ns_steps: int, options: GroupOptions) -> dict[int, OwnerGroup]:
+def _owner_groups(
+    specs: Sequence[MatrixSpec],
+    costs: list[int],
+    load: list[int],
+    replicate_size: int,
+    shard_size: int,
+    ns_steps: int,
+    options: GroupOptions,
+) -> dict[int, OwnerGroup]:
     """The owner groups of the sizing (``owner_groups.sizings``) whose busiest rank is least loaded once
     placed, groups first and then the other weights (tried with no groups first, then the sizings with the
     fewest all-reduces; the first on a tie; one whose mean or largest member cannot beat the best so far
@@ -269,8 +313,11 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     if not options_tried:
         return {}
     for sizes, loads in [({}, {})] + options_tried[::-1]:  # fewest all-reduces first
-        total = sum(load) + sum(c for i, c in enumerate(costs) if i not in sizes) + sum(
-            k * loads[i] for i, k in sizes.items())
+        total = (
+            sum(load)
+            + sum(c for i, c in enumerate(costs) if i not in sizes)
+            + sum(k * loads[i] for i, k in sizes.items())
+        )
         if best is not None and max(-(-total // world), max(loads.values(), default=0)) >= best[0]:
             continue  # (its busiest rank cannot beat the best so far: the mean, or its largest member)
         trial = list(load)
@@ -287,9 +334,14 @@ def _owner_groups(specs: Sequence[MatrixSpec], costs: list[int], load: list[int]
     for i, ranks in placed.items():
         short, long, k = shapes[i].short, shapes[i].long, sizes[i]
         bounds = block_bounds(long, k)
-        out[i] = OwnerGroup(ranks=ranks, bounds=bounds, long_dim=0 if specs[i].shape[0] > specs[i].shape[1] else 1,
-                            member_flops=tuple(group_ns_flops(short, long, hi - lo, k, ns_steps)
-                                               for lo, hi in zip(bounds[:-1], bounds[1:])))
+        out[i] = OwnerGroup(
+            ranks=ranks,
+            bounds=bounds,
+            long_dim=0 if specs[i].shape[0] > specs[i].shape[1] else 1,
+            member_flops=tuple(
+                group_ns_flops(short, long, hi - lo, k, ns_steps) for lo, hi in zip(bounds[:-1], bounds[1:])
+            ),
+        )
     return out
 
 
@@ -314,9 +366,7 @@ def _tp_homes(matrices: list[tuple[int, int, int, tuple, int]]) -> dict[tuple, i
     return homes
 
 
-def validate_across_ranks(
-    plan: OwnershipPlan, groups: Sequence[dist.ProcessGroup], device: torch.device
-) -> None:
+def validate_across_ranks(plan: OwnershipPlan, groups: Sequence[dist.ProcessGroup], device: torch.device) -> None:
     """Raise on every rank if any rank derived a different plan.
 
     One small all-gather per mesh dimension. Each gather also carries "a

@@ -2,11 +2,13 @@
 the plan (owner, NS home, owner group), a rank's local TP experts. Plain records, computed from shapes."""
 
 from __future__ import annotations
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from titan_dmuon.math.ns_methods import NS_STEPS, ns_flops
+
 from titan_dmuon.math.matrix_blocks import Block, block_rows, whole_columns
+from titan_dmuon.math.ns_methods import NS_STEPS, ns_flops
 
 
 def full_shape(shape: Sequence[int], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
@@ -44,8 +46,9 @@ def tp_matrices(shape: Sequence[int], tp_dim: int | None, homes: Sequence[int], 
     home from ``homes``; ``blocks`` and ``col_blocks`` of the full matrix."""
     matrix = tuple(shape[-2:])
     dim = None if tp_dim is None else tp_dim - (len(shape) - 2)
-    return [TPMatrix(shape=matrix, dim=dim, home=home, blocks=tuple(blocks), col_blocks=tuple(col_blocks))
-            for home in homes]
+    return [
+        TPMatrix(shape=matrix, dim=dim, home=home, blocks=tuple(blocks), col_blocks=tuple(col_blocks)) for home in homes
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +86,13 @@ class MatrixSpec:
     def may_group(self) -> bool:
         """Whether the plan may give it an owner group: a 2-D matrix, one NS block (no row or column
         blocks), no tensor parallelism (a TP home stays one rank), not excluded by a rule (``groupable``)."""
-        return (self.groupable and len(self.shape) == 2 and len(self.blocks) == 1 and not self.col_blocks
-                and not self.tensor_parallel)
+        return (
+            self.groupable
+            and len(self.shape) == 2
+            and len(self.blocks) == 1
+            and not self.col_blocks
+            and not self.tensor_parallel
+        )
 
     @property
     def tensor_parallel(self) -> bool:
@@ -111,8 +119,9 @@ class MatrixSpec:
         return self.shape[0] if len(self.shape) == 3 else 1
 
     def ns_flops(self, ns_steps: int = NS_STEPS) -> int:
-        return self.matrices * sum(ns_flops(block_rows(b), block_rows(c), ns_steps)
-                                   for b in self.blocks for c in self.column_blocks)
+        return self.matrices * sum(
+            ns_flops(block_rows(b), block_rows(c), ns_steps) for b in self.blocks for c in self.column_blocks
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

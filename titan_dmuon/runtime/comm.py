@@ -70,7 +70,8 @@ class LaunchId:
 
 _source: contextvars.ContextVar[str] = contextvars.ContextVar("dmuon_comm_source", default=CommLabel.OTHER.value)
 _launch: contextvars.ContextVar[tuple[LaunchId, bool] | None] = contextvars.ContextVar(
-    "dmuon_comm_launch", default=None)
+    "dmuon_comm_launch", default=None
+)
 
 
 @contextlib.contextmanager
@@ -172,8 +173,14 @@ class Launch:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, group_size: int, device: torch.device, source: str, stats: CommStats,
-        *, coalesce: bool,
+        self,
+        group: dist.ProcessGroup,
+        group_size: int,
+        device: torch.device,
+        source: str,
+        stats: CommStats,
+        *,
+        coalesce: bool,
     ) -> None:
         self.group = group
         self.group_size = group_size
@@ -234,8 +241,9 @@ class Launch:
             output.copy_(input)
             return
         self.stats.add(self.source, self.group_size, input.numel(), input.numel() * input.element_size())
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group,
-                                      async_op=self._async)
+        work = dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group, async_op=self._async
+        )
         self._ops += 1
         if self._async and work is not None:
             self.in_flight.works.append(work)

@@ -18,8 +18,8 @@ from titan_dmuon.runtime.mode import DedicationMode
 from titan_dmuon.runtime.streams import DeviceTimer, Streams
 
 if TYPE_CHECKING:
-    from titan_dmuon.runtime.reducer import GradientReducer
     from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm
+    from titan_dmuon.runtime.reducer import GradientReducer
     from titan_dmuon.runtime.replica_sync import ReplicaSync
 
 

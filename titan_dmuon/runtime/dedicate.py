@@ -24,20 +24,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.math.matrix_blocks import Block, column_blocks, row_blocks
-from titan_dmuon.plan.specs import MatrixSpec, full_shape
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.plan.ownership import OwnershipPlan, build_plan, validate_across_ranks
+from titan_dmuon.plan.specs import MatrixSpec, full_shape
 from titan_dmuon.runtime.comm import CommStats
 from titan_dmuon.runtime.context import RuntimeContext
 from titan_dmuon.runtime.device_profile import free_communication, measured
-from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, needs_comm, plan_group_sizes
+from titan_dmuon.runtime.fsdp_ignore import ignore_dedicated_in_fully_shard
 from titan_dmuon.runtime.handle import DedicatedParams
-from titan_dmuon.runtime.members import Bucket, LocalExperts, Member, Piece, Segment, pieces_of
+from titan_dmuon.runtime.members import LocalExperts, Member, pieces_of
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo
+from titan_dmuon.runtime.owner_group_comm import OwnerGroupComm, needs_comm, plan_group_sizes
 from titan_dmuon.runtime.reducer import GradientReducer
 from titan_dmuon.runtime.replica_sync import ReplicaSync
-from titan_dmuon.runtime.fsdp_ignore import ignore_dedicated_in_fully_shard
 from titan_dmuon.runtime.request import (
     Predicate,
     Requested,
@@ -50,7 +50,7 @@ from titan_dmuon.runtime.request import (
     requested_params,
 )
 from titan_dmuon.runtime.streams import Streams
-from titan_dmuon.runtime.unit import Unit
+from titan_dmuon.runtime.unit_layout import assign_units, layout_unit
 from titan_dmuon.runtime.usage_checks import check_no_dmuon_yet, install_foreign_step_checks, let_ddp_skip_dedicated
 
 
@@ -151,17 +151,36 @@ def dedicate_params(
     if isinstance(params, DeviceMesh) and mesh is None:  # dedicate_params(model, mesh, predicate=...)
         params, mesh = None, params
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"dedicate_params needs a DeviceMesh (dedicate_params(model, mesh, predicate=...) or "
-                        f"dedicate_params(model, params, mesh)), got {type(mesh).__name__}")
+        raise TypeError(
+            f"dedicate_params needs a DeviceMesh (dedicate_params(model, mesh, predicate=...) or "
+            f"dedicate_params(model, params, mesh)), got {type(mesh).__name__}"
+        )
     check_no_dmuon_yet(module)
-    mode = DedicationMode.build(mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding,
-                                tp_mesh=tp_mesh)
-    dedication = plan_dedication(module, params, mode, predicate=predicate, units=units, split_rows=split_rows,
-                                 split_cols=split_cols, initial_load=initial_load, tp_shard_dims=tp_shard_dims,
-                                 owner_groups=owner_groups, keep_whole=keep_whole)
+    mode = DedicationMode.build(
+        mesh, reshard_after_forward=reshard_after_forward, expert_sharding=expert_sharding, tp_mesh=tp_mesh
+    )
+    dedication = plan_dedication(
+        module,
+        params,
+        mode,
+        predicate=predicate,
+        units=units,
+        split_rows=split_rows,
+        split_cols=split_cols,
+        initial_load=initial_load,
+        tp_shard_dims=tp_shard_dims,
+        owner_groups=owner_groups,
+        keep_whole=keep_whole,
+    )
     ctx = build_context(module, dedication, mode, mp_policy=mp_policy, gradient_divide_factor=gradient_divide_factor)
-    handle = DedicatedParams(module=module, plan=dedication.plan, ctx=ctx, members=dedication.members,
-                             mp_policy=mp_policy, local_experts=dedication.local_experts)
+    handle = DedicatedParams(
+        module=module,
+        plan=dedication.plan,
+        ctx=ctx,
+        members=dedication.members,
+        mp_policy=mp_policy,
+        local_experts=dedication.local_experts,
+    )
     ignore_dedicated_in_fully_shard()
     install_foreign_step_checks()
     let_ddp_skip_dedicated(module, handle)
@@ -199,12 +218,20 @@ def plan_dedication(
     local = local_experts(mode, module, kept, units, unit_index, tp_dims, splits)
     plan = plan_ownership(mode, specs, local, initial_load, owner_groups)
     modules_by_index = {unit_index[id(m)]: m for m in unit_modules}
-    return Dedication(plan=plan, members=make_members(dedicated, plan, mode.mesh),
-                      unit_modules=[modules_by_index[i] for i in range(len(unit_index))], local_experts=local)
+    return Dedication(
+        plan=plan,
+        members=make_members(dedicated, plan, mode.mesh),
+        unit_modules=[modules_by_index[i] for i in range(len(unit_index))],
+        local_experts=local,
+    )
 
 
 def build_context(
-    module: nn.Module, dedication: Dedication, mode: DedicationMode, *, mp_policy: MixedPrecisionPolicy | None = None,
+    module: nn.Module,
+    dedication: Dedication,
+    mode: DedicationMode,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
     gradient_divide_factor: float | None = None,
 ) -> RuntimeContext:
     """The state a handle's units share (streams, counts, the reducer, the replica sync), with
@@ -212,7 +239,10 @@ def build_context(
     streams, stats = Streams(mode.mesh.device), CommStats()
     ctx = RuntimeContext(mode=mode, stats=stats, streams=streams)
     ctx.reducer = GradientReducer(
-        mode=mode, streams=streams, stats=stats, reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
+        mode=mode,
+        streams=streams,
+        stats=stats,
+        reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
         divide_factor=float(gradient_divide_factor or dedication.plan.world_size),
     )
     ctx.replicas = ReplicaSync(mode=mode, streams=streams, stats=stats)
@@ -221,8 +251,14 @@ def build_context(
         ctx.owner_groups = OwnerGroupComm(mode.mesh, stats, sizes)  # (another copy's plan may have groups)
     names = {id(m): n for n, m in module.named_modules()}
     ctx.units = [
-        layout_unit(index, names.get(id(unit_module), "<root>") or "<root>", unit_module,
-                    [m for m in dedication.members if m.entry.unit == index], dedication.plan, ctx)
+        layout_unit(
+            index,
+            names.get(id(unit_module), "<root>") or "<root>",
+            unit_module,
+            [m for m in dedication.members if m.entry.unit == index],
+            dedication.plan,
+            ctx,
+        )
         for index, unit_module in enumerate(dedication.unit_modules)
     ]
     return ctx
@@ -253,7 +289,11 @@ class Splits:
 
 
 def build_specs(
-    mode: DedicationMode, dedicated: list[Requested], unit_modules: list[nn.Module], tp_dims: dict, splits: Splits,
+    mode: DedicationMode,
+    dedicated: list[Requested],
+    unit_modules: list[nn.Module],
+    tp_dims: dict,
+    splits: Splits,
     keep_whole: set[int] = frozenset(),
 ) -> tuple[list[MatrixSpec], dict[int, int]]:
     """The plan's spec of each dedicated weight, and {id(unit module): unit index} (first-seen order);
@@ -262,14 +302,28 @@ def build_specs(
     for r, unit_module in zip(dedicated, unit_modules):
         index = unit_index.setdefault(id(unit_module), len(unit_index))
         blocks, col_blocks = splits.blocks(mode, r, tp_dims)
-        specs.append(MatrixSpec(fqn=r.fqn, shape=tuple(r.param.shape), unit=index, blocks=blocks, col_blocks=col_blocks,
-                                tp_dim=tp_dims.get(id(r.param)), tp_size=mode.tp.size if id(r.param) in tp_dims else 1,
-                                groupable=id(r.param) not in keep_whole))
+        specs.append(
+            MatrixSpec(
+                fqn=r.fqn,
+                shape=tuple(r.param.shape),
+                unit=index,
+                blocks=blocks,
+                col_blocks=col_blocks,
+                tp_dim=tp_dims.get(id(r.param)),
+                tp_size=mode.tp.size if id(r.param) in tp_dims else 1,
+                groupable=id(r.param) not in keep_whole,
+            )
+        )
     return specs, unit_index
 
 
 def local_experts(
-    mode: DedicationMode, module: nn.Module, kept: list[Requested], units, unit_index: dict[int, int], tp_dims: dict,
+    mode: DedicationMode,
+    module: nn.Module,
+    kept: list[Requested],
+    units,
+    unit_index: dict[int, int],
+    tp_dims: dict,
     splits: Splits,
 ) -> list[LocalExperts]:
     """The expert stacks left in place, each with the unit of its layer (a layer without dedicated
@@ -281,30 +335,58 @@ def local_experts(
         if index is None:
             index = len(unit_index) + local_units.setdefault(id(unit_module), len(local_units))
         blocks, col_blocks = splits.blocks(mode, r, tp_dims)
-        out.append(LocalExperts(fqn=r.fqn, module=r.module, name=r.name, blocks=blocks, col_blocks=col_blocks,
-                                tp_dim=tp_dims.get(id(r.param)), unit=index))
+        out.append(
+            LocalExperts(
+                fqn=r.fqn,
+                module=r.module,
+                name=r.name,
+                blocks=blocks,
+                col_blocks=col_blocks,
+                tp_dim=tp_dims.get(id(r.param)),
+                unit=index,
+            )
+        )
     return out
 
 
 def plan_ownership(
-    mode: DedicationMode, specs: list[MatrixSpec], local: list[LocalExperts], initial_load: Sequence[int] | None,
+    mode: DedicationMode,
+    specs: list[MatrixSpec],
+    local: list[LocalExperts],
+    initial_load: Sequence[int] | None,
     owner_groups: GroupOptions | None = None,
 ) -> OwnershipPlan:
     """The plan, balanced against the NS load the ranks already have (experts kept in place, other
     handles' ``initial_load``), and checked identical on every rank (a collective)."""
     mesh = mode.mesh
-    local_tp_specs = [MatrixSpec(fqn=e.fqn, shape=tuple(e.param.shape), unit=e.unit, blocks=e.blocks,
-                                 col_blocks=e.col_blocks, tp_dim=e.tp_dim, tp_size=mode.tp.size)
-                      for e in local if e.tp_dim is not None]
+    local_tp_specs = [
+        MatrixSpec(
+            fqn=e.fqn,
+            shape=tuple(e.param.shape),
+            unit=e.unit,
+            blocks=e.blocks,
+            col_blocks=e.col_blocks,
+            tp_dim=e.tp_dim,
+            tp_size=mode.tp.size,
+        )
+        for e in local
+        if e.tp_dim is not None
+    ]
     load = local_expert_load(local, mesh.replicate_size, mesh.shard_size) if local else [0] * mesh.world_size
     if initial_load is not None:
         if len(initial_load) != mesh.world_size:
             raise ValueError(f"initial_load has {len(initial_load)} entries for a mesh of {mesh.world_size} ranks")
         load = [a + int(b) for a, b in zip(load, initial_load)]
+
     def plan_with(groups: GroupOptions | None) -> OwnershipPlan:
-        return build_plan(specs, replicate_size=mesh.replicate_size, shard_size=mesh.shard_size,
-                          initial_load=load if (local or initial_load is not None) else None,
-                          local_tp_specs=local_tp_specs, groups=groups)
+        return build_plan(
+            specs,
+            replicate_size=mesh.replicate_size,
+            shard_size=mesh.shard_size,
+            initial_load=load if (local or initial_load is not None) else None,
+            local_tp_specs=local_tp_specs,
+            groups=groups,
+        )
 
     if owner_groups is not None and owner_groups.enabled and owner_groups.unmeasured():
         # (measured only where a group could pay with free communication; else nothing to measure)
@@ -344,86 +426,19 @@ def make_members(dedicated: list[Requested], plan: OwnershipPlan, mesh: MeshInfo
         else:
             holds_full = plan.shard_owner(entry) == mesh.shard_rank
             runs_ns = holds_full and plan.replicate_owner(entry) == mesh.replicate_rank
-        member = Member(entry=entry, module=r.module, name=r.name, param=r.param, holds_full=holds_full,
-                        runs_ns=runs_ns, unit=entry.unit, block=block)
+        member = Member(
+            entry=entry,
+            module=r.module,
+            name=r.name,
+            param=r.param,
+            holds_full=holds_full,
+            runs_ns=runs_ns,
+            unit=entry.unit,
+            block=block,
+        )
         members.append(member)
         if block is not None:
             r.param.data = pieces_of(member, plan)[block].of(r.param.data).contiguous().clone()
         elif not holds_full:
             r.param.data = torch.empty(0, dtype=r.param.dtype, device=r.param.device)
     return members
-
-
-# ---- the units ----------------------------------------------------------------------------------------
-def layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
-    """Buffer order: the weights with one owner by shard owner (one broadcast segment each), then by global
-    owner (one reduce bucket each); then the owner groups' weights (plan order), a tall one's row blocks
-    in place (one segment each), a wide one's column blocks in the staging area (by shard owner). Buckets:
-    every piece by (shard owner, global owner)."""
-    single = sorted((m for m in members if m.group is None),
-                    key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)))
-    grouped = [m for m in members if m.group is not None]
-    pieces, columns, offset = [], [], 0
-    for m in single + grouped:
-        m.offset = offset
-        for piece in pieces_of(m, plan):
-            if piece.columns:
-                columns.append(piece)
-                continue
-            piece.offset = offset + (piece.bounds[0] * m.shape[1] if piece.index is not None else 0)
-            pieces.append(piece)
-        offset += m.entry.numel
-    staging = 0
-    for piece in sorted(columns, key=lambda p: (p.shard_owner, p.replicate_owner)):
-        piece.offset = staging
-        staging += piece.numel
-        pieces.append(piece)
-    segments: list[Segment] = []
-    for piece in pieces:
-        last = segments[-1] if segments else None
-        if (last and last.shard_owner == piece.shard_owner and last.staging == piece.columns
-                and last.stop == piece.offset):
-            last.stop += piece.numel
-        else:
-            segments.append(Segment(shard_owner=piece.shard_owner, start=piece.offset, stop=piece.offset + piece.numel,
-                                    staging=piece.columns))
-    by_owner: dict[tuple[int, int], list[Piece]] = {}
-    for piece in pieces:
-        by_owner.setdefault((piece.shard_owner, piece.replicate_owner), []).append(piece)
-    buckets = [Bucket(shard_owner=s, replicate_owner=r, pieces=p) for (s, r), p in by_owner.items()]
-    return Unit(index=index, name=name, module=module, members=single + grouped, pieces=pieces, segments=segments,
-                buckets=buckets, numel=offset, staging_numel=staging, ctx=ctx)
-
-
-def assign_units(module: nn.Module, requested: list[Requested], units: Sequence[nn.Module] | None) -> list[nn.Module]:
-    """For each requested parameter, the module whose forward gathers it: the first of ``units``
-    that contains it, else its outermost ancestor that is an element of an ``nn.ModuleList`` or
-    ``nn.ModuleDict``, else the module that registers it."""
-    parent_of: dict[int, nn.Module] = {}
-    for mod in module.modules():
-        for child in mod.children():
-            parent_of[id(child)] = mod
-
-    def ancestors(mod: nn.Module) -> list[nn.Module]:
-        chain = [mod]
-        while id(chain[-1]) in parent_of:
-            chain.append(parent_of[id(chain[-1])])
-        return chain
-
-    if units is not None:
-        unit_ids = {id(u) for u in units}
-        out = []
-        for r in requested:
-            found = [a for a in ancestors(r.module) if id(a) in unit_ids]
-            if not found:
-                raise ValueError(f"parameter {r.fqn!r} is not inside any of the given units")
-            out.append(found[0])
-        return out
-    containers = (nn.ModuleList, nn.ModuleDict)
-    out = []
-    for r in requested:
-        in_container = [a for a in ancestors(r.module) if isinstance(parent_of.get(id(a)), containers)]
-        out.append(in_container[-1] if in_container else r.module)
-    return out
-
-

@@ -27,8 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.math.ns_methods import newton_schulz, ns_flops
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.runtime.mode import MeshInfo
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,11 @@ def measured(options: GroupOptions, mesh: MeshInfo, shape: tuple[int, int]) -> G
         "intra_node_gbps": bus_bytes / max(large_seconds - small_seconds, 1e-9) / 1e9,
         "nic_gbps": bus_bytes / max(large_seconds - small_seconds, 1e-9) / 1e9,
     }
-    result = dataclasses.replace(options, **{key: figures[key] for key in missing},
-                                 source=f"measured on this {device.type} job: {', '.join(missing)}")
+    result = dataclasses.replace(
+        options,
+        **{key: figures[key] for key in missing},
+        source=f"measured on this {device.type} job: {', '.join(missing)}",
+    )
     if dist.get_rank() == int(mesh.mesh.mesh.flatten()[0]):
         logger.info("DMuon: %s", result.describe())
     return result

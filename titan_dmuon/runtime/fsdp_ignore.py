@@ -33,8 +33,10 @@ _WRAPPED = "adds_dmuon_dedicated_weights"  # set on the wrapper: installed once,
 # The modules whose calls read ``ignored_params`` through their own name of ``_get_modules_and_states``:
 # FSDP2's ``fully_shard``, and the FSDP2-based composable ``replicate`` (torch >= 2.9), which imports the
 # function by name, so wrapping the first alone left ``replicate`` taking the dedicated weights.
-WRAPPED_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard",
-                   "torch.distributed._composable.replicate_with_fsdp")
+WRAPPED_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed._composable.replicate_with_fsdp",
+)
 
 
 def ignore_dedicated_in_fully_shard() -> bool:

@@ -16,6 +16,7 @@ import atexit
 import os
 import time
 
+
 def install_exit_guard() -> None:
     """Idempotent: atexit runs the guard once however often it is asked for."""
     atexit.unregister(_let_gloo_workers_finish)

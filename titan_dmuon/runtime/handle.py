@@ -87,15 +87,20 @@ class DedicatedParams(HandleFigures, HandleWeights, GradientSync):
         self._units: list[Unit] = ctx.units
         self._by_param: dict[int, Member] = {}
         self._experts_by_param: dict[int, LocalExperts] = {}
-        self._step_hooks = StepHooks(module=module, ctx=ctx, members=members,
-                                     param_dtype=mp_policy.param_dtype if mp_policy else None,
-                                     follow_params=self.follow_registered_params)
+        self._step_hooks = StepHooks(
+            module=module,
+            ctx=ctx,
+            members=members,
+            param_dtype=mp_policy.param_dtype if mp_policy else None,
+            follow_params=self.follow_registered_params,
+        )
         self.tensor_parallel_ns = (
             TensorParallelNewtonSchulz(self.mode.tp, ctx.stats, ctx.streams) if self.mode.tp else None
         )
         mesh = self.mode.mesh
         self.local_tp_experts = {  # TP-split experts kept on this data-parallel rank, with their homes, by name
-            x.fqn: x for x in plan.local_tp_experts_of(mesh.replicate_rank * mesh.shard_size + mesh.shard_rank)}
+            x.fqn: x for x in plan.local_tp_experts_of(mesh.replicate_rank * mesh.shard_size + mesh.shard_rank)
+        }
         self._state_dict_hooks = [h for owner in self.owning_modules for h in install_state_dict_hooks(self, owner)]
         _attach(module, self)
         self.follow_registered_params()

@@ -76,5 +76,11 @@ class HandleWeights:
         (tensor parallelism: FSDP2's layout over the data-parallel and tp dims); each holder then
         keeps its TP-local shard.
         """
-        return initialise.initialising(self.members_of(module), self.mode, sharded=sharded, shard_dim=shard_dim,
-                                       layout=layout, on_written=self.weights_changed)
+        return initialise.initialising(
+            self.members_of(module),
+            self.mode,
+            sharded=sharded,
+            shard_dim=shard_dim,
+            layout=layout,
+            on_written=self.weights_changed,
+        )

@@ -89,7 +89,12 @@ class StepHooks:
     handle then follows parameters that ``to_empty()`` replaced after ``dedicate_params``."""
 
     def __init__(
-        self, *, module: nn.Module, ctx: RuntimeContext, members: list[Member], param_dtype: torch.dtype | None,
+        self,
+        *,
+        module: nn.Module,
+        ctx: RuntimeContext,
+        members: list[Member],
+        param_dtype: torch.dtype | None,
         follow_params: Callable[[], None],
     ) -> None:
         self.ctx = ctx
@@ -126,8 +131,9 @@ class StepHooks:
             check_compute_dtype(unit, self._param_dtype or unit.members[0].param.dtype)
         for unit in ctx.units:
             unit.allocate_compute_params(self._param_dtype or unit.members[0].param.dtype, ctx.mode.mesh.device)
-            self._removables.append(unit.module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, unit), with_kwargs=True))
+            self._removables.append(
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
+            )
             self._removables.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
             unit.weights_event = ctx.streams.record()
         self.initialized = True
@@ -153,8 +159,9 @@ class StepHooks:
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._queue_final_callback(),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self._queue_final_callback(), mode="any"
+            )
 
     @_hook("pre_forward")
     def _pre_forward(self, unit: Unit, module, args, kwargs):

@@ -24,8 +24,13 @@ from titan_dmuon.runtime.tensor_parallel import tp_local
 
 @contextlib.contextmanager
 def initialising(
-    members: Sequence[Member], mode: DedicationMode, *, sharded: bool, shard_dim: Callable[[Member], int] | None = None,
-    layout: Callable | None = None, on_written: Callable[[], None],
+    members: Sequence[Member],
+    mode: DedicationMode,
+    *,
+    sharded: bool,
+    shard_dim: Callable[[Member], int] | None = None,
+    layout: Callable | None = None,
+    on_written: Callable[[], None],
 ) -> Iterator[None]:
     """While the block initialises ``members`` (the dedicated weights of one module), each is a
     stand-in of the form it would have without DMuon (see ``DedicatedParams.initialising``); on a
@@ -57,8 +62,9 @@ def _stand_in(member: Member, mode: DedicationMode, *, sharded: bool, shard_dim,
         mesh, placements = layout(member) if layout is not None else _fsdp_layout(member, mode, shard_dim)
         local_shape, _ = compute_local_shape_and_global_offset(full, mesh, placements)
         local = torch.empty(local_shape, dtype=like.dtype, device=like.device)
-        data = DTensor.from_local(local, mesh, placements, run_check=False, shape=full,
-                                  stride=torch.empty(full, device="meta").stride())
+        data = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=full, stride=torch.empty(full, device="meta").stride()
+        )
     return nn.Parameter(data, requires_grad=like.requires_grad)
 
 

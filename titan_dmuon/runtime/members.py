@@ -10,8 +10,8 @@ from torch import nn
 
 from titan_dmuon.math.matrix_blocks import Block, block_rows, whole_columns
 from titan_dmuon.math.ns_methods import ns_flops
-from titan_dmuon.plan.specs import OwnerGroup, PlanEntry
 from titan_dmuon.plan.ownership import OwnershipPlan
+from titan_dmuon.plan.specs import OwnerGroup, PlanEntry
 
 
 @dataclass(eq=False)
@@ -154,7 +154,15 @@ def pieces_of(member: Member, plan: OwnershipPlan) -> list[Piece]:
     of its owner group in block order (offsets unset)."""
     entry = member.entry
     if entry.group is None:
-        return [Piece(member=member, index=None, shard_owner=plan.shard_owner(entry),
-                      replicate_owner=plan.replicate_owner(entry))]
-    return [Piece(member=member, index=i, shard_owner=rank % plan.shard_size,
-                  replicate_owner=rank // plan.shard_size) for i, rank in enumerate(entry.group.ranks)]
+        return [
+            Piece(
+                member=member,
+                index=None,
+                shard_owner=plan.shard_owner(entry),
+                replicate_owner=plan.replicate_owner(entry),
+            )
+        ]
+    return [
+        Piece(member=member, index=i, shard_owner=rank % plan.shard_size, replicate_owner=rank // plan.shard_size)
+        for i, rank in enumerate(entry.group.ranks)
+    ]

@@ -43,8 +43,15 @@ class MeshInfo:
         if mesh.ndim == 1:
             group = mesh.get_group()
             return cls(
-                mesh=mesh, shard_group=group, shard_size=mesh.size(), shard_rank=mesh.get_local_rank(),
-                replicate_group=None, replicate_size=1, replicate_rank=0, device=device, coalesces=coalesces(group, device),
+                mesh=mesh,
+                shard_group=group,
+                shard_size=mesh.size(),
+                shard_rank=mesh.get_local_rank(),
+                replicate_group=None,
+                replicate_size=1,
+                replicate_rank=0,
+                device=device,
+                coalesces=coalesces(group, device),
             )
         if mesh.ndim == 2:
             names = tuple(mesh.mesh_dim_names or ())
@@ -55,9 +62,15 @@ class MeshInfo:
                 )
             shard_group = mesh.get_group(1)
             return cls(
-                mesh=mesh, shard_group=shard_group, shard_size=mesh.size(1), shard_rank=mesh.get_local_rank(1),
-                replicate_group=mesh.get_group(0), replicate_size=mesh.size(0), replicate_rank=mesh.get_local_rank(0),
-                device=device, coalesces=coalesces(shard_group, device),
+                mesh=mesh,
+                shard_group=shard_group,
+                shard_size=mesh.size(1),
+                shard_rank=mesh.get_local_rank(1),
+                replicate_group=mesh.get_group(0),
+                replicate_size=mesh.size(0),
+                replicate_rank=mesh.get_local_rank(0),
+                device=device,
+                coalesces=coalesces(shard_group, device),
             )
         raise ValueError(f"mesh must be 1-D (DDP/FSDP) or 2-D (HSDP), got {mesh.ndim} dims {mesh.mesh_dim_names}")
 
@@ -107,7 +120,11 @@ class DedicationMode:
 
     @classmethod
     def build(
-        cls, mesh: DeviceMesh, *, reshard_after_forward: bool, expert_sharding: str = "auto",
+        cls,
+        mesh: DeviceMesh,
+        *,
+        reshard_after_forward: bool,
+        expert_sharding: str = "auto",
         tp_mesh: DeviceMesh | None = None,
     ) -> DedicationMode:
         """From the mesh and settings ``dedicate_params`` got, checked (the one place the mesh is read)."""
@@ -119,8 +136,12 @@ class DedicationMode:
                 f"of type {type(reshard_after_forward).__name__}"
             )
         tp = TensorParallelInfo.from_mesh(tp_mesh) if tp_mesh is not None and tp_mesh.size() > 1 else None
-        return cls(mesh=MeshInfo.from_mesh(mesh), reshard_after_forward=reshard_after_forward,
-                   expert_sharding=expert_sharding, tp=tp)
+        return cls(
+            mesh=MeshInfo.from_mesh(mesh),
+            reshard_after_forward=reshard_after_forward,
+            expert_sharding=expert_sharding,
+            tp=tp,
+        )
 
     @property
     def name(self) -> str:

@@ -53,7 +53,8 @@ def mesh_copies(mesh: MeshInfo) -> list[torch.Tensor]:
         raise RuntimeError(
             "owner groups on a dedication mesh that is a slice of the world need torch's DeviceMesh layout "
             f"(torch >= 2.10; this is {torch.__version__}) to make their process groups on every rank: "
-            "upgrade torch, or dedicate with owner_groups=None")
+            "upgrade torch, or dedicate with owner_groups=None"
+        )
     full = layout.remap_to_tensor(root()._rank_map)
     return [copy.reshape(mesh.replicate_size, mesh.shard_size) for copy in full]
 
@@ -125,8 +126,14 @@ class OwnerGroupComm:
         ``Shard`` along the long side on its row's group (DCP: each replicate row's copy of a block is
         the same chunk, written once)."""
         full = torch.Size(member.shape)
-        return DTensor.from_local(local, self.device_mesh(member), (Shard(member.group.long_dim),), run_check=False,
-                                  shape=full, stride=torch.empty(full, device="meta").stride())
+        return DTensor.from_local(
+            local,
+            self.device_mesh(member),
+            (Shard(member.group.long_dim),),
+            run_check=False,
+            shape=full,
+            stride=torch.empty(full, device="meta").stride(),
+        )
 
     def device_mesh(self, member: Member) -> DeviceMesh:
         """The 1-D device mesh of ``member``'s group in this rank's row (made once, without a process group:
@@ -135,8 +142,9 @@ class OwnerGroupComm:
         if slot not in self._meshes:
             ranks = self.mesh.mesh.mesh
             row = ranks if ranks.ndim == 1 else ranks[self.mesh.replicate_rank]
-            self._meshes[slot] = DeviceMesh(self.mesh.device.type, torch.tensor([int(row[s]) for s in slot]),
-                                            _init_backend=False)
+            self._meshes[slot] = DeviceMesh(
+                self.mesh.device.type, torch.tensor([int(row[s]) for s in slot]), _init_backend=False
+            )
         return self._meshes[slot]
 
 

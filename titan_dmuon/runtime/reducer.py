@@ -75,7 +75,12 @@ class _Flight:
 
 class GradientReducer:
     def __init__(
-        self, *, mode: DedicationMode, streams: Streams, stats: CommStats, reduce_dtype: torch.dtype | None,
+        self,
+        *,
+        mode: DedicationMode,
+        streams: Streams,
+        stats: CommStats,
+        reduce_dtype: torch.dtype | None,
         divide_factor: float,
     ) -> None:
         self.mode = mode
@@ -100,8 +105,14 @@ class GradientReducer:
         mesh, streams = self.mode.mesh, self.streams
         streams.wait_stream(streams.reduce)  # the reduce stream starts after the copy-in
         with streams.use(streams.reduce):
-            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, CommLabel.SHARD_REDUCE, self.stats,
-                        coalesce=mesh.coalesces) as launch:
+            with Launch(
+                mesh.shard_group,
+                mesh.shard_size,
+                mesh.device,
+                CommLabel.SHARD_REDUCE,
+                self.stats,
+                coalesce=mesh.coalesces,
+            ) as launch:
                 for bucket, flat in items:
                     launch.reduce(flat, dst=bucket.shard_owner)
         self._in_flight.append(_Flight(Stage.SHARD, launch.in_flight, items))
@@ -172,8 +183,14 @@ class GradientReducer:
             if flight.stage is Stage.SHARD and mesh.hsdp:
                 with streams.use(streams.replicate):
                     flight.in_flight.wait()  # the replicate stream (not compute) waits for the shard stage
-                    with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, CommLabel.REPLICATE_REDUCE,
-                                self.stats, coalesce=mesh.coalesces) as launch:
+                    with Launch(
+                        mesh.replicate_group,
+                        mesh.replicate_size,
+                        mesh.device,
+                        CommLabel.REPLICATE_REDUCE,
+                        self.stats,
+                        coalesce=mesh.coalesces,
+                    ) as launch:
                         for bucket, flat in mine:
                             launch.reduce(flat, dst=bucket.replicate_owner)
                 self._in_flight.append(_Flight(Stage.REPLICATE, launch.in_flight, mine))
@@ -214,8 +231,14 @@ class GradientReducer:
             self._tp_coalesces = coalesces(tp.group, self.mode.mesh.device)
         streams.wait_stream(streams.reduce)
         with streams.use(streams.reduce):
-            with Launch(tp.group, tp.size, self.mode.mesh.device, CommLabel.TP_GRAD_REDUCE, self.stats,
-                        coalesce=self._tp_coalesces) as launch:
+            with Launch(
+                tp.group,
+                tp.size,
+                self.mode.mesh.device,
+                CommLabel.TP_GRAD_REDUCE,
+                self.stats,
+                coalesce=self._tp_coalesces,
+            ) as launch:
                 for m, grad in partial:
                     launch.reduce(grad, dst=m.entry.tp_homes[0])
         launch.in_flight.wait()

@@ -40,8 +40,9 @@ class ReplicaSync:
             return
         with self.streams.use(self.streams.replicate):
             self.streams.wait_event(None, unit.weights_event)
-            with Launch(mesh.replicate_group, mesh.replicate_size, mesh.device, source, self.stats,
-                        coalesce=mesh.coalesces) as launch:
+            with Launch(
+                mesh.replicate_group, mesh.replicate_size, mesh.device, source, self.stats, coalesce=mesh.coalesces
+            ) as launch:
                 for bucket in holding:
                     for piece in bucket.pieces:  # (this rank's weight, or its block of an owner group)
                         launch.broadcast(piece.member.param.detach(), src=bucket.replicate_owner)

@@ -32,8 +32,9 @@ class Requested:
 Predicate = Callable[[str, nn.Parameter], bool] | str
 
 
-def chosen_params(module: nn.Module, params: Iterable[nn.Parameter] | None, predicate: Predicate | None
-                  ) -> list[nn.Parameter]:
+def chosen_params(
+    module: nn.Module, params: Iterable[nn.Parameter] | None, predicate: Predicate | None
+) -> list[nn.Parameter]:
     """The weights to dedicate: ``params`` as given, or every parameter of ``module`` that ``predicate``
     selects (a callable ``(name, param) -> bool``, or a regular expression searched for in the name;
     names are canonical: no activation-checkpoint or compile wrapper segments), in module order.
@@ -44,7 +45,8 @@ def chosen_params(module: nn.Module, params: Iterable[nn.Parameter] | None, pred
         raise ValueError(
             "dedicate_params takes the weights to dedicate one way: a list of parameters, or predicate= (a "
             "callable (name, param) -> bool, or a regular expression searched for in parameter names)"
-            + ("; it got both" if params is not None else "; it got neither"))
+            + ("; it got both" if params is not None else "; it got neither")
+        )
     if params is not None:
         return list(params)
     matches = _predicate_fn(predicate)
@@ -61,19 +63,21 @@ def chosen_params(module: nn.Module, params: Iterable[nn.Parameter] | None, pred
             raise ValueError(
                 f"{label} matches {fqn!r}, {what}: Muon is for hidden-layer matrices (2-D weights, "
                 "3-D expert stacks); leave norms, biases, embeddings and the output head to AdamW by narrowing the "
-                "predicate" + (" (or pass the weight in a list to dedicate it anyway)" if id(p) in embeddings else ""))
+                "predicate" + (" (or pass the weight in a list to dedicate it anyway)" if id(p) in embeddings else "")
+            )
         chosen.append(p)
     if not chosen:
-        raise ValueError(f"{label} matches no parameter of the model; its names look like "
-                         f"{names[:3]!r}")
+        raise ValueError(f"{label} matches no parameter of the model; its names look like {names[:3]!r}")
     return chosen
 
 
 def _predicate_fn(predicate: Predicate) -> Callable[[str, nn.Parameter], bool]:
     if not isinstance(predicate, str):
         if not callable(predicate):
-            raise TypeError(f"predicate must be a callable (name, param) -> bool or a regular expression, got "
-                            f"{type(predicate).__name__}")
+            raise TypeError(
+                f"predicate must be a callable (name, param) -> bool or a regular expression, got "
+                f"{type(predicate).__name__}"
+            )
         return lambda name, p: bool(predicate(name, p))
     try:
         pattern = re.compile(predicate)
@@ -82,8 +86,9 @@ def _predicate_fn(predicate: Predicate) -> Callable[[str, nn.Parameter], bool]:
     return lambda name, p: pattern.search(name) is not None
 
 
-def requested_params(params: Iterable[nn.Parameter], sites: Sites, split_rows: Mapping,
-                     split_cols: Mapping = ()) -> list[Requested]:
+def requested_params(
+    params: Iterable[nn.Parameter], sites: Sites, split_rows: Mapping, split_cols: Mapping = ()
+) -> list[Requested]:
     """Each of ``params`` checked (a trainable 2-D or 3-D parameter of the model, registered once,
     listed once, not dedicated yet) with where it is registered; ``split_rows`` and ``split_cols``
     name only them."""
@@ -145,8 +150,9 @@ def check_not_sharded(dedicated: list[Requested]) -> None:
             raise ValueError(f"parameter {r.fqn!r} is already a DTensor: call dedicate_params before fully_shard")
 
 
-def checked_tp_dims(mode: DedicationMode, requested: list[Requested], tp_shard_dims: Mapping | None,
-                    sites: Sites) -> dict[int, int | None]:
+def checked_tp_dims(
+    mode: DedicationMode, requested: list[Requested], tp_shard_dims: Mapping | None, sites: Sites
+) -> dict[int, int | None]:
     """{id(param): the tensor dim tensor parallelism splits, None for a replicated weight}, checked."""
     tp_shard_dims = dict(tp_shard_dims or {})
     if tp_shard_dims and mode.tp is None:
@@ -155,13 +161,18 @@ def checked_tp_dims(mode: DedicationMode, requested: list[Requested], tp_shard_d
     for p, d in tp_shard_dims.items():
         if id(p) not in names:
             where = sites.get(id(p))
-            raise ValueError(f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not among "
-                             "the parameters being dedicated")
+            raise ValueError(
+                f"tp_shard_dims names {where[0][0] if where else 'a parameter'!r}, which is not among "
+                "the parameters being dedicated"
+            )
         fqn, ndim = names[id(p)]
         allowed = (0, 1) if ndim == 2 else (1, 2)
         if d is not None and d not in allowed:
-            kind = ("a matrix: 0 (column-wise) or 1 (row-wise)" if ndim == 2
-                    else "an expert stack: 1 or 2 (each expert split)")
+            kind = (
+                "a matrix: 0 (column-wise) or 1 (row-wise)"
+                if ndim == 2
+                else "an expert stack: 1 or 2 (each expert split)"
+            )
             raise ValueError(f"tp_shard_dims[{fqn!r}] = {d!r}: expected, for {kind}, or None (replicated)")
     return {id(p): d for p, d in tp_shard_dims.items()}
 
@@ -172,9 +183,11 @@ def check_tp_dims_complete(mode: DedicationMode, dedicated: list[Requested], dim
         return
     for r in dedicated:
         if id(r.param) not in dims:
-            raise ValueError(f"{r.fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
-                             "TP-local shard and needs its dim (0 or 1 of a matrix, 1 or 2 of an expert stack), or "
-                             "None when every tp rank holds it whole")
+            raise ValueError(
+                f"{r.fqn!r} has no entry in tp_shard_dims: with tp_mesh every dedicated weight is a "
+                "TP-local shard and needs its dim (0 or 1 of a matrix, 1 or 2 of an expert stack), or "
+                "None when every tp rank holds it whole"
+            )
 
 
 def check_not_wrapped(module: nn.Module) -> None:

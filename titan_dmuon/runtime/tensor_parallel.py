@@ -77,8 +77,14 @@ def as_sharded(tp: TensorParallelInfo | None, member: Member, local: torch.Tenso
     if member.entry.tp_dim is None:
         return local
     full = torch.Size(member.entry.full_shape)
-    return DTensor.from_local(local, tp.mesh, [Shard(member.entry.tp_dim)], run_check=False,
-                              shape=full, stride=torch.empty(full, device="meta").stride())
+    return DTensor.from_local(
+        local,
+        tp.mesh,
+        [Shard(member.entry.tp_dim)],
+        run_check=False,
+        shape=full,
+        stride=torch.empty(full, device="meta").stride(),
+    )
 
 
 @dataclass(eq=False)
@@ -110,6 +116,7 @@ class TensorParallelNewtonSchulz:
         """The three steps at once: this rank's shards of the orthogonalised matrices, and the number
         of Newton–Schulz matrices (blocks) it ran (``orthogonalise_fn``: inputs to results;
         ``at_homes``: ``orthogonalise_at_homes``' options)."""
+
         def each_result(inputs: list[torch.Tensor], consume) -> None:
             for j, result in enumerate(orthogonalise_fn(inputs)):
                 consume(j, result)
@@ -117,8 +124,14 @@ class TensorParallelNewtonSchulz:
         back = self.orthogonalise_at_homes(self.send_to_homes(matrices, shards), each_result, **at_homes)
         return self.received(back), back.ns_matrices
 
-    def send_to_homes(self, matrices: Sequence[TPMatrix], shards: Sequence[torch.Tensor | None], *,
-                      scratch: Scratch = fresh, slot: int = 0) -> Exchange:
+    def send_to_homes(
+        self,
+        matrices: Sequence[TPMatrix],
+        shards: Sequence[torch.Tensor | None],
+        *,
+        scratch: Scratch = fresh,
+        slot: int = 0,
+    ) -> Exchange:
         """``shards``: this rank's bf16 NS inputs of ``matrices`` (the same matrices, in the same order,
         on every rank of the TP group), sent to their homes. A replicated matrix's input is needed on
         its home only (None elsewhere): it stays there (copied: ``shards`` may be reused at once). The
@@ -128,23 +141,36 @@ class TensorParallelNewtonSchulz:
         sharded = [i for i in self._by_home(matrices) if matrices[i].dim is not None]
         homed_here = [i for i, m in enumerate(matrices) if m.dim is None and m.home == me]
         kept = _packed([shards[i] for i in homed_here], scratch, f"tp_kept{slot}", torch.bfloat16, self.streams.device)
-        own = {i: kept[offset : offset + matrices[i].numel]
-               for i, offset in zip(homed_here, _offsets([matrices[i].numel for i in homed_here]))}
-        send = _packed([shards[i] for i in sharded], scratch, f"tp_to_home_send{slot}", torch.bfloat16,
-                       self.streams.device)
+        own = {
+            i: kept[offset : offset + matrices[i].numel]
+            for i, offset in zip(homed_here, _offsets([matrices[i].numel for i in homed_here]))
+        }
+        send = _packed(
+            [shards[i] for i in sharded], scratch, f"tp_to_home_send{slot}", torch.bfloat16, self.streams.device
+        )
         per_source = sum(m.numel for m in matrices if m.dim is not None and m.home == me)
         received = scratch(f"tp_to_home_received{slot}", (per_source * size,), send.dtype, send.device)
         if sharded:  # (the same on every rank: nothing to send when the chunk holds replicated matrices only)
-            in_flight = self._issue(CommLabel.TP_TO_HOME, received, send, [per_source] * size,
-                                    self._home_splits(matrices, sharded_only=True))
+            in_flight = self._issue(
+                CommLabel.TP_TO_HOME,
+                received,
+                send,
+                [per_source] * size,
+                self._home_splits(matrices, sharded_only=True),
+            )
         else:
             in_flight = InFlight()
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, own=own)
 
     def orthogonalise_at_homes(
-        self, sent: Exchange, orthogonalise_fn: Callable[..., list[torch.Tensor] | None], *,
-        dtype: torch.dtype = torch.bfloat16, rule: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
-        scratch: Scratch = fresh, slot: int = 0,
+        self,
+        sent: Exchange,
+        orthogonalise_fn: Callable[..., list[torch.Tensor] | None],
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        rule: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
+        scratch: Scratch = fresh,
+        slot: int = 0,
     ) -> Exchange:
         """Wait for ``sent``, orthogonalise the matrices homed here, send each rank its shards.
 
@@ -169,8 +195,10 @@ class TensorParallelNewtonSchulz:
             if matrix.dim is None:
                 full.append(sent.own[i].view(matrix.shape))
                 continue
-            parts = [sent.received[s * per_source + start : s * per_source + start + matrix.numel].view(matrix.shape)
-                     for s in range(size)]
+            parts = [
+                sent.received[s * per_source + start : s * per_source + start + matrix.numel].view(matrix.shape)
+                for s in range(size)
+            ]
             shape = list(matrix.shape)
             shape[matrix.dim] *= size
             full.append(torch.cat(parts, dim=matrix.dim, out=assembled[offset : offset + numel].view(shape)))
@@ -197,8 +225,9 @@ class TensorParallelNewtonSchulz:
         send = _packed(parts, scratch, f"tp_back_send{slot}", dtype, device)
         received = scratch(f"tp_back_received{slot}", (sum(m.numel for m in matrices),), dtype, device)
         per_destination = sum(matrices[i].numel for i in homed)
-        in_flight = self._issue(CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices),
-                                [per_destination] * size)
+        in_flight = self._issue(
+            CommLabel.TP_FROM_HOME, received, send, self._home_splits(matrices), [per_destination] * size
+        )
         return Exchange(matrices=matrices, sent=send, received=received, in_flight=in_flight, ns_matrices=len(tiles))
 
     def received(self, back: Exchange) -> list[torch.Tensor]:
@@ -220,8 +249,10 @@ class TensorParallelNewtonSchulz:
         return [i for home in range(self.tp.size) for i, m in enumerate(matrices) if m.home == home]
 
     def _home_splits(self, matrices: Sequence[TPMatrix], *, sharded_only: bool = False) -> list[int]:
-        return [sum(m.numel for m in matrices if m.home == home and not (sharded_only and m.dim is None))
-                for home in range(self.tp.size)]
+        return [
+            sum(m.numel for m in matrices if m.home == home and not (sharded_only and m.dim is None))
+            for home in range(self.tp.size)
+        ]
 
     def _issue(self, source: CommLabel, output, input, output_splits, input_splits) -> InFlight:
         """The all-to-all from the reduce stream, which waits for an event recorded now on the current
@@ -248,8 +279,9 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def _packed(tensors: Sequence[torch.Tensor], scratch: Scratch, name: str, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+def _packed(
+    tensors: Sequence[torch.Tensor], scratch: Scratch, name: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``tensors`` one after another in a flat ``scratch`` buffer (``torch.cat`` of them flattened)."""
     sizes = [t.numel() for t in tensors]
     flat = scratch(name, (sum(sizes),), dtype, device)
@@ -261,6 +293,7 @@ def _packed(tensors: Sequence[torch.Tensor], scratch: Scratch, name: str, dtype:
 def _tiles_of(full: Sequence[torch.Tensor], tiles, scratch: Scratch) -> list[torch.Tensor]:
     """Each tile of the assembled matrices as a contiguous matrix: a view where it is a range of whole
     rows, else gathered into a flat ``scratch`` buffer (as ``take_tile(...).contiguous()``)."""
+
     def is_rows(k, rows, cols) -> bool:
         return len(rows) == 1 and cols == ((0, full[k].shape[1]),)
 

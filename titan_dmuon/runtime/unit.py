@@ -95,11 +95,13 @@ class Unit:
             if mine:
                 views = [self._landing(p.columns)[p.offset : p.offset + p.numel].view(p.shape) for p in mine]
                 torch._foreach_copy_(views, [p.member.param for p in mine])
-            with Launch(mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats,
-                        coalesce=mesh.coalesces) as launch:
+            with Launch(
+                mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats, coalesce=mesh.coalesces
+            ) as launch:
                 for segment in self.segments:
-                    launch.broadcast(self._landing(segment.staging)[segment.start : segment.stop],
-                                     src=segment.shard_owner)
+                    launch.broadcast(
+                        self._landing(segment.staging)[segment.start : segment.stop], src=segment.shard_owner
+                    )
         self._in_flight = launch.in_flight
         self.state = BufferState.GATHERING
 
@@ -114,10 +116,13 @@ class Unit:
             self._in_flight = None
             if self._staging is not None:
                 columns = [p for p in self.pieces if p.columns]
-                weights = [p.of(self.buffer[p.member.offset : p.member.offset + p.member.numel].view(p.member.shape))
-                           for p in columns]
-                torch._foreach_copy_(weights, [self._staging[p.offset : p.offset + p.numel].view(p.shape)
-                                               for p in columns])
+                weights = [
+                    p.of(self.buffer[p.member.offset : p.member.offset + p.member.numel].view(p.member.shape))
+                    for p in columns
+                ]
+                torch._foreach_copy_(
+                    weights, [self._staging[p.offset : p.offset + p.numel].view(p.shape) for p in columns]
+                )
                 self._drop_staging(self.ctx.streams.record())
             self.state = BufferState.READY
 
@@ -186,8 +191,12 @@ class Unit:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: on_backward(), mode="any")
             # Z3 frees, unless sync is off or was (the weights stayed from the earlier micro-batches:
             # holding them to the reduce costs no memory beyond theirs, and saves a broadcast)
-            if (self.ctx.mode.reshard_after_forward and self.ctx.gradient_sync and not self.holds_unreduced_grads
-                    and not self.ctx.is_last_in_forward(self)):
+            if (
+                self.ctx.mode.reshard_after_forward
+                and self.ctx.gradient_sync
+                and not self.holds_unreduced_grads
+                and not self.ctx.is_last_in_forward(self)
+            ):
                 self.free()
         else:  # no backward will come (evaluation, no_grad)
             self.phase = Phase.IDLE

@@ -50,7 +50,8 @@ def warn_if_nothing_dedicated(has_muon_groups: bool) -> None:
             "DMuon found no dedicated weights, so every parameter gets AdamW: call dedicate_params(model, mesh, "
             "predicate=...) before fully_shard and build DMuon after it (pass dedicated=[] to silence this for a "
             "model without Muon weights)",
-            UserWarning, stacklevel=3,
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -218,9 +219,11 @@ def _wrap_torch_clip() -> None:
     from torch.nn.utils import clip_grad
 
     for module in (torch.nn.utils, clip_grad):
-        for name, public in (("clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"),
-                             ("clip_grads_with_norm_", "torch.nn.utils.clip_grads_with_norm_"),
-                             ("_clip_grads_with_norm_", "torch.nn.utils.clip_grad_norm_")):
+        for name, public in (
+            ("clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"),
+            ("clip_grads_with_norm_", "torch.nn.utils.clip_grads_with_norm_"),
+            ("_clip_grads_with_norm_", "torch.nn.utils.clip_grad_norm_"),
+        ):
             original = getattr(module, name, None)
             if original is not None:
                 setattr(module, name, _refusing(original, public))

@@ -30,37 +30,67 @@ def _layout(args, job_layout: Layout | None) -> Layout:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m titan_dmuon.sizing", description=sizing_package.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_dmuon.sizing", description=sizing_package.__doc__.split("\n\n")[0]
+    )
     source = parser.add_argument_group("the model (one of)")
     source.add_argument("--model", help="TorchTitan model name: llama3, deepseek_v3, qwen3, kimi_k2_7")
-    source.add_argument("--flavor",
-                        help="its flavor in TorchTitan's model registry, e.g. 8B, 70B, 405B, 671B, debugmodel")
-    source.add_argument("--config", metavar="FILE.toml",
-                        help="a TOML job (its model, muon_params, degrees and dtypes); other --section.key value "
-                             "arguments override it as with run_train.sh")
-    source.add_argument("--source", choices=("auto", "table", "torchtitan"), default="auto",
-                        help="--model's weights from the shape tables (no TorchTitan needed) or TorchTitan's model on "
-                             "the meta device; auto: the table where there is one")
+    source.add_argument(
+        "--flavor", help="its flavor in TorchTitan's model registry, e.g. 8B, 70B, 405B, 671B, debugmodel"
+    )
+    source.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="a TOML job (its model, muon_params, degrees and dtypes); other --section.key value "
+        "arguments override it as with run_train.sh",
+    )
+    source.add_argument(
+        "--source",
+        choices=("auto", "table", "torchtitan"),
+        default="auto",
+        help="--model's weights from the shape tables (no TorchTitan needed) or TorchTitan's model on "
+        "the meta device; auto: the table where there is one",
+    )
     layout = parser.add_argument_group("the layout (a --config's [parallelism] unless given)")
     layout.add_argument("--world", type=int, help="ranks in all; the shard degree is what the others leave")
-    for name, help_text in (("replicate", "data-parallel replicas R (HSDP; with --shard 1: DDP)"),
-                            ("shard", "data-parallel shard ranks N"), ("tp", "tensor-parallel degree"),
-                            ("pp", "pipeline stages"), ("ep", "expert-parallel degree (inside shard x tp)")):
+    for name, help_text in (
+        ("replicate", "data-parallel replicas R (HSDP; with --shard 1: DDP)"),
+        ("shard", "data-parallel shard ranks N"),
+        ("tp", "tensor-parallel degree"),
+        ("pp", "pipeline stages"),
+        ("ep", "expert-parallel degree (inside shard x tp)"),
+    ):
         layout.add_argument(f"--{name}", type=int, help=help_text)
     figures = parser.add_argument_group("figures")
-    figures.add_argument("--tflops", type=float, default=H200_BF16_TFLOPS,
-                         help="Newton–Schulz TFLOP/s per rank for the critical path (default: the H200's bf16 matmul "
-                              "peak, so the times are lower bounds)")
-    figures.add_argument("--device-memory", type=float, default=80.0,
-                         help="GB per rank for the recommendation (default 80)")
-    figures.add_argument("--activation-share", type=float, default=0.5,
-                         help="share of --device-memory left to activations when deciding Z2/Z3 (default 0.5)")
-    figures.add_argument("--param-dtype", default=None,
-                         help="master weights, gradients, optimizer state (default fp32)")
-    figures.add_argument("--compute-dtype", default=None,
-                         help="forward/backward weights (default bf16; a --config's training.mixed_precision_param)")
-    figures.add_argument("--reduce-dtype", default=None,
-                         help="gradient reduction (default fp32; a --config's training.mixed_precision_reduce)")
+    figures.add_argument(
+        "--tflops",
+        type=float,
+        default=H200_BF16_TFLOPS,
+        help="Newton–Schulz TFLOP/s per rank for the critical path (default: the H200's bf16 matmul "
+        "peak, so the times are lower bounds)",
+    )
+    figures.add_argument(
+        "--device-memory", type=float, default=80.0, help="GB per rank for the recommendation (default 80)"
+    )
+    figures.add_argument(
+        "--activation-share",
+        type=float,
+        default=0.5,
+        help="share of --device-memory left to activations when deciding Z2/Z3 (default 0.5)",
+    )
+    figures.add_argument(
+        "--param-dtype", default=None, help="master weights, gradients, optimizer state (default fp32)"
+    )
+    figures.add_argument(
+        "--compute-dtype",
+        default=None,
+        help="forward/backward weights (default bf16; a --config's training.mixed_precision_param)",
+    )
+    figures.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="gradient reduction (default fp32; a --config's training.mixed_precision_reduce)",
+    )
     args, overrides = parser.parse_known_args(argv)
     if overrides and not args.config:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
@@ -76,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         use_table = args.source == "table" or (args.source == "auto" and tabled)
         if use_table:
             if not tabled:
-                parser.error(f"no shape table for {args.model} {args.flavor}; tables: "
-                             + ", ".join(f"{n} {f}" for n, f in model_shapes.SHAPE_TABLES))
+                parser.error(
+                    f"no shape table for {args.model} {args.flavor}; tables: "
+                    + ", ".join(f"{n} {f}" for n, f in model_shapes.SHAPE_TABLES)
+                )
             weights = model_shapes.from_table(args.model, args.flavor)
             title = f"{args.model} {args.flavor} (shape table)"
         else:
@@ -87,10 +119,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("give --model and --flavor, or --config")
     if job_layout is None and args.world is None and args.shard is None:
         parser.error("give the layout: --world, or --shard (with --replicate, --tp, --pp, --ep as needed)")
-    precision = Precision(param=DTYPE_BYTES[args.param_dtype or "float32"],
-                          compute=DTYPE_BYTES[args.compute_dtype or compute_dtype],
-                          reduce=DTYPE_BYTES[args.reduce_dtype or reduce_dtype])
-    sizing = size_job(weights, _layout(args, job_layout), precision=precision, device_memory=args.device_memory * 1e9,
-                      activation_share=args.activation_share)
+    precision = Precision(
+        param=DTYPE_BYTES[args.param_dtype or "float32"],
+        compute=DTYPE_BYTES[args.compute_dtype or compute_dtype],
+        reduce=DTYPE_BYTES[args.reduce_dtype or reduce_dtype],
+    )
+    sizing = size_job(
+        weights,
+        _layout(args, job_layout),
+        precision=precision,
+        device_memory=args.device_memory * 1e9,
+        activation_share=args.activation_share,
+    )
     print(render(sizing, title=title, tflops=args.tflops))
-

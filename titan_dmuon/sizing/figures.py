@@ -19,8 +19,18 @@ from titan_dmuon.plan import cost_model
 from titan_dmuon.plan.ownership import OwnershipPlan, build_plan
 from titan_dmuon.plan.specs import MatrixSpec
 from titan_dmuon.runtime.mode import DedicationMode, MeshInfo, TensorParallelInfo
-from titan_dmuon.sizing.records import NS_BYTES, STEP_COUNT_BYTES, Layout, Memory, Precision, Sizing, Stage, Traffic, Weight
-from titan_dmuon.sizing.render import format_gb
+from titan_dmuon.sizing.recommend import recommend
+from titan_dmuon.sizing.records import (
+    NS_BYTES,
+    STEP_COUNT_BYTES,
+    Layout,
+    Memory,
+    Precision,
+    Sizing,
+    Stage,
+    Traffic,
+    Weight,
+)
 
 
 # ---- the model, split and sharded --------------------------------------------------------------------------
@@ -34,7 +44,7 @@ def split_stages(weights: Sequence[Weight], pp: int) -> list[list[Weight]]:
     bounds, start = [], 0
     for s in range(pp):
         count = len(layers) // pp + (s < len(layers) % pp)
-        bounds.append(set(layers[start:start + count]))
+        bounds.append(set(layers[start : start + count]))
         start += count
     first_layer = next((i for i, w in enumerate(weights) if w.layer is not None), len(weights))
     stages: list[list[Weight]] = [[] for _ in range(pp)]
@@ -101,8 +111,16 @@ def _two_adjacent(sizes: Sequence[int]) -> int:
 def _dedication_mode(layout: Layout, *, reshard_after_forward: bool) -> DedicationMode:
     """The runtime's mode for the cost model: sizes only (no process groups are needed to count)."""
     replicate, shard = (1, layout.replicate) if layout.ddp else (layout.replicate, layout.shard)
-    mesh = MeshInfo(mesh=None, shard_group=None, shard_size=shard, shard_rank=0, replicate_group=None,
-                    replicate_size=replicate, replicate_rank=0, device=torch.device("cpu"))
+    mesh = MeshInfo(
+        mesh=None,
+        shard_group=None,
+        shard_size=shard,
+        shard_rank=0,
+        replicate_group=None,
+        replicate_size=replicate,
+        replicate_rank=0,
+        device=torch.device("cpu"),
+    )
     tp = TensorParallelInfo(mesh=None, group=None, size=layout.tp, rank=0) if layout.tp > 1 else None
     return DedicationMode(mesh=mesh, reshard_after_forward=reshard_after_forward and not layout.ddp, tp=tp)
 
@@ -110,8 +128,9 @@ def _dedication_mode(layout: Layout, *, reshard_after_forward: bool) -> Dedicati
 def _stays_local(w: Weight, layout: Layout) -> bool:
     """The runtime's rule (``DedicationMode.experts_stay_local``, "auto"): experts stay where FSDP2 or
     expert parallelism keeps them whole when there are at least as many as data-parallel ranks."""
-    return bool(w.experts) and (layout.ep > 1 or
-                                _dedication_mode(layout, reshard_after_forward=True).experts_stay_local(w.experts))
+    return bool(w.experts) and (
+        layout.ep > 1 or _dedication_mode(layout, reshard_after_forward=True).experts_stay_local(w.experts)
+    )
 
 
 def _spec(w: Weight, layout: Layout, unit: int) -> MatrixSpec:
@@ -119,8 +138,14 @@ def _spec(w: Weight, layout: Layout, unit: int) -> MatrixSpec:
     full = w.shape[-2:]
     blocks = w.blocks or (((0, full[0]),),)
     split = layout.tp > 1 and not (w.experts and layout.ep > 1)
-    return MatrixSpec(fqn=w.fqn, shape=local, unit=unit, blocks=blocks,
-                      tp_dim=w.tp_dim if split else None, tp_size=layout.tp if split else 1)
+    return MatrixSpec(
+        fqn=w.fqn,
+        shape=local,
+        unit=unit,
+        blocks=blocks,
+        tp_dim=w.tp_dim if split else None,
+        tp_size=layout.tp if split else 1,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,8 +161,13 @@ class _StageWeights:
     @classmethod
     def of(cls, weights: Sequence[Weight], layout: Layout) -> _StageWeights:
         local = [w for w in weights if w.muon and _stays_local(w, layout)]
-        return cls(layout=layout, all=list(weights), dedicated=[w for w in weights if w.muon and w not in local],
-                   local=local, others=[w for w in weights if not w.muon])
+        return cls(
+            layout=layout,
+            all=list(weights),
+            dedicated=[w for w in weights if w.muon and w not in local],
+            local=local,
+            others=[w for w in weights if not w.muon],
+        )
 
     def numel(self, w: Weight) -> int:
         return math.prod(_local_shape(w, self.layout))
@@ -152,9 +182,18 @@ def _size_stage(index: int, weights: Sequence[Weight], layout: Layout, precision
     plan, ns, largest = _plan_stage(stage)
     memory = _stage_memory(stage, plan, precision)
     traffic, floor, tp_exchange = _stage_traffic(stage, plan, precision)
-    return Stage(index=index, memory=memory, traffic=traffic, floor=floor, tp_exchange=tp_exchange, plan=plan,
-                 ns_per_rank=ns, largest_ns=largest, dedicated_numel=sum(stage.numel(w) for w in stage.dedicated),
-                 local_expert_numel=sum(stage.numel(w) for w in stage.local))
+    return Stage(
+        index=index,
+        memory=memory,
+        traffic=traffic,
+        floor=floor,
+        tp_exchange=tp_exchange,
+        plan=plan,
+        ns_per_rank=ns,
+        largest_ns=largest,
+        dedicated_numel=sum(stage.numel(w) for w in stage.dedicated),
+        local_expert_numel=sum(stage.numel(w) for w in stage.local),
+    )
 
 
 def _plan_stage(stage: _StageWeights) -> tuple[OwnershipPlan, list[int], int]:
@@ -180,10 +219,18 @@ def _plan_stage(stage: _StageWeights) -> tuple[OwnershipPlan, list[int], int]:
             for g in range(ranks):
                 ns_local[g, 0] = ns_local.get((g, 0), 0) + _one_expert(w) * counts[g % dp_shard]
     initial = [sum(ns_local.get((g, t), 0) for t in range(layout.tp)) for g in range(ranks)]
-    plan = build_plan(specs, replicate_size=mesh.replicate_size, shard_size=dp_shard,
-                      initial_load=initial if ns_local else None, local_tp_specs=local_tp_specs)
-    largest = max([e.ns_flops // (len(e.tp_homes) if e.tensor_parallel and not e.tp_replicated else 1)
-                   for e in plan.entries] + [_one_expert(w) for w in stage.local], default=0)
+    plan = build_plan(
+        specs,
+        replicate_size=mesh.replicate_size,
+        shard_size=dp_shard,
+        initial_load=initial if ns_local else None,
+        local_tp_specs=local_tp_specs,
+    )
+    largest = max(
+        [e.ns_flops // (len(e.tp_homes) if e.tensor_parallel and not e.tp_replicated else 1) for e in plan.entries]
+        + [_one_expert(w) for w in stage.local],
+        default=0,
+    )
     return plan, _ns_per_rank(plan, ns_local, ranks, layout.tp), largest
 
 
@@ -218,9 +265,13 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
     unreduced_all = sum(gathered_numel(w) for w in stage.all) * rb if pipelined else 0
     memory = {}
     for name, reshard in (("FSDP2 + AdamW, Z2", False), ("FSDP2 + AdamW, Z3", True)):
-        memory[name] = Memory(params=everything.padded * pb, grads=everything.padded * pb,
-                              optimizer_state=max(adamw(everything, s) for s in range(shards)),
-                              unreduced_grads=unreduced_all, gathered_peak=gathered(stage.all, reshard))
+        memory[name] = Memory(
+            params=everything.padded * pb,
+            grads=everything.padded * pb,
+            optimizer_state=max(adamw(everything, s) for s in range(shards)),
+            unreduced_grads=unreduced_all,
+            gathered_peak=gathered(stage.all, reshard),
+        )
     held = [0] * ranks  # elements of whole dedicated weights each rank keeps: shard owners, in every replica
     owned = [0] * ranks  # ... of which it is the global owner: their gradients and momentum
     for e in plan.entries:
@@ -235,13 +286,16 @@ def _stage_memory(stage: _StageWeights, plan: OwnershipPlan, precision: Precisio
         memory[name] = Memory(
             params=rest.padded * pb + max(held) * pb,
             grads=rest.padded * pb + max(owned) * pb,
-            optimizer_state=max(adamw(moments, (g % dp_shard) % shards) + local.unpadded[(g % dp_shard) % shards] * pb
-                                + owned[g] * pb for g in range(ranks)),
+            optimizer_state=max(
+                adamw(moments, (g % dp_shard) % shards) + local.unpadded[(g % dp_shard) % shards] * pb + owned[g] * pb
+                for g in range(ranks)
+            ),
             buffers_between_steps=(units[0] if units else 0) * cb,
             buffers_peak=(_two_adjacent(units) if z3 else sum(units)) * cb,
             unreduced_grads=unreduced_rest + sum(units) * rb if pipelined else 0,
             gathered_peak=gathered(stage.others + stage.local, reshard) + max(units, default=0) * rb,
-            workspace=max(workspaces))
+            workspace=max(workspaces),
+        )
     return memory
 
 
@@ -252,30 +306,42 @@ def _stage_traffic(stage: _StageWeights, plan: OwnershipPlan, precision: Precisi
     pipelined = layout.pp > 1
     numel = sum(stage.numel(w) for w in stage.dedicated)
     units = stage.unit_sizes()
-    traffic = {name: _fsdp_traffic(layout, numel, reshard=reshard and not pipelined, precision=precision)
-               for name, reshard in (("FSDP2 + AdamW, Z2", False), ("FSDP2 + AdamW, Z3", True))}
+    traffic = {
+        name: _fsdp_traffic(layout, numel, reshard=reshard and not pipelined, precision=precision)
+        for name, reshard in (("FSDP2 + AdamW, Z2", False), ("FSDP2 + AdamW, Z3", True))
+    }
     mode = _dedication_mode(layout, reshard_after_forward=True)
     n = mode.mesh.shard_size
     if layout.replicate == 1 and layout.tp == 1 and not pipelined and n > 1:
         step = Fraction(n - 1, n) * numel
         for name, key in (("naive FSDP2 + Muon, Z2", "naive_fsdp_z2"), ("naive FSDP2 + Muon, Z3", "naive_fsdp_z3")):
             elements = cost_model.baseline_elements_per_rank(key, shard_size=n, numel=numel)
-            traffic[name] = Traffic(elements=elements,
-                                    bytes=(elements - step) * precision.compute + step * precision.reduce)
+            traffic[name] = Traffic(
+                elements=elements, bytes=(elements - step) * precision.compute + step * precision.reduce
+            )
     for name, reshard in (("DMuon-Z2", False), ("DMuon-Z3", True)):
         mode = _dedication_mode(layout, reshard_after_forward=reshard)
         kept = units[-1] if (mode.reshard_after_forward and not pipelined and units) else 0
         traffic[name] = Traffic(
-            elements=cost_model.dmuon_elements_per_rank(mode, numel=numel, kept_unit_numel=kept, deferred=pipelined,
-                                                        local_tp_numel=plan.local_tp_numel),
-            bytes=_dmuon_bytes(mode, numel, kept, pipelined, plan.local_tp_numel, precision))
+            elements=cost_model.dmuon_elements_per_rank(
+                mode, numel=numel, kept_unit_numel=kept, deferred=pipelined, local_tp_numel=plan.local_tp_numel
+            ),
+            bytes=_dmuon_bytes(mode, numel, kept, pipelined, plan.local_tp_numel, precision),
+        )
     world = mode.mesh.world_size
     floor = 2 * Fraction(world - 1, world) * numel  # reduce the gradients (reduce dtype), gather the weights back
-    tp = (cost_model.tensor_parallel_elements_per_rank(layout.tp, numel=numel, data_parallel_ranks=world,
-                                                       local_expert_numel=plan.local_tp_numel)
-          if layout.tp > 1 else Fraction(0))
-    return (traffic, Traffic(elements=floor, bytes=floor / 2 * (precision.reduce + precision.compute)),
-            Traffic(elements=tp, bytes=tp * NS_BYTES))
+    tp = (
+        cost_model.tensor_parallel_elements_per_rank(
+            layout.tp, numel=numel, data_parallel_ranks=world, local_expert_numel=plan.local_tp_numel
+        )
+        if layout.tp > 1
+        else Fraction(0)
+    )
+    return (
+        traffic,
+        Traffic(elements=floor, bytes=floor / 2 * (precision.reduce + precision.compute)),
+        Traffic(elements=tp, bytes=tp * NS_BYTES),
+    )
 
 
 def _expert_region_shape(w: Weight, layout: Layout, gathered: bool = False) -> tuple[int, ...]:
@@ -301,7 +367,7 @@ def _ns_per_rank(plan: OwnershipPlan, local: dict[tuple[int, int], int], ranks: 
             load[(e.owner, 0)] = load.get((e.owner, 0), 0) + e.ns_flops
             continue
         per_matrix = e.ns_flops // len(e.tp_homes) if not e.tp_replicated else e.ns_flops
-        for home in (e.tp_homes[:1] if e.tp_replicated else e.tp_homes):
+        for home in e.tp_homes[:1] if e.tp_replicated else e.tp_homes:
             load[(e.owner, home)] = load.get((e.owner, home), 0) + per_matrix
     for x in plan.local_tp_experts:
         per_expert = x.spec.ns_flops() // x.spec.shape[0]
@@ -322,7 +388,8 @@ def _dmuon_bytes(mode, numel: int, kept: int, deferred: bool, local_tp: int, pre
         total += Fraction(r - 1, r) * Fraction(numel, n) * (precision.reduce + precision.param)
     if mode.tp is not None:
         total += NS_BYTES * cost_model.tensor_parallel_elements_per_rank(
-            mode.tp.size, numel=numel, data_parallel_ranks=n * r, local_expert_numel=local_tp)
+            mode.tp.size, numel=numel, data_parallel_ranks=n * r, local_expert_numel=local_tp
+        )
     return total
 
 
@@ -336,14 +403,19 @@ def _fsdp_traffic(layout: Layout, numel: int, *, reshard: bool, precision: Preci
     step = Fraction(n - 1, n) * numel
     gathers = (2 if reshard else 1) * step
     across = 2 * Fraction(r - 1, r) * Fraction(numel, n)
-    return Traffic(elements=gathers + step + across,
-                   bytes=gathers * precision.compute + (step + across) * precision.reduce)
+    return Traffic(
+        elements=gathers + step + across, bytes=gathers * precision.compute + (step + across) * precision.reduce
+    )
 
 
 # ---- the whole job ---------------------------------------------------------------------------------------
 def size_job(
-    weights: Sequence[Weight], layout: Layout, *, precision: Precision = Precision(),
-    device_memory: float = 80e9, activation_share: float = 0.5,
+    weights: Sequence[Weight],
+    layout: Layout,
+    *,
+    precision: Precision = Precision(),
+    device_memory: float = 80e9,
+    activation_share: float = 0.5,
 ) -> Sizing:
     """The figures of every pipeline stage, and Z2 or Z3 for ``device_memory`` bytes per rank of
     which ``activation_share`` is left to activations."""
@@ -353,9 +425,16 @@ def size_job(
         raise ValueError(f"expert parallelism {layout.ep} must divide shard x tp = {layout.shard * layout.tp}")
     stages = [_size_stage(i, ws, layout, precision) for i, ws in enumerate(split_stages(weights, layout.pp))]
     muon = sum(w.numel for w in weights if w.muon)
-    recommendation, reasons = _recommend(stages, layout, device_memory, activation_share)
-    return Sizing(layout=layout, precision=precision, stages=stages, muon_numel=muon,
-                  other_numel=sum(w.numel for w in weights) - muon, recommendation=recommendation, reasons=reasons)
+    recommendation, reasons = recommend(stages, layout, device_memory, activation_share)
+    return Sizing(
+        layout=layout,
+        precision=precision,
+        stages=stages,
+        muon_numel=muon,
+        other_numel=sum(w.numel for w in weights) - muon,
+        recommendation=recommendation,
+        reasons=reasons,
+    )
 
 
 def workspace_bytes(calls: Sequence[Sequence[tuple[tuple[int, ...], Sequence]]]) -> int:
@@ -366,9 +445,18 @@ def workspace_bytes(calls: Sequence[Sequence[tuple[tuple[int, ...], Sequence]]])
     for matrices in calls:
         chosen = [(shape, blocks) for shape, blocks in matrices if math.prod(shape)]
         params = [torch.empty(shape, device="meta") for shape, _ in chosen]
-        muon_step(params, [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
-                  [blocks or row_blocks(shape[-2:]) for shape, blocks in chosen], lr=0.0, weight_decay=0.0,
-                  momentum=0.95, nesterov=True, ns_steps=NS_STEPS, scratch=workspace)
+        muon_step(
+            params,
+            [torch.empty_like(p) for p in params],
+            [torch.empty_like(p) for p in params],
+            [blocks or row_blocks(shape[-2:]) for shape, blocks in chosen],
+            lr=0.0,
+            weight_decay=0.0,
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=NS_STEPS,
+            scratch=workspace,
+        )
     return workspace.nbytes()
 
 
@@ -387,53 +475,23 @@ def _rank_workspaces(stage: _StageWeights, plan: OwnershipPlan, ranks: int, dp_s
     chunks = pipeline_chunks(sorted({e.unit for e in plan.entries}))
     out, known = [], {}  # (ranks with the same calls have the same workspace)
     for g in range(ranks):
-        calls = [[(tuple(e.shape), e.blocks) for e in plan.entries
-                  if e.owner == g and e.unit in chunk and not e.tensor_parallel] for chunk in chunks]
-        calls.append([((_rows(w.shape[0], shards)[(g % dp_shard) % shards], *w.shape[1:]), w.blocks)
-                      for w in stage.local if stage.layout.tp == 1 or w.tp_dim is None])
+        calls = [
+            [
+                (tuple(e.shape), e.blocks)
+                for e in plan.entries
+                if e.owner == g and e.unit in chunk and not e.tensor_parallel
+            ]
+            for chunk in chunks
+        ]
+        calls.append(
+            [
+                ((_rows(w.shape[0], shards)[(g % dp_shard) % shards], *w.shape[1:]), w.blocks)
+                for w in stage.local
+                if stage.layout.tp == 1 or w.tp_dim is None
+            ]
+        )
         key = tuple(tuple((shape, tuple(blocks or ())) for shape, blocks in call) for call in calls)
         if key not in known:
             known[key] = workspace_bytes(calls)
         out.append(known[key])
     return out
-
-
-def _recommend(stages: list[Stage], layout: Layout, device_memory: float, share: float) -> tuple[str, list[str]]:
-    """The decision tree, on the figures: Z2 saves one broadcast of the Muon targets per step and
-    keeps every layer's gathered weights from forward to backward; take it only where that fits."""
-    z2 = max(stages, key=lambda s: s.memory["DMuon-Z2"].peak)
-    z3 = max(stages, key=lambda s: s.memory["DMuon-Z3"].peak)
-    budget = (1 - share) * device_memory
-    if layout.pp > 1:
-        return "either (the same under pipelining)", [
-            "with pipelining DMuon keeps each layer's weights gathered over the micro-batches and reduces once per "
-            "step, whatever reshard_after_forward says: Z2 and Z3 move and hold the same"]
-    if layout.ddp:
-        return "DMuon-Z2 (DDP)", ["under DDP every rank holds the whole model anyway; DMuon runs Z2 there"]
-    if layout.shard * layout.replicate == 1:
-        return "either (one data-parallel rank)", ["one data-parallel rank: nothing is broadcast or reduced"]
-    extra = z2.memory["DMuon-Z2"].peak - z3.memory["DMuon-Z3"].peak
-    saved = z3.traffic["DMuon-Z3"].bytes - z2.traffic["DMuon-Z2"].bytes
-    fits = z2.memory["DMuon-Z2"].peak <= budget
-    reasons = [
-        f"Z2 keeps every layer's gathered Muon weights from forward to backward: {format_gb(extra)} more per rank at its "
-        f"peak than Z3 (P_M in the compute dtype, not P_M / N)",
-        f"Z3 broadcasts them again in backward: {format_gb(saved)} more per rank per step than Z2 "
-        f"({float(z3.traffic['DMuon-Z3'].elements / z3.floor.elements):.2f}x the floor against "
-        f"{float(z2.traffic['DMuon-Z2'].elements / z2.floor.elements):.2f}x)",
-        f"Z2's peak without activations, {format_gb(z2.memory['DMuon-Z2'].peak)}, is "
-        + ("within" if fits else "over") + f" {format_gb(budget)} ({1 - share:.0%} of {format_gb(device_memory)}, the rest "
-        "left to activations)",
-    ]
-    if fits:
-        return "DMuon-Z2", reasons + ["so Z2: it fits, and moves the least (measure the step time before keeping it)"]
-    z3_peak = z3.memory["DMuon-Z3"].peak
-    if z3_peak > budget:  # (Z3 is the smaller, and over the same budget: say so, with what would fit)
-        return "DMuon-Z3", reasons + [
-            f"Z3's peak without activations, {format_gb(z3_peak)}, is over {format_gb(budget)} too: neither fits this "
-            "layout; more data-parallel ranks, tensor or pipeline parallelism, or a device with more memory",
-            "so Z3, the smaller of the two"]
-    return "DMuon-Z3", reasons + [
-        f"Z3's peak without activations, {format_gb(z3_peak)}, is within {format_gb(budget)}",
-        "so Z3; if Z3 runs out of memory, look at activations (activation checkpointing) and gradient accumulation "
-        "first: Z3's buffers are two layers"]

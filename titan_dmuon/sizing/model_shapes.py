@@ -41,7 +41,9 @@ def tp_dim_of(fqn: str) -> int | None:
 
 
 def weights_of(
-    named_shapes: Sequence[tuple[str, tuple[int, ...]]], *, muon_params: Sequence[str] = DEFAULT_MUON_PARAMS,
+    named_shapes: Sequence[tuple[str, tuple[int, ...]]],
+    *,
+    muon_params: Sequence[str] = DEFAULT_MUON_PARAMS,
     blocks: dict[str, tuple] | None = None,
 ) -> list[Weight]:
     """``Weight`` records for a model's ``(name, shape)`` list, Muon targets picked by ``muon_params``
@@ -50,9 +52,16 @@ def weights_of(
     out = []
     for fqn, shape in named_shapes:
         layer = re.match(r"layers\.(\d+)\.", fqn)
-        out.append(Weight(fqn=fqn, shape=tuple(shape), muon=any(p.search(fqn) for p in patterns),
-                          layer=int(layer.group(1)) if layer else None, blocks=(blocks or {}).get(fqn),
-                          tp_dim=tp_dim_of(fqn)))
+        out.append(
+            Weight(
+                fqn=fqn,
+                shape=tuple(shape),
+                muon=any(p.search(fqn) for p in patterns),
+                layer=int(layer.group(1)) if layer else None,
+                blocks=(blocks or {}).get(fqn),
+                tp_dim=tp_dim_of(fqn),
+            )
+        )
     return out
 
 
@@ -61,11 +70,15 @@ def _llama3(*, dim: int, layers: int, q_rows: int, kv_rows: int, hidden: int, vo
     shapes, blocks = [("tok_embeddings.weight", (vocab, dim))], {}
     for i in range(layers):
         wqkv = f"layers.{i}.attention.qkv_linear.wqkv.weight"
-        shapes += [(wqkv, (q_rows + 2 * kv_rows, dim)), (f"layers.{i}.attention.wo.weight", (dim, q_rows)),
-                   (f"layers.{i}.feed_forward.w1.weight", (hidden, dim)),
-                   (f"layers.{i}.feed_forward.w2.weight", (dim, hidden)),
-                   (f"layers.{i}.feed_forward.w3.weight", (hidden, dim)),
-                   (f"layers.{i}.attention_norm.weight", (dim,)), (f"layers.{i}.ffn_norm.weight", (dim,))]
+        shapes += [
+            (wqkv, (q_rows + 2 * kv_rows, dim)),
+            (f"layers.{i}.attention.wo.weight", (dim, q_rows)),
+            (f"layers.{i}.feed_forward.w1.weight", (hidden, dim)),
+            (f"layers.{i}.feed_forward.w2.weight", (dim, hidden)),
+            (f"layers.{i}.feed_forward.w3.weight", (hidden, dim)),
+            (f"layers.{i}.attention_norm.weight", (dim,)),
+            (f"layers.{i}.ffn_norm.weight", (dim,)),
+        ]
         # q, k and v orthogonalised apart (their rows interleave per kv group in TorchTitan's layout;
         # Newton–Schulz's cost depends on each block's row count only)
         blocks[wqkv] = (((0, q_rows),), ((q_rows, q_rows + kv_rows),), ((q_rows + kv_rows, q_rows + 2 * kv_rows),))
@@ -73,49 +86,83 @@ def _llama3(*, dim: int, layers: int, q_rows: int, kv_rows: int, hidden: int, vo
     return shapes, blocks
 
 
-def _deepseek_v3(*, dim: int, layers: int, dense_layers: int, q_lora_rank: int, heads: int, nope: int, rope: int,
-                 v_dim: int, kv_lora_rank: int, hidden: int, experts: int, moe_hidden: int, shared_hidden: int,
-                 vocab: int):
+def _deepseek_v3(
+    *,
+    dim: int,
+    layers: int,
+    dense_layers: int,
+    q_lora_rank: int,
+    heads: int,
+    nope: int,
+    rope: int,
+    v_dim: int,
+    kv_lora_rank: int,
+    hidden: int,
+    experts: int,
+    moe_hidden: int,
+    shared_hidden: int,
+    vocab: int,
+):
     shapes = [("tok_embeddings.weight", (vocab, dim))]
     for i in range(layers):
         a = f"layers.{i}.attention"
-        q = ([(f"{a}.wq_a.weight", (q_lora_rank, dim)), (f"{a}.q_norm.weight", (q_lora_rank,)),
-              (f"{a}.wq_b.weight", (heads * (nope + rope), q_lora_rank))] if q_lora_rank
-             else [(f"{a}.wq.weight", (heads * (nope + rope), dim))])
-        shapes += q + [(f"{a}.wkv_a.weight", (kv_lora_rank + rope, dim)), (f"{a}.kv_norm.weight", (kv_lora_rank,)),
-                       (f"{a}.wkv_b.weight", (heads * (nope + v_dim), kv_lora_rank)),
-                       (f"{a}.wo.weight", (dim, heads * v_dim)),
-                       (f"layers.{i}.attention_norm.weight", (dim,)), (f"layers.{i}.ffn_norm.weight", (dim,))]
+        q = (
+            [
+                (f"{a}.wq_a.weight", (q_lora_rank, dim)),
+                (f"{a}.q_norm.weight", (q_lora_rank,)),
+                (f"{a}.wq_b.weight", (heads * (nope + rope), q_lora_rank)),
+            ]
+            if q_lora_rank
+            else [(f"{a}.wq.weight", (heads * (nope + rope), dim))]
+        )
+        shapes += q + [
+            (f"{a}.wkv_a.weight", (kv_lora_rank + rope, dim)),
+            (f"{a}.kv_norm.weight", (kv_lora_rank,)),
+            (f"{a}.wkv_b.weight", (heads * (nope + v_dim), kv_lora_rank)),
+            (f"{a}.wo.weight", (dim, heads * v_dim)),
+            (f"layers.{i}.attention_norm.weight", (dim,)),
+            (f"layers.{i}.ffn_norm.weight", (dim,)),
+        ]
         if i < dense_layers:
-            shapes += [(f"layers.{i}.feed_forward.w1.weight", (hidden, dim)),
-                       (f"layers.{i}.feed_forward.w2.weight", (dim, hidden)),
-                       (f"layers.{i}.feed_forward.w3.weight", (hidden, dim))]
+            shapes += [
+                (f"layers.{i}.feed_forward.w1.weight", (hidden, dim)),
+                (f"layers.{i}.feed_forward.w2.weight", (dim, hidden)),
+                (f"layers.{i}.feed_forward.w3.weight", (hidden, dim)),
+            ]
         else:
             m = f"layers.{i}.moe"
-            shapes += [(f"{m}.routed_experts.inner_experts.w1_EFD", (experts, moe_hidden, dim)),
-                       (f"{m}.routed_experts.inner_experts.w2_EDF", (experts, dim, moe_hidden)),
-                       (f"{m}.routed_experts.inner_experts.w3_EFD", (experts, moe_hidden, dim)),
-                       (f"{m}.router.gate.weight", (experts, dim)),
-                       (f"{m}.shared_experts.w1.weight", (shared_hidden, dim)),
-                       (f"{m}.shared_experts.w2.weight", (dim, shared_hidden)),
-                       (f"{m}.shared_experts.w3.weight", (shared_hidden, dim))]
+            shapes += [
+                (f"{m}.routed_experts.inner_experts.w1_EFD", (experts, moe_hidden, dim)),
+                (f"{m}.routed_experts.inner_experts.w2_EDF", (experts, dim, moe_hidden)),
+                (f"{m}.routed_experts.inner_experts.w3_EFD", (experts, moe_hidden, dim)),
+                (f"{m}.router.gate.weight", (experts, dim)),
+                (f"{m}.shared_experts.w1.weight", (shared_hidden, dim)),
+                (f"{m}.shared_experts.w2.weight", (dim, shared_hidden)),
+                (f"{m}.shared_experts.w3.weight", (shared_hidden, dim)),
+            ]
     shapes += [("norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
     return shapes, {}
 
 
-def _qwen3_moe(*, dim: int, layers: int, q_rows: int, kv_rows: int, head_dim: int, experts: int, moe_hidden: int,
-               vocab: int):
+def _qwen3_moe(
+    *, dim: int, layers: int, q_rows: int, kv_rows: int, head_dim: int, experts: int, moe_hidden: int, vocab: int
+):
     shapes, blocks = [("tok_embeddings.weight", (vocab, dim))], {}
     for i in range(layers):
         a, m = f"layers.{i}.attention", f"layers.{i}.moe"
         wqkv = f"{a}.qkv_linear.wqkv.weight"
-        shapes += [(wqkv, (q_rows + 2 * kv_rows, dim)), (f"{a}.wo.weight", (dim, q_rows)),
-                   (f"{a}.q_norm.weight", (head_dim,)), (f"{a}.k_norm.weight", (head_dim,)),
-                   (f"{m}.routed_experts.inner_experts.w1_EFD", (experts, moe_hidden, dim)),
-                   (f"{m}.routed_experts.inner_experts.w2_EDF", (experts, dim, moe_hidden)),
-                   (f"{m}.routed_experts.inner_experts.w3_EFD", (experts, moe_hidden, dim)),
-                   (f"{m}.router.gate.weight", (experts, dim)),
-                   (f"layers.{i}.attention_norm.weight", (dim,)), (f"layers.{i}.ffn_norm.weight", (dim,))]
+        shapes += [
+            (wqkv, (q_rows + 2 * kv_rows, dim)),
+            (f"{a}.wo.weight", (dim, q_rows)),
+            (f"{a}.q_norm.weight", (head_dim,)),
+            (f"{a}.k_norm.weight", (head_dim,)),
+            (f"{m}.routed_experts.inner_experts.w1_EFD", (experts, moe_hidden, dim)),
+            (f"{m}.routed_experts.inner_experts.w2_EDF", (experts, dim, moe_hidden)),
+            (f"{m}.routed_experts.inner_experts.w3_EFD", (experts, moe_hidden, dim)),
+            (f"{m}.router.gate.weight", (experts, dim)),
+            (f"layers.{i}.attention_norm.weight", (dim,)),
+            (f"layers.{i}.ffn_norm.weight", (dim,)),
+        ]
         blocks[wqkv] = (((0, q_rows),), ((q_rows, q_rows + kv_rows),), ((q_rows + kv_rows, q_rows + 2 * kv_rows),))
     shapes += [("norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
     return shapes, blocks
@@ -126,19 +173,49 @@ SHAPE_TABLES: dict[tuple[str, str], Callable[[], tuple[list, dict]]] = {
     ("llama3", "debugmodel"): lambda: _llama3(dim=256, layers=6, q_rows=256, kv_rows=256, hidden=768, vocab=2048),
     ("llama3", "8B"): lambda: _llama3(dim=4096, layers=32, q_rows=4096, kv_rows=1024, hidden=14336, vocab=128256),
     ("llama3", "70B"): lambda: _llama3(dim=8192, layers=80, q_rows=8192, kv_rows=1024, hidden=28672, vocab=128256),
-    ("llama3", "405B"): lambda: _llama3(dim=16384, layers=126, q_rows=16384, kv_rows=1024, hidden=53248,
-                                        vocab=128256),
+    ("llama3", "405B"): lambda: _llama3(dim=16384, layers=126, q_rows=16384, kv_rows=1024, hidden=53248, vocab=128256),
     ("deepseek_v3", "debugmodel"): lambda: _deepseek_v3(
-        dim=256, layers=6, dense_layers=1, q_lora_rank=0, heads=16, **_DSV3_MLA, hidden=1024, experts=8,
-        moe_hidden=256, shared_hidden=512, vocab=2048),
+        dim=256,
+        layers=6,
+        dense_layers=1,
+        q_lora_rank=0,
+        heads=16,
+        **_DSV3_MLA,
+        hidden=1024,
+        experts=8,
+        moe_hidden=256,
+        shared_hidden=512,
+        vocab=2048,
+    ),
     ("deepseek_v3", "16B"): lambda: _deepseek_v3(
-        dim=2048, layers=27, dense_layers=1, q_lora_rank=0, heads=16, **_DSV3_MLA, hidden=10944, experts=64,
-        moe_hidden=1408, shared_hidden=2816, vocab=102400),
+        dim=2048,
+        layers=27,
+        dense_layers=1,
+        q_lora_rank=0,
+        heads=16,
+        **_DSV3_MLA,
+        hidden=10944,
+        experts=64,
+        moe_hidden=1408,
+        shared_hidden=2816,
+        vocab=102400,
+    ),
     ("deepseek_v3", "671B"): lambda: _deepseek_v3(
-        dim=7168, layers=61, dense_layers=3, q_lora_rank=1536, heads=128, **_DSV3_MLA, hidden=18432, experts=256,
-        moe_hidden=2048, shared_hidden=2048, vocab=129280),
-    ("qwen3", "debugmodel_moe"): lambda: _qwen3_moe(dim=256, layers=8, q_rows=2048, kv_rows=1024, head_dim=128,
-                                                    experts=64, moe_hidden=768, vocab=2048),
+        dim=7168,
+        layers=61,
+        dense_layers=3,
+        q_lora_rank=1536,
+        heads=128,
+        **_DSV3_MLA,
+        hidden=18432,
+        experts=256,
+        moe_hidden=2048,
+        shared_hidden=2048,
+        vocab=129280,
+    ),
+    ("qwen3", "debugmodel_moe"): lambda: _qwen3_moe(
+        dim=256, layers=8, q_rows=2048, kv_rows=1024, head_dim=128, experts=64, moe_hidden=768, vocab=2048
+    ),
 }
 
 
@@ -194,16 +271,32 @@ def from_toml(config_file: str, cli_args: Sequence[str] = (), *, world_size: int
     p, training, opt = config.parallelism, config.training, config.optimizer
     shard = p.data_parallel_shard_degree
     if shard == -1 and world_size is not None:
-        shard = world_size // (p.data_parallel_replicate_degree * p.tensor_parallel_degree
-                               * p.pipeline_parallel_degree * p.context_parallel_degree)
-    layout = None if shard == -1 else Layout(replicate=p.data_parallel_replicate_degree, shard=shard,
-                                             tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                                             ep=p.expert_parallel_degree)
+        shard = world_size // (
+            p.data_parallel_replicate_degree
+            * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+            * p.context_parallel_degree
+        )
+    layout = (
+        None
+        if shard == -1
+        else Layout(
+            replicate=p.data_parallel_replicate_degree,
+            shard=shard,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+        )
+    )
     muon_params = getattr(opt, "muon_params", DEFAULT_MUON_PARAMS)
-    return Job(weights=_model_weights(meta_model(config), muon_params), layout=layout,
-               reshard_after_forward=getattr(opt, "reshard_after_forward", None),
-               compute_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
-               description=f"{config_file}: {config.model_spec.name} {config.model_spec.flavor}")
+    return Job(
+        weights=_model_weights(meta_model(config), muon_params),
+        layout=layout,
+        reshard_after_forward=getattr(opt, "reshard_after_forward", None),
+        compute_dtype=training.mixed_precision_param,
+        reduce_dtype=training.mixed_precision_reduce,
+        description=f"{config_file}: {config.model_spec.name} {config.model_spec.flavor}",
+    )
 
 
 def _model_weights(model, muon_params: Sequence[str]) -> list[Weight]:
@@ -211,7 +304,8 @@ def _model_weights(model, muon_params: Sequence[str]) -> list[Weight]:
     from titan_dmuon.runtime import canonical_fqn
 
     fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
-    blocks = {fqn_of[id(w)]: tuple(tuple(tuple(r) for r in block) for block in b)
-              for w, b in fused_qkv_blocks(model).items()}
+    blocks = {
+        fqn_of[id(w)]: tuple(tuple(tuple(r) for r in block) for block in b) for w, b in fused_qkv_blocks(model).items()
+    }
     named = [(canonical_fqn(n), tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
     return weights_of(named, muon_params=muon_params, blocks=blocks)

@@ -100,8 +100,15 @@ class Memory:
     @property
     def peak(self) -> int:
         """Everything above at once, activations not included."""
-        return (self.params + self.grads + self.optimizer_state + self.buffers_peak + self.unreduced_grads
-                + self.gathered_peak + self.workspace)
+        return (
+            self.params
+            + self.grads
+            + self.optimizer_state
+            + self.buffers_peak
+            + self.unreduced_grads
+            + self.gathered_peak
+            + self.workspace
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

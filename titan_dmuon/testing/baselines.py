@@ -14,8 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_dmuon.math.muon_update import adjusted_lr, momentum_update, scalar
 from titan_dmuon.math.ns_methods import newton_schulz
+from titan_dmuon.math.update_rules import adjusted_lr, momentum_update, scalar
 from titan_dmuon.optim.optimizer import DMuon
 
 
@@ -42,11 +42,16 @@ class NaiveFSDPMuon(DMuon):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-            update = momentum_update(p.grad, state["momentum_buffer"], momentum=group["momentum"], nesterov=group["nesterov"])
+            update = momentum_update(
+                p.grad, state["momentum_buffer"], momentum=group["momentum"], nesterov=group["nesterov"]
+            )
             full = update.full_tensor()  # the step's all-gather
             stack = full if full.ndim == 3 else full[None]  # 3-D: MoE experts, one matrix each
             orthogonal = newton_schulz(
-                stack, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
+                stack,
+                steps=group["ns_steps"],
+                coefficients=group["ns_coefficients"],
+                eps=group["eps"],
                 ns_method=self.ns_method,
             ).reshape(full.shape)
             mine = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None)

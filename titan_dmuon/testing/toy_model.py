@@ -139,11 +139,19 @@ class ToyTransformer(nn.Module):
 
 def muon_targets(model: ToyTransformer) -> list[nn.Parameter]:
     """Attention and MLP projection weights (experts and router included), in module order."""
-    return [p for name, p in model.named_parameters() if any(k in name for k in (".attention.w", ".feed_forward.w", ".moe."))]
+    return [
+        p
+        for name, p in model.named_parameters()
+        if any(k in name for k in (".attention.w", ".feed_forward.w", ".moe."))
+    ]
 
 
 def qkv_splits(model: ToyTransformer) -> dict[nn.Parameter, tuple[int, ...]]:
-    return {layer.attention.wqkv.weight: layer.attention.splits for layer in model.layers if hasattr(layer.attention, "wqkv")}
+    return {
+        layer.attention.wqkv.weight: layer.attention.splits
+        for layer in model.layers
+        if hasattr(layer.attention, "wqkv")
+    }
 
 
 def qk_clip_attention(model: ToyTransformer) -> list:
@@ -153,7 +161,9 @@ def qk_clip_attention(model: ToyTransformer) -> list:
     out = []
     for i, layer in enumerate(model.layers):
         a = layer.attention
-        common = dict(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, name=f"layers.{i}", layout="BNLH")
+        common = dict(
+            n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, name=f"layers.{i}", layout="BNLH"
+        )
         if hasattr(a, "wqkv"):
             out.append(QKClipAttention.fused(a.inner_attention, wqkv=a.wqkv.weight, grouped=False, **common))
         else:

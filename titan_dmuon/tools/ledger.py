@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_dmuon.runtime.gloo_exit import install_exit_guard
 from titan_dmuon.runtime.comm import CommLabel, LaunchId, comm_source, current_launch, current_source
+from titan_dmuon.runtime.gloo_exit import install_exit_guard
 
 __all__ = ["CommLabel", "CommLedger", "CommRecord", "comm_source"]
 
@@ -149,8 +149,14 @@ class CommLedger(TorchDispatchMode):
         launch = current_launch()
         self.records.append(
             CommRecord(
-                kind=kind, source=current_source(), phase=_phase.get(), group_ranks=ranks, numel=numel, dtype=dtype,
-                launch=launch[0] if launch else None, coalesced=bool(launch and launch[1]),
+                kind=kind,
+                source=current_source(),
+                phase=_phase.get(),
+                group_ranks=ranks,
+                numel=numel,
+                dtype=dtype,
+                launch=launch[0] if launch else None,
+                coalesced=bool(launch and launch[1]),
             )
         )
 

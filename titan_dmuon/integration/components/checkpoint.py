@@ -63,8 +63,12 @@ class DMuonCheckpointManager(CheckpointManager):
         if to_hf and async_mode == "disabled" and (not dist.is_initialized() or dist.get_rank() == 0):
             from titan_dmuon.integration.components.hf_export import complete_hf_export
 
-            complete_hf_export(checkpoint_id, self.sd_adapter.model_config, dtype=str(self.export_dtype).removeprefix("torch."),
-                               hf_assets_path=self.sd_adapter.hf_assets_path)
+            complete_hf_export(
+                checkpoint_id,
+                self.sd_adapter.model_config,
+                dtype=str(self.export_dtype).removeprefix("torch."),
+                hf_assets_path=self.sd_adapter.hf_assets_path,
+            )
         return result
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
@@ -97,7 +101,10 @@ def checked_state_dict(state_dict: dict, checkpoint_id: str, *, replica_groups: 
 
     if OPTIMIZER in state_dict:
         ours = _writes_dmuon_state(state_dict[OPTIMIZER])
-        theirs = any(k.startswith(f"{OPTIMIZER}.param_groups.") and k.endswith(DMUON_GROUP_MARKER) for k in metadata.state_dict_metadata)
+        theirs = any(
+            k.startswith(f"{OPTIMIZER}.param_groups.") and k.endswith(DMUON_GROUP_MARKER)
+            for k in metadata.state_dict_metadata
+        )
         if ours != theirs:
             logger.warning(
                 f"checkpoint {checkpoint_id} was written by {'DMuon' if theirs else 'another optimizer (e.g. AdamW)'} "

@@ -34,7 +34,9 @@ def complete_hf_export(folder: str, model_config, *, dtype: str, hf_assets_path:
     try:
         config = hf_config(model_config, dtype=dtype, **tokens)
     except NoHFConfig as e:
-        logger.warning(f"HF export in {folder}: weights only, no config.json ({e}); write one by hand to load it with transformers")
+        logger.warning(
+            f"HF export in {folder}: weights only, no config.json ({e}); write one by hand to load it with transformers"
+        )
         return
     _write_json(os.path.join(folder, "config.json"), config)
     _write_json(os.path.join(folder, "generation_config.json"), {"_from_model_config": True, **tokens})
@@ -85,21 +87,36 @@ def hf_config(model_config, *, dtype: str = "float32", bos_token_id=None, eos_to
     if family == "llama":
         if moe:
             raise NoHFConfig("a llama3 model with MoE layers has no HF architecture")
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "mlp_bias": False,
-                "pretraining_tp": 1}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **config,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+        }
     config.update(use_sliding_window=False, sliding_window=None, max_window_layers=len(layers))
     if not moe:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config}
     first = moe[0][1]
     router = first.router
-    if router.score_func != "softmax" or router.route_scale != 1.0 or first.shared_experts is not None or router.num_expert_groups:
+    if (
+        router.score_func != "softmax"
+        or router.route_scale != 1.0
+        or first.shared_experts is not None
+        or router.num_expert_groups
+    ):
         raise NoHFConfig("Qwen3MoE routes by a softmax over experts, top-k, without shared experts or expert groups")
     hidden = first.routed_experts.inner_experts.hidden_dim
     config.setdefault("intermediate_size", hidden)
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config,
-        "num_experts": first.num_experts, "num_experts_per_tok": router.top_k, "moe_intermediate_size": hidden,
-        "norm_topk_prob": bool(router.route_norm), "decoder_sparse_step": 1,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **config,
+        "num_experts": first.num_experts,
+        "num_experts_per_tok": router.top_k,
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": bool(router.route_norm),
+        "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(len(layers)) if i not in dict(moe)],
     }
 
@@ -109,9 +126,13 @@ def _rope(rope) -> dict:
     if rope.scaling == "none":
         scaling = None
     elif rope.scaling == "llama":
-        scaling = {"rope_type": "llama3", "factor": rope.scaling_factor, "low_freq_factor": rope.low_freq_factor,
-                   "high_freq_factor": rope.high_freq_factor,
-                   "original_max_position_embeddings": rope.original_max_position_embeddings}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rope.scaling_factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
     else:
         raise NoHFConfig(f"RoPE scaling {rope.scaling!r} is not written to HF configs here")
     return {"rope_theta": rope.theta, "rope_scaling": scaling, "max_position_embeddings": rope.max_seq_len}

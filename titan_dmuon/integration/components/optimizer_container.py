@@ -26,26 +26,31 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import tyro
-
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
-from titan_dmuon.integration.models.attention_heads import NS_BLOCKS
 from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.models.attention_heads import NS_BLOCKS
+from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
 from titan_dmuon.optim.optimizer import DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
-from titan_dmuon.runtime import DedicatedParams
 from titan_dmuon.plan.owner_groups import GroupOptions
+from titan_dmuon.runtime import DedicatedParams
 from titan_dmuon.runtime.streams import DeviceTimer
 
 # DMuon's options as [optimizer] keys: all of DMuonOptions but the Newton–Schulz constants
 # (``eps`` is AdamW's name here); ``lr`` and ``weight_decay`` are shared with AdamW.
 DMUON_OPTION_KEYS = tuple(k for k in OPTION_NAMES if k not in ("ns_coefficients", "eps"))
-DEDICATION_KEYS = ("muon_params", "reshard_after_forward", "ns_blocks", "owner_groups", "owner_group_node_size",
-                   "owner_group_ns_tflops")
+DEDICATION_KEYS = (
+    "muon_params",
+    "reshard_after_forward",
+    "ns_blocks",
+    "owner_groups",
+    "owner_group_node_size",
+    "owner_group_ns_tflops",
+)
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
@@ -53,15 +58,17 @@ CATCH_ALL = ".*"
 
 def baseline_not_built(name: str, key: str) -> str:
     """The one-line error for a baseline name whose optimizer config's container does not build it."""
-    return (f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
-            "run it through its config module, whose container builds it (MODULE=benchmarks.naive_muon_job "
-            "CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = \"dmuon\"")
+    return (
+        f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
+        "run it through its config module, whose container builds it (MODULE=benchmarks.naive_muon_job "
+        'CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = "dmuon"'
+    )
 
 
 # what the flat keys mean here, where the optimizer name decides it (the others: DMuonOptions' words)
 _CONTAINER_HELP = {
-    "lr": 'Learning rate: Muon\'s with name = "dmuon", else AdamW\'s.',
-    "weight_decay": 'Decoupled weight decay: Muon\'s with name = "dmuon", else AdamW\'s.',
+    "lr": "Learning rate: Muon's with name = \"dmuon\", else AdamW's.",
+    "weight_decay": "Decoupled weight decay: Muon's with name = \"dmuon\", else AdamW's.",
     "betas": 'AdamW betas (name = "AdamW"/"Adam").',
     "eps": 'AdamW epsilon (name = "AdamW"/"Adam").',
 }
@@ -93,8 +100,11 @@ def attribute_docstrings(cls) -> dict[str, str]:
     return {
         node.target.id: " ".join(after.value.value.split())
         for node, after in zip(body, body[1:])
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
     }
 
 
@@ -160,9 +170,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 raise ValueError(baseline_not_built(config.name, "optimizer.name"))
             kwargs = {k: getattr(config, k) for k in DMUON_OPTION_KEYS if k not in JOB_KEYS}
             config.param_groups = [
-                ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=config.name, optimizer_kwargs=kwargs)]
+                ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=config.name, optimizer_kwargs=kwargs)
+            ]
             config.optimizer_factory_kwargs_by_name = {
-                config.name: {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}}
+                config.name: {"muon_patterns": list(config.muon_params), "ns_method": config.ns_method}
+            }
         else:
             config.param_groups = param_groups_with_catch_all(config)
             if config.name == DMUON:
@@ -174,8 +186,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def _resolve_optimizer_factory(self, name: str):
         if name == DMUON_FACTORY:  # (the model part whose groups were just built: TorchTitan goes part by part)
             handles, attention, job = self._part_handles, self._part_attention, self._job_options
-            return lambda groups, **kwargs: DMuon(groups, dedicated=handles, qk_clip_attention=attention, **job,
-                                                  **kwargs)
+            return lambda groups, **kwargs: DMuon(
+                groups, dedicated=handles, qk_clip_attention=attention, **job, **kwargs
+            )
         if self._baseline is not None and name == self._name:
             return self._baseline
         return OptimizersContainer._resolve_optimizer_factory(name)
@@ -201,11 +214,17 @@ class DMuonOptimizersContainer(OptimizersContainer):
             if any(pattern.search(n) for n, _ in rest) or not any(pattern.search(n) for n, _ in named):
                 kept.append(group)  # (a pattern that matches nothing at all keeps TorchTitan's error)
             else:
-                logger.info(f"Optimizer param group {group.pattern!r}: all its parameters are on Muon (optimizer.muon_params)")
+                logger.info(
+                    f"Optimizer param group {group.pattern!r}: all its parameters are on Muon (optimizer.muon_params)"
+                )
         groups, patterns = OptimizersContainer._build_param_groups(_Named(rest), kept, impl_kwargs)
         if not muon:  # (a pipeline stage without Muon targets, e.g. the token embedding alone)
             return groups, patterns
-        muon_group = {"params": [p for _, p in muon], "param_names": [canonical_fqn(n) for n, _ in muon], **self._muon_kwargs}
+        muon_group = {
+            "params": [p for _, p in muon],
+            "param_names": [canonical_fqn(n) for n, _ in muon],
+            **self._muon_kwargs,
+        }
         return {DMUON_FACTORY: [muon_group], **groups}, {DMUON_FACTORY: ["optimizer.muon_params"], **patterns}
 
     def step(self, closure=None):
@@ -248,7 +267,9 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     """The config's param groups, with the catch-all group (added if missing) set from the flat keys."""
     if config.name == DMUON:
         flat = dict(
-            lr=config.adamw_lr, betas=tuple(config.adamw_betas), eps=config.adamw_eps,
+            lr=config.adamw_lr,
+            betas=tuple(config.adamw_betas),
+            eps=config.adamw_eps,
             weight_decay=config.adamw_weight_decay,
         )
         optimizer_name = ADAMW_FACTORY
@@ -258,5 +279,6 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     specific = [g for g in config.param_groups if g.pattern != CATCH_ALL]
     catch_all = next((g for g in config.param_groups if g.pattern == CATCH_ALL), None)
     extra = dict(catch_all.optimizer_kwargs) if catch_all is not None else {}
-    return specific + [ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})]
-
+    return specific + [
+        ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})
+    ]

@@ -32,10 +32,10 @@ cpu.enable()  # as every door does, before TorchTitan's trainer is imported
 from torchtitan.config import ConfigManager  # noqa: E402
 
 from titan_dmuon.integration.config.toml_file import apply_command_line, command_line_names, load_config  # noqa: E402
-from titan_dmuon.integration.train import split_config_file  # noqa: E402
-from titan_dmuon.integration.trainer import DMuonTrainer  # noqa: E402
 from titan_dmuon.integration.config.validation.naming import ConfigError  # noqa: E402
 from titan_dmuon.integration.config.validation.validate import validate_dmuon
+from titan_dmuon.integration.train import split_config_file  # noqa: E402
+from titan_dmuon.integration.trainer import DMuonTrainer  # noqa: E402
 
 USAGE = "usage: python -m titan_dmuon.integration.config.check (--config_file FILE.toml | --module M --config F) [overrides ...]"
 

@@ -18,10 +18,10 @@ import torch
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.names import DMUON
-from titan_dmuon.integration.distributed.parallelize import DMuonParallelize
 from titan_dmuon.integration.config.validation.naming import ConfigError
 from titan_dmuon.integration.config.validation.validate import validate_dmuon
+from titan_dmuon.integration.distributed.parallelize import DMuonParallelize
+from titan_dmuon.integration.names import DMUON
 
 
 def finalize(config, *, keep_cuda_graph_setting: bool = False):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import typing
 
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.names import DMUON
-from titan_dmuon.integration.config.finalize import finalize
 from titan_dmuon.integration.components.optimizer_container import DEDICATION_KEYS, DMUON_OPTION_KEYS
-from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.config.finalize import finalize
 from titan_dmuon.integration.config.trainer_config import dmuon_trainer_config
 from titan_dmuon.integration.config.validation.naming import ConfigError
 from titan_dmuon.integration.config.validation.validate import validate_dmuon
 from titan_dmuon.integration.config.values import convert, describe
+from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
+from titan_dmuon.integration.names import DMUON
 
 __all__ = ["with_dmuon"]
 

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from titan_dmuon.integration.config.finalize import finalize
-from titan_dmuon.integration.models.families import config_function
-from titan_dmuon.integration.names import ADAMW_NAMES
 from titan_dmuon.integration.config.trainer_config import as_subclass, dmuon_trainer_config
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, command_line, toml_value
-from titan_dmuon.integration.config.validation.validate import validate_dmuon
 from titan_dmuon.integration.config.validation.optimizer_section import validate_optimizer_keys
+from titan_dmuon.integration.config.validation.validate import validate_dmuon
 from titan_dmuon.integration.config.values import convert, describe, is_boolean
+from titan_dmuon.integration.models.families import config_function
+from titan_dmuon.integration.names import ADAMW_NAMES
 from titan_dmuon.options import ADAMW_KEYS
 
 if sys.version_info >= (3, 11):
@@ -52,8 +52,19 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 TRAINER_SECTIONS = (  # TOML section == Trainer.Config attribute
-    "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint", "metrics", "dataloader",
-    "activation_checkpoint", "validator", "compile", "comm", "debug", "profiler",
+    "optimizer",
+    "lr_scheduler",
+    "training",
+    "parallelism",
+    "checkpoint",
+    "metrics",
+    "dataloader",
+    "activation_checkpoint",
+    "validator",
+    "compile",
+    "comm",
+    "debug",
+    "profiler",
 )
 FAULT_TOLERANCE = "fault_tolerance"  # TorchTitan's torchft section: only in fault-tolerant configs
 JOB_KEYS = {"dump_folder": str, "description": str}
@@ -73,7 +84,11 @@ class _Setting:
 
 
 def load_config(
-    config_file: str, cli_args: list[str] = (), *, world_size: int | None = None, this_machine: bool = False,
+    config_file: str,
+    cli_args: list[str] = (),
+    *,
+    world_size: int | None = None,
+    this_machine: bool = False,
     optimizer_config: type | None = None,
 ):
     """The TorchTitan ``Trainer.Config`` (DMuon-aware subclass) for a TOML file plus overrides
@@ -140,7 +155,10 @@ def _command_line_settings(cli_args: list[str]) -> dict[str, dict[str, _Setting]
     kept, keep = [], False
     for arg in cli_args:
         if arg.startswith("--"):
-            keep = "." in arg.partition("=")[0] and arg[2:].split(".", 1)[0].replace("-", "_") in (*TRAINER_SECTIONS, FAULT_TOLERANCE)
+            keep = "." in arg.partition("=")[0] and arg[2:].split(".", 1)[0].replace("-", "_") in (
+                *TRAINER_SECTIONS,
+                FAULT_TOLERANCE,
+            )
         if keep:
             kept.append(arg)
     settings: dict[str, dict[str, _Setting]] = {}
@@ -231,7 +249,7 @@ def _base_config(model_settings: dict[str, _Setting]):
     try:
         return config_function(name, flavor)()
     except ValueError as e:  # (ModelNotSupported too)
-        where = (flavor_setting if "flavor" in str(e) and flavor_setting else name_setting or flavor_setting)
+        where = flavor_setting if "flavor" in str(e) and flavor_setting else name_setting or flavor_setting
         raise ConfigError(f"{where.source if where else 'defaults'}: {e}") from None
 
 
@@ -247,7 +265,7 @@ def _apply_activation_checkpoint(config, settings: dict[str, _Setting]) -> None:
         if key == "mode":
             continue
         if target is None:
-            raise ConfigError(f"{setting.source}: [activation_checkpoint] {key} has no effect with mode = \"none\"")
+            raise ConfigError(f'{setting.source}: [activation_checkpoint] {key} has no effect with mode = "none"')
         _apply(target, "activation_checkpoint", key, setting)
 
 
@@ -329,8 +347,9 @@ class _TomlNames(Naming):
         return f"{self.where(section, *keys)}: [{section}]"
 
     def source(self, section: str, *keys: str, text: str = "") -> str:
-        mentioned = [setting.source for table in self.settings.values() for key, setting in table.items()
-                     if _mentions(text, key)]
+        mentioned = [
+            setting.source for table in self.settings.values() for key, setting in table.items() if _mentions(text, key)
+        ]
         if mentioned:
             return f"{'command line' if 'command line' in mentioned else mentioned[0]}: "
         return f"{self.where(section, *keys)}: "

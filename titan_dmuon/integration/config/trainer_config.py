@@ -14,10 +14,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.names import ADAMW, ADAMW_NAMES
 from titan_dmuon.integration.components.optimizer_container import CATCH_ALL, DMuonOptimizersContainer
-from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
 from titan_dmuon.integration.config.validation.naming import ConfigError
+from titan_dmuon.integration.names import ADAMW, ADAMW_NAMES
+from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
 from titan_dmuon.options import ADAMW_KEYS
 
 
@@ -34,8 +34,11 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
     if fault_tolerant:
         from titan_dmuon.integration.distributed import fault_tolerance as ft
 
-        trainer, optimizer, checkpoint = (ft.DMuonFaultTolerantTrainer.Config, ft.DMuonFTOptimizersContainer.Config,
-                                          ft.DMuonFTCheckpointManager.Config)
+        trainer, optimizer, checkpoint = (
+            ft.DMuonFaultTolerantTrainer.Config,
+            ft.DMuonFTOptimizersContainer.Config,
+            ft.DMuonFTCheckpointManager.Config,
+        )
     if isinstance(config, trainer):
         cls = type(config)
     elif isinstance(config, Trainer.Config) and names <= {f.name for f in dataclasses.fields(trainer)}:
@@ -58,13 +61,17 @@ def dmuon_trainer_config(config, *, without_cuda_graphs: bool = False, fault_tol
     values["checkpoint"] = as_subclass(checkpoint, config.checkpoint, "checkpoint")
     if fault_tolerant:
         values["fault_tolerance"] = as_subclass(
-            ft.DMuonTorchFTManager.Config, values.get("fault_tolerance") or ft.DMuonTorchFTManager.Config(), "fault_tolerance"
+            ft.DMuonTorchFTManager.Config,
+            values.get("fault_tolerance") or ft.DMuonTorchFTManager.Config(),
+            "fault_tolerance",
         )
     return cls(**values)
 
 
 def _same_fields(config, cls) -> bool:
-    return isinstance(config, cls) and {f.name for f in dataclasses.fields(config)} == {f.name for f in dataclasses.fields(cls)}
+    return isinstance(config, cls) and {f.name for f in dataclasses.fields(config)} == {
+        f.name for f in dataclasses.fields(cls)
+    }
 
 
 def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):

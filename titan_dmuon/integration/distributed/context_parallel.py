@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torchtitan.protocols.module import Module as TitanModule
 
-
 CONTEXT_PARALLEL_BACKEND = "spmd_types"
 CONTEXT_PARALLEL_BACKEND_REASON = (
     "context parallelism runs here on TorchTitan's spmd_types backend, which all-gathers k and v over the cp ranks "
@@ -54,8 +53,10 @@ class ContextParallelCausalAttention(TitanModule):
     def sequence_positions(self, queries: int, keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Where in the sequence this rank's query rows and the gathered key rows are."""
         if keys != queries * self.cp_size:
-            raise RuntimeError(f"context-parallel attention got {queries} query and {keys} key positions on "
-                               f"{self.cp_size} cp ranks: expected the keys of every cp rank (bind it first)")
+            raise RuntimeError(
+                f"context-parallel attention got {queries} query and {keys} key positions on "
+                f"{self.cp_size} cp ranks: expected the keys of every cp rank (bind it first)"
+            )
         from titan_dmuon.integration.models.attention_clip import load_balanced_order
 
         order = load_balanced_order(self.load_balancer, self.cp_size, keys, device)
@@ -83,8 +84,11 @@ def bind_context_parallel_attention(model: torch.nn.Module, parallel_dims, paral
 
     mesh = parallel_dims.get_mesh("cp")
     for module in modules:
-        module.bind(cp_rank=mesh.get_local_rank(), cp_size=mesh.size(),
-                    load_balancer=parallelism.context_parallel_load_balancer)
-    logger.info(f"titan_dmuon: context parallelism without an accelerator: {len(modules)} attention layers run as "
-                f"ContextParallelCausalAttention (CPU SDPA with the causal mask of each cp rank's positions, "
-                f"load balancer {parallelism.context_parallel_load_balancer}) in place of FlexAttention")
+        module.bind(
+            cp_rank=mesh.get_local_rank(), cp_size=mesh.size(), load_balancer=parallelism.context_parallel_load_balancer
+        )
+    logger.info(
+        f"titan_dmuon: context parallelism without an accelerator: {len(modules)} attention layers run as "
+        f"ContextParallelCausalAttention (CPU SDPA with the causal mask of each cp rank's positions, "
+        f"load balancer {parallelism.context_parallel_load_balancer}) in place of FlexAttention"
+    )

@@ -4,7 +4,9 @@ HSDP's replicas).
 """
 
 from __future__ import annotations
+
 from dataclasses import dataclass
+
 from titan_dmuon.plan.cost_model import dedication_shard_size
 
 
@@ -22,8 +24,14 @@ class ParallelDegrees:
 
     @staticmethod
     def of(parallel_dims) -> ParallelDegrees:
-        return ParallelDegrees(replicate=parallel_dims.dp_replicate, shard=parallel_dims.dp_shard, cp=parallel_dims.cp,
-                               tp=parallel_dims.tp, ep=parallel_dims.ep, pipelined=parallel_dims.pp_enabled)
+        return ParallelDegrees(
+            replicate=parallel_dims.dp_replicate,
+            shard=parallel_dims.dp_shard,
+            cp=parallel_dims.cp,
+            tp=parallel_dims.tp,
+            ep=parallel_dims.ep,
+            pipelined=parallel_dims.pp_enabled,
+        )
 
     @property
     def fsdp(self) -> int:

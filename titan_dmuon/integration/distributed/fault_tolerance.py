@@ -54,8 +54,8 @@ from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.config.validation.fault_tolerance_section import ASYNC_QUORUM_REASON
 from titan_dmuon.integration.components.optimizer_container import DMuonOptimizersContainer
+from titan_dmuon.integration.config.validation.fault_tolerance_section import ASYNC_QUORUM_REASON
 from titan_dmuon.integration.trainer import DMuonTrainer, _replaced, dmuon_handles
 from titan_dmuon.runtime import DedicatedParams
 from titan_dmuon.runtime.streams import synchronize_device
@@ -77,16 +77,22 @@ class AcrossGroups:
 
     def figures(self, steps: int) -> dict[str, float]:
         ft = self._manager.manager
-        out = {"ft/groups": float(ft.num_participants()), "ft/committed_steps": float(ft.current_step()),
-               "ft/allreduced_elements_per_rank": self._elements / steps, "ft/moved_elements_per_rank": float(self._moved / steps)}
+        out = {
+            "ft/groups": float(ft.num_participants()),
+            "ft/committed_steps": float(ft.current_step()),
+            "ft/allreduced_elements_per_rank": self._elements / steps,
+            "ft/moved_elements_per_rank": float(self._moved / steps),
+        }
         self._elements, self._moved = 0, Fraction(0)
         return out
 
     def describe(self, figures: dict[str, float]) -> str:
         text = f"TorchFT: {figures['ft/groups']:.0f} groups, {figures['ft/committed_steps']:.0f} steps committed"
         if self._manager.per_step:
-            text += (f", averaged {figures['ft/allreduced_elements_per_rank'] / 1e6:.4f}M elements/rank/step across "
-                     f"groups ({figures['ft/moved_elements_per_rank'] / 1e6:.4f}M moved)")
+            text += (
+                f", averaged {figures['ft/allreduced_elements_per_rank'] / 1e6:.4f}M elements/rank/step across "
+                f"groups ({figures['ft/moved_elements_per_rank'] / 1e6:.4f}M moved)"
+            )
         return text
 
 
@@ -112,10 +118,18 @@ class DMuonTorchFTManager(TorchFTManager):
         import torchft
 
         timeout = timedelta(milliseconds=config.process_group_timeout_ms)
-        pg = torchft.ProcessGroupGloo(timeout=timeout) if config.process_group == "gloo" else torchft.ProcessGroupNCCL(timeout=timeout)
+        pg = (
+            torchft.ProcessGroupGloo(timeout=timeout)
+            if config.process_group == "gloo"
+            else torchft.ProcessGroupNCCL(timeout=timeout)
+        )
         self._manager = torchft.Manager(
-            pg=pg, min_replica_size=config.min_replica_size, load_state_dict=None, state_dict=None,
-            use_async_quorum=False, replica_id=f"torchtitan_ft_{config.replica_id}",
+            pg=pg,
+            min_replica_size=config.min_replica_size,
+            load_state_dict=None,
+            state_dict=None,
+            use_async_quorum=False,
+            replica_id=f"torchtitan_ft_{config.replica_id}",
         )
         decide = self._manager.should_commit
 
@@ -128,8 +142,11 @@ class DMuonTorchFTManager(TorchFTManager):
         self.replica_id = config.replica_id
         logger.info(
             f"fault tolerance: replica group {config.replica_id} of {config.group_size}, synchronous quorum, "
-            + ("gradients averaged across the groups every step" if self.per_step else
-               f"{config.semi_sync_method} with DMuon inner steps, a sync every {config.sync_steps} steps")
+            + (
+                "gradients averaged across the groups every step"
+                if self.per_step
+                else f"{config.semi_sync_method} with DMuon inner steps, a sync every {config.sync_steps} steps"
+            )
         )
         if self.per_step:
             self.replicate_pg = torchft.process_group.ManagedProcessGroup(self._manager)
@@ -259,8 +276,9 @@ class DMuonFaultTolerantTrainer(DMuonTrainer, FaultTolerantTrainer):
         next forward's first broadcast; a forward after a sync gathers them anew. Per step, the
         logged loss is the mean over the groups (TorchTitan 0.3.0's FaultTolerantTrainer sums the
         groups' means: with 2 groups it logged twice the loss)."""
-        self._decisions_seen = drop_gathers_after_syncs(self.ft_manager, dmuon_handles(self.optimizers),
-                                                        self._decisions_seen)
+        self._decisions_seen = drop_gathers_after_syncs(
+            self.ft_manager, dmuon_handles(self.optimizers), self._decisions_seen
+        )
         let_outer_optimizers_step(self.optimizers)
         with _replaced(titan_dist_utils, "dist_sum", _mean_of_group_means(titan_dist_utils.dist_sum)):
             return super().train_step(data_iterator)

@@ -23,24 +23,26 @@ than experts, or DDP) each expert weight is dedicated to one owner.
 """
 
 from __future__ import annotations
+
 import contextlib
 import dataclasses
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from titan_dmuon.integration import cpu
 from titan_dmuon.integration.distributed import context_parallel
-from titan_dmuon.plan.owner_groups import GroupOptions
-from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
+from titan_dmuon.integration.distributed.degrees import ParallelDegrees, dedication_mesh
 from titan_dmuon.integration.models.attention_clip import record_sequence_shards
+from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS, DMUON
 from titan_dmuon.options import whole_matrix_rules
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.runtime import DedicatedParams, canonical_fqn, dedicate_params
 from titan_dmuon.runtime.owner_group_comm import join_owner_groups
-from titan_dmuon.integration.distributed.degrees import ParallelDegrees, dedication_mesh
-
 
 # QK-clip rescales q/k rows per head on their owner: with it on, attention projections keep one owner
 ATTENTION_PARAMS = r"\.attention\."
@@ -61,14 +63,20 @@ class DedicationSettings:
         per-row statistics; float16 iteration, which the group's Newton–Schulz does not run), attention
         weights kept whole under QK-clip, the Newton–Schulz blocks of the attention projections."""
         groups = None
-        needs_whole = whole_matrix_rules(ns_mode=optimizer_config.ns_mode, ns_dtype=optimizer_config.ns_dtype,
-                                         normuon_beta2=optimizer_config.normuon_beta2)
+        needs_whole = whole_matrix_rules(
+            ns_mode=optimizer_config.ns_mode,
+            ns_dtype=optimizer_config.ns_dtype,
+            normuon_beta2=optimizer_config.normuon_beta2,
+        )
         if optimizer_config.owner_groups and not needs_whole:
-            groups = GroupOptions(node_size=optimizer_config.owner_group_node_size,
-                                  ns_tflops=optimizer_config.owner_group_ns_tflops)
+            groups = GroupOptions(
+                node_size=optimizer_config.owner_group_node_size, ns_tflops=optimizer_config.owner_group_ns_tflops
+            )
         return DedicationSettings(
-            muon_params=tuple(optimizer_config.muon_params), reshard_after_forward=optimizer_config.reshard_after_forward,
-            owner_groups=groups, keep_whole=(ATTENTION_PARAMS,) if optimizer_config.qk_clip_threshold is not None else (),
+            muon_params=tuple(optimizer_config.muon_params),
+            reshard_after_forward=optimizer_config.reshard_after_forward,
+            owner_groups=groups,
+            keep_whole=(ATTENTION_PARAMS,) if optimizer_config.qk_clip_threshold is not None else (),
             ns_blocks=optimizer_config.ns_blocks,
         )
 
@@ -107,7 +115,9 @@ class DMuonParallelize:
             )
         if self.dedication is None:
             return parallelize_without_dmuon(model, base_fn=self.base_fn, **kwargs)
-        model = parallelize_with_dmuon(model, base_fn=self.base_fn, settings=self.dedication, earlier_parts=self.parts, **kwargs)
+        model = parallelize_with_dmuon(
+            model, base_fn=self.base_fn, settings=self.dedication, earlier_parts=self.parts, **kwargs
+        )
         self.parts.extend(DedicatedParams.of(model))
         return model
 
@@ -129,12 +139,24 @@ def parallelize_with_dmuon(
     was checked before, ``validation.validate_dmuon``; DMuonTrainer runs it on the config it builds).
     ``earlier_parts``: handles of the other model parts (pipeline stages) this rank holds."""
     degrees = ParallelDegrees.of(parallel_dims)
-    dedication = PendingDedication(model, parallel_dims=parallel_dims, degrees=degrees, training=training,
-                             parallelism=parallelism, settings=settings, earlier_parts=list(earlier_parts))
+    dedication = PendingDedication(
+        model,
+        parallel_dims=parallel_dims,
+        degrees=degrees,
+        training=training,
+        parallelism=parallelism,
+        settings=settings,
+        earlier_parts=list(earlier_parts),
+    )
     with _ignoring_dedicated_weights(dedication):
         model = base_fn(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-            compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
+            model,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=compile_config,
+            ac_config=ac_config,
+            dump_folder=dump_folder,
         )
     if not dedication.started:
         raise RuntimeError(
@@ -154,8 +176,15 @@ class PendingDedication:
     """Dedicates the Muon targets once, when TorchTitan is about to shard the model."""
 
     def __init__(
-        self, model: nn.Module, *, parallel_dims, degrees: ParallelDegrees, training, parallelism,
-        settings: DedicationSettings, earlier_parts: list,
+        self,
+        model: nn.Module,
+        *,
+        parallel_dims,
+        degrees: ParallelDegrees,
+        training,
+        parallelism,
+        settings: DedicationSettings,
+        earlier_parts: list,
     ) -> None:
         self.model, self.parallel_dims, self.training, self.parallelism = model, parallel_dims, training, parallelism
         self.degrees = degrees
@@ -186,8 +215,10 @@ class PendingDedication:
             reshard = False if degrees.ddp else fsdp_reshard
         targets = muon_parameters(model, self.settings.muon_params)
         if not targets:  # (it still joins the owner groups' process groups, which every rank of the world makes)
-            join_owner_groups(dedication_mesh(dims, degrees, self.parallelism.spmd_backend != "partial_dtensor"),
-                              self.settings.owner_groups)
+            join_owner_groups(
+                dedication_mesh(dims, degrees, self.parallelism.spmd_backend != "partial_dtensor"),
+                self.settings.owner_groups,
+            )
             return None
         names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         tp_mesh, tp_dims = None, None
@@ -224,8 +255,10 @@ class PendingDedication:
 
             heads = head_blocks(self.model, self.degrees.tp)
             rows, cols = {**rows, **heads.split_rows}, heads.split_cols
-        return {"split_rows": {p: b for p, b in rows.items() if id(p) in target_ids},
-                "split_cols": {p: b for p, b in cols.items() if id(p) in target_ids}}
+        return {
+            "split_rows": {p: b for p, b in rows.items() if id(p) in target_ids},
+            "split_cols": {p: b for p, b in cols.items() if id(p) in target_ids},
+        }
 
 
 def tensor_parallel_dim(fqn: str, param) -> int | None:
@@ -260,7 +293,11 @@ def _ignoring_dedicated_weights(dedication: PendingDedication):
         ignored = set(ignored_params or ()) | dedication.ignored_params()
         return torch_fully_shard(module, *args, ignored_params=ignored, **kwargs)
 
-    callers = [m for name, m in list(sys.modules.items()) if name.startswith("torchtitan.") and getattr(m, "fully_shard", None) is torch_fully_shard]
+    callers = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torchtitan.") and getattr(m, "fully_shard", None) is torch_fully_shard
+    ]
     for module in callers:
         module.fully_shard = fully_shard
     try:
@@ -316,14 +353,17 @@ def _initialise_as_titan_would(handle, *, degrees: ParallelDegrees, parallel_dim
     every rank draws exactly the random numbers it draws without DMuon, and for the same
     ``[debug] seed`` DMuon starts from TorchTitan's own initial model. Owners keep the values.
     Dedicated experts are the ones FSDP2 would shard on dim 1 (more FSDP ranks than experts)."""
-    layout = _fsdp_tp_layout(parallel_dims, tp=degrees.tp, dedication=handle.mesh) if handle.mode.tp is not None else None
+    layout = (
+        _fsdp_tp_layout(parallel_dims, tp=degrees.tp, dedication=handle.mesh) if handle.mode.tp is not None else None
+    )
     sharded = degrees.sharded
     for module in handle.owning_modules:
         init_states = module.init_states
 
         def init_like_titan(*args, _init=init_states, _module=module, **kwargs):
-            with handle.initialising(_module, sharded=sharded, shard_dim=lambda m: 1 if len(m.entry.shape) == 3 else 0,
-                                     layout=layout):
+            with handle.initialising(
+                _module, sharded=sharded, shard_dim=lambda m: 1 if len(m.entry.shape) == 3 else 0, layout=layout
+            ):
                 return _init(*args, **kwargs)
 
         module.init_states = init_like_titan

@@ -55,8 +55,8 @@ def record_sequence_shards(model: nn.Module, parallel_dims, parallelism) -> None
     if parallel_dims.cp > 1:
         model.__dict__[_SEQUENCE_SHARDS] = SequenceShards(
             group=parallel_dims.get_mesh("cp").get_group(),
-            order=functools.partial(load_balanced_order, parallelism.context_parallel_load_balancer,
-                                    parallel_dims.cp))
+            order=functools.partial(load_balanced_order, parallelism.context_parallel_load_balancer, parallel_dims.cp),
+        )
 
 
 def load_balanced_order(load_balancer: str | None, cp_size: int, length: int, device) -> torch.Tensor:
@@ -84,29 +84,46 @@ def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
         fqn = canonical_fqn(name)
         inner = getattr(module, "inner_attention", None)
         if not isinstance(inner, nn.Module):
-            raise QKClipNotSupported(f"attention {fqn!r} ({type(module).__name__}) has no inner_attention submodule to capture at")
+            raise QKClipNotSupported(
+                f"attention {fqn!r} ({type(module).__name__}) has no inner_attention submodule to capture at"
+            )
         if isinstance(module, GQAttention):
             if module.q_norm is not None or module.k_norm is not None:
                 raise QKClipNotSupported(f"attention {fqn!r}: {NORMALISED_QK}")
             if module.n_heads % tp_size or module.n_kv_heads % tp_size:
-                raise QKClipNotSupported(f"attention {fqn!r}: {module.n_heads} heads, {module.n_kv_heads} kv heads "
-                                         f"do not split over {tp_size} tensor-parallel ranks")
-            common = dict(n_heads=module.n_heads // tp_size, n_kv_heads=module.n_kv_heads // tp_size,
-                          head_dim=module.head_dim, name=fqn)
+                raise QKClipNotSupported(
+                    f"attention {fqn!r}: {module.n_heads} heads, {module.n_kv_heads} kv heads "
+                    f"do not split over {tp_size} tensor-parallel ranks"
+                )
+            common = dict(
+                n_heads=module.n_heads // tp_size,
+                n_kv_heads=module.n_kv_heads // tp_size,
+                head_dim=module.head_dim,
+                name=fqn,
+            )
             qkv = module.qkv_linear
             if isinstance(qkv, FusedQKVLinear):
                 out.append(QKClipAttention.fused(inner, wqkv=qkv.wqkv.weight, grouped=True, **common))
             elif isinstance(qkv, QKVLinear):
                 out.append(QKClipAttention.separate(inner, wq=qkv.wq.weight, wk=qkv.wk.weight, **common))
             else:
-                raise QKClipNotSupported(f"attention {fqn!r}: q/k projection {type(qkv).__name__} has no known row layout")
+                raise QKClipNotSupported(
+                    f"attention {fqn!r}: q/k projection {type(qkv).__name__} has no known row layout"
+                )
         elif is_mla(module):
             wq = module.wq if module.q_lora_rank == 0 else module.wq_b
-            out.append(QKClipAttention.mla(
-                inner, wq=wq.weight, wkv_b=module.wkv_b.weight, n_heads=module.n_heads // tp_size,
-                qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
-                v_head_dim=module.v_head_dim, name=fqn,
-            ))
+            out.append(
+                QKClipAttention.mla(
+                    inner,
+                    wq=wq.weight,
+                    wkv_b=module.wkv_b.weight,
+                    n_heads=module.n_heads // tp_size,
+                    qk_nope_head_dim=module.qk_nope_head_dim,
+                    qk_rope_head_dim=module.qk_rope_head_dim,
+                    v_head_dim=module.v_head_dim,
+                    name=fqn,
+                )
+            )
         else:
             raise QKClipNotSupported(
                 f"attention {fqn!r} ({type(module).__module__}.{type(module).__name__}) has a layout QK-clip does not know "
@@ -117,7 +134,10 @@ def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
 
 def is_mla(module: nn.Module) -> bool:
     """DeepSeek-V3's multi-head latent attention (also kimi_k2_7's), recognised by its attributes."""
-    return all(hasattr(module, a) for a in ("wkv_b", "wkv_a", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"))
+    return all(
+        hasattr(module, a)
+        for a in ("wkv_b", "wkv_a", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank")
+    )
 
 
 def clip_weights(descriptions: list[QKClipAttention]) -> list[nn.Parameter]:

@@ -62,13 +62,16 @@ def head_blocks(model: nn.Module, tp_size: int = 1) -> HeadBlocks:
                 _rows(out, fqn, "qkv_linear.wv", qkv.wv.weight, [hd] * module.n_kv_heads, tp_size)
             else:
                 raise HeadBlocksNotSupported(
-                    f"attention {fqn!r}: q/k/v projection {type(qkv).__name__} has no known row layout")
+                    f"attention {fqn!r}: q/k/v projection {type(qkv).__name__} has no known row layout"
+                )
             _columns(out, fqn, "wo", module.wo.weight, [hd] * module.n_heads, tp_size)
         elif is_mla(module):
             heads = module.n_heads
             wq, wq_name = (module.wq, "wq") if module.q_lora_rank == 0 else (module.wq_b, "wq_b")
             _rows(out, fqn, wq_name, wq.weight, [module.qk_nope_head_dim + module.qk_rope_head_dim] * heads, tp_size)
-            _rows(out, fqn, "wkv_b", module.wkv_b.weight, [module.qk_nope_head_dim + module.v_head_dim] * heads, tp_size)
+            _rows(
+                out, fqn, "wkv_b", module.wkv_b.weight, [module.qk_nope_head_dim + module.v_head_dim] * heads, tp_size
+            )
             _columns(out, fqn, "wo", module.wo.weight, [module.v_head_dim] * heads, tp_size)
         else:
             raise HeadBlocksNotSupported(

@@ -44,14 +44,18 @@ def check_model(spec) -> None:
     titan = name.removeprefix(FAULT_TOLERANT_PREFIX)
     family = next((toml for toml, titan_name in SUPPORTED.items() if titan_name == titan), titan)
     if family in REFUSED:
-        raise ModelNotSupported(f"model {name!r} is not supported with optimizer.name = 'dmuon': {REFUSED[family]}; use 'AdamW'")
+        raise ModelNotSupported(
+            f"model {name!r} is not supported with optimizer.name = 'dmuon': {REFUSED[family]}; use 'AdamW'"
+        )
     if family not in SUPPORTED:
         raise ModelNotSupported(
             f"model {name!r} is not supported with optimizer.name = 'dmuon' (supported: {', '.join(SUPPORTED)}); "
             "use 'AdamW'"
         )
     if getattr(spec.model, "vision_encoder", None) is not None:
-        raise ModelNotSupported(f"model {name!r} ({spec.flavor}) is not supported with optimizer.name = 'dmuon': {MULTIMODAL_REASON}")
+        raise ModelNotSupported(
+            f"model {name!r} ({spec.flavor}) is not supported with optimizer.name = 'dmuon': {MULTIMODAL_REASON}"
+        )
 
 
 def config_function(name: str, flavor: str):
@@ -71,7 +75,9 @@ def config_function(name: str, flavor: str):
     for function in (f"{name}_{key}", key):
         if callable(getattr(registry, function, None)) and not function.startswith("_"):
             return getattr(registry, function)
-    raise ValueError(f"[model] flavor = {flavor!r} has no TorchTitan config for {name}; expected one of {flavors(registry, name)}")
+    raise ValueError(
+        f"[model] flavor = {flavor!r} has no TorchTitan config for {name}; expected one of {flavors(registry, name)}"
+    )
 
 
 def flavors(registry, name: str) -> list[str]:

@@ -82,32 +82,41 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
     if not ft.enable:
         return None
     if torchft_missing():
-        return (f"{key('enable')} = true needs TorchFT, which is not installed: pip install -e '.[ft]' "
-                "(torchft==0.2.0)")
+        return f"{key('enable')} = true needs TorchFT, which is not installed: pip install -e '.[ft]' (torchft==0.2.0)"
     if ft.group_size < 1:
-        return (f"{key('group_size')} = {ft.group_size}: expected the number of replica groups (>= 1), "
-                "the same in every group")
+        return (
+            f"{key('group_size')} = {ft.group_size}: expected the number of replica groups (>= 1), "
+            "the same in every group"
+        )
     if not 0 <= ft.replica_id < ft.group_size:
-        return (f"{key('replica_id')} = {ft.replica_id}: expected this group's index, 0 to "
-                f"group_size - 1 = {ft.group_size - 1}")
+        return (
+            f"{key('replica_id')} = {ft.replica_id}: expected this group's index, 0 to "
+            f"group_size - 1 = {ft.group_size - 1}"
+        )
     if not 1 <= ft.min_replica_size <= ft.group_size:
-        return (f"{key('min_replica_size')} = {ft.min_replica_size}: expected 1 to group_size = {ft.group_size}")
+        return f"{key('min_replica_size')} = {ft.min_replica_size}: expected 1 to group_size = {ft.group_size}"
     if ft.process_group not in ("gloo", "nccl"):
-        return (f"{key('process_group')} = {ft.process_group!r}: expected 'gloo' or 'nccl'")
+        return f"{key('process_group')} = {ft.process_group!r}: expected 'gloo' or 'nccl'"
     if this_machine and ft.process_group == "nccl" and not torch.cuda.is_available():
-        return (f"{key('process_group')} = 'nccl' on a machine without CUDA: use 'gloo'")
+        return f"{key('process_group')} = 'nccl' on a machine without CUDA: use 'gloo'"
     method = ft.semi_sync_method
     if method is not None and method.lower() not in SEMI_SYNC_METHODS:
-        return (f"{key('semi_sync_method')} = {method!r}: expected unset (gradients averaged every step) "
-                f"or one of {', '.join(map(repr, SEMI_SYNC_METHODS))}")
+        return (
+            f"{key('semi_sync_method')} = {method!r}: expected unset (gradients averaged every step) "
+            f"or one of {', '.join(map(repr, SEMI_SYNC_METHODS))}"
+        )
     if method is not None and method.lower() == "diloco":
         fragments = ft.num_fragments
         if fragments < 1 or ft.sync_steps < fragments or ft.sync_steps % fragments:
-            return (f"{key('sync_steps')} = {ft.sync_steps} with num_fragments = {fragments}: DiLoCo syncs "
-                    "one fragment at a time, so sync_steps must be a multiple of num_fragments (>= 1)")
+            return (
+                f"{key('sync_steps')} = {ft.sync_steps} with num_fragments = {fragments}: DiLoCo syncs "
+                "one fragment at a time, so sync_steps must be a multiple of num_fragments (>= 1)"
+            )
         if fragments > 1 and getattr(config.model_spec, "fragment_fn", None) is None:
-            return (f"{key('num_fragments')} = {fragments}: the {config.model_spec.name} model spec has no "
-                    "fragment function (TorchTitan's torchft.llama3 registry has one); use num_fragments = 1")
+            return (
+                f"{key('num_fragments')} = {fragments}: the {config.model_spec.name} model spec has no "
+                "fragment function (TorchTitan's torchft.llama3 registry has one); use num_fragments = 1"
+            )
     if not config.checkpoint.enable:
         return (
             f"{key('enable')} = true with {names.key('checkpoint', 'enable')} = false: TorchFT's state transfer to a "

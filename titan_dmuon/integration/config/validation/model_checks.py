@@ -3,18 +3,20 @@
 """
 
 from __future__ import annotations
+
 import copy
 import difflib
 import re
+
 import torch
 from torch import nn
-from titan_dmuon.integration.config.validation.fault_tolerance_section import moe_problem
-from titan_dmuon.integration.names import DMUON, MUON_FAMILY_NAMES
-from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, fused_qkv_blocks, routed_expert_counts
-from titan_dmuon.runtime import canonical_fqn
-from titan_dmuon.integration.config.validation.fault_tolerance_section import fault_tolerant
-from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, PYTHON_NAMES
+
+from titan_dmuon.integration.config.validation.fault_tolerance_section import fault_tolerant, moe_problem
+from titan_dmuon.integration.config.validation.naming import PYTHON_NAMES, ConfigError, Naming
 from titan_dmuon.integration.config.validation.parallelism_section import validate_expert_parallelism
+from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS, fused_qkv_blocks, routed_expert_counts
+from titan_dmuon.integration.names import DMUON, MUON_FAMILY_NAMES
+from titan_dmuon.runtime import canonical_fqn
 
 
 # ---- checks against the model's parameters (built on the meta device) ----------------------
@@ -30,8 +32,13 @@ def validate_against_model(config, world_size: int | None, names: Naming) -> lis
     if opt.name == DMUON and opt.ns_blocks != "matrix":
         _validate_head_blocks(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     experts = routed_expert_counts(model)
-    if experts and fault_tolerant(config) and any(getattr(m, "load_balance_coeff", None) is not None
-                                                   for m in model.modules() if hasattr(m, "routed_experts")):
+    if (
+        experts
+        and fault_tolerant(config)
+        and any(
+            getattr(m, "load_balance_coeff", None) is not None for m in model.modules() if hasattr(m, "routed_experts")
+        )
+    ):
         raise ConfigError(moe_problem(names))
     if p.expert_parallel_degree > 1 and experts:
         validate_expert_parallelism(p, world_size, min(experts), dmuon=opt.name == DMUON, names=names)
@@ -48,7 +55,9 @@ def _validate_qk_clip(model: nn.Module, opt, spec, names: Naming, *, tp: int = 1
     except QKClipNotSupported as e:
         raise ConfigError(f"{key} = {opt.qk_clip_threshold!r} with the {spec.name} {spec.flavor} model: {e}") from None
     if not descriptions:
-        raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: the {spec.name} {spec.flavor} model has no attention module to clip")
+        raise ConfigError(
+            f"{key} = {opt.qk_clip_threshold!r}: the {spec.name} {spec.flavor} model has no attention module to clip"
+        )
     names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
     patterns = [re.compile(p) for p in opt.muon_params]
     for param in clip_weights(descriptions):
@@ -68,18 +77,20 @@ def _validate_head_blocks(model: nn.Module, opt, spec, names: Naming, *, tp: int
     try:
         blocks = head_blocks(model, tp_size=tp)
     except HeadBlocksNotSupported as e:
-        raise ConfigError(f"{key} = {opt.ns_blocks!r} with {model_name}: {e}; use ns_blocks = \"matrix\"") from None
+        raise ConfigError(f'{key} = {opt.ns_blocks!r} with {model_name}: {e}; use ns_blocks = "matrix"') from None
     weights = [*blocks.split_rows, *blocks.split_cols]
     if not weights:
-        raise ConfigError(f"{key} = {opt.ns_blocks!r}: {model_name} has no attention module to split by heads; "
-                          "use ns_blocks = \"matrix\"")
+        raise ConfigError(
+            f"{key} = {opt.ns_blocks!r}: {model_name} has no attention module to split by heads; "
+            'use ns_blocks = "matrix"'
+        )
     names_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
     patterns = [re.compile(p) for p in opt.muon_params]
     if not any(any(p.search(names_of.get(id(w), "")) for p in patterns) for w in weights):
         raise ConfigError(
             f"{key} = {opt.ns_blocks!r}: none of {model_name}'s attention projections is on Muon "
             f"({names.key('optimizer', 'muon_params')}), so no weight would be split by heads; add them or use "
-            "ns_blocks = \"matrix\""
+            'ns_blocks = "matrix"'
         )
 
 
@@ -170,7 +181,7 @@ def _exact_regex(collapsed: str) -> str:
 
 
 def _close_names(pattern: str, model: nn.Module) -> str:
-    """" (close names: ...)" for an entry that matches nothing, from its literal text."""
+    """ " (close names: ...)" for an entry that matches nothing, from its literal text."""
     literal = re.sub(r"\\(.)", r"\1", pattern).strip("^$")
     close = difflib.get_close_matches(literal, _overview(model), n=3, cutoff=0.5)
     hint = ""

@@ -3,10 +3,10 @@ and the TOML door's keys that another optimizer would read.
 """
 
 from __future__ import annotations
+
 import re
 from collections.abc import Mapping
-from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
-from titan_dmuon.integration.models.families import ModelNotSupported, check_model
+
 from titan_dmuon.integration.components.optimizer_container import (
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
@@ -14,11 +14,12 @@ from titan_dmuon.integration.components.optimizer_container import (
     DMuonOptimizersContainer,
     baseline_not_built,
 )
-from titan_dmuon.plan.owner_groups import GroupOptions
-from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, command_line, toml_value
 from titan_dmuon.integration.config.validation.parallelism_section import check_supported
-
+from titan_dmuon.integration.models.families import ModelNotSupported, check_model
+from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
+from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
+from titan_dmuon.plan.owner_groups import GroupOptions
 
 ADAMW_EXAMPLE = "train_configs/debug_model_adamw.toml"
 
@@ -42,12 +43,15 @@ def validate_adamw_switch(opt, names: Naming) -> None:
     A DMuon config switched to AdamW (``--optimizer.name AdamW``) still carries Muon's lr there
     (e.g. 0.05) and AdamW's in ``adamw_*``; training would silently use Muon's."""
     differ = [
-        (plain, adamw) for adamw, plain in ADAMW_KEYS.items()
+        (plain, adamw)
+        for adamw, plain in ADAMW_KEYS.items()
         if _comparable(getattr(opt, plain)) != _comparable(getattr(opt, adamw))
     ]
     if not differ:
         return
-    values = ", ".join(f"{plain} = {getattr(opt, plain)!r} but {adamw} = {getattr(opt, adamw)!r}" for plain, adamw in differ)
+    values = ", ".join(
+        f"{plain} = {getattr(opt, plain)!r} but {adamw} = {getattr(opt, adamw)!r}" for plain, adamw in differ
+    )
     fix = " ".join(command_line("optimizer", plain, getattr(opt, adamw)) for plain, adamw in differ)
     raise ConfigError(
         f"{names.key('optimizer', 'name')} = {opt.name!r} trains every parameter with TorchTitan's {opt.name} from "
@@ -69,16 +73,16 @@ def validate_optimizer_keys(opt, sources: Mapping[str, str], *, file_name: str |
     switched = file_name is not None and (file_name in MUON_FAMILY_NAMES) != muon_family
     for key, source in sources.items():
         if muon_family and key in ADAMW_ONLY_KEYS:
-            hint = f"; with name = \"dmuon\" use adamw_{key} for the non-Muon parameters"
-            raise ConfigError(f"{source}: [optimizer] {key} applies to name = \"AdamW\" only{hint}")
+            hint = f'; with name = "dmuon" use adamw_{key} for the non-Muon parameters'
+            raise ConfigError(f'{source}: [optimizer] {key} applies to name = "AdamW" only{hint}')
         if not muon_family and key in MUON_FAMILY_KEYS:
             raise ConfigError(
-                f"{source}: [optimizer] {key} applies to name = \"dmuon\" (or \"naive_muon\") only, not {opt.name!r}; "
+                f'{source}: [optimizer] {key} applies to name = "dmuon" (or "naive_muon") only, not {opt.name!r}; '
                 f"{_how_to_switch(opt, sources, config_file, switched)}"
             )
         if opt.name == NAIVE_MUON and key == "reshard_after_forward":
             raise ConfigError(
-                f"{source}: [optimizer] reshard_after_forward applies to name = \"dmuon\" only; "
+                f'{source}: [optimizer] reshard_after_forward applies to name = "dmuon" only; '
                 "naive_muon follows parallelism.fsdp_reshard_after_forward"
             )
     shared = _read_as_another_optimizers(sources) if switched else []
@@ -119,7 +123,9 @@ def validate_optimizer(config, names: Naming) -> None:
     the keys that apply to 'dmuon' only, QK-clip's limits, and a switch to AdamW that keeps Muon's lr."""
     opt = config.optimizer
     if not isinstance(opt, DMuonOptimizersContainer.Config):
-        raise ConfigError(f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)")
+        raise ConfigError(
+            f"optimizer: {type(opt).__qualname__} is not DMuon's optimizer config; set DMuon up with with_dmuon(config)"
+        )
     if opt.name in BASELINE_NAMES and not opt.builds_baseline(opt.name):
         raise ConfigError(baseline_not_built(opt.name, names.key("optimizer", "name")))
     if opt.name in MUON_FAMILY_NAMES:

@@ -1,10 +1,11 @@
-"""Checks of ``[training]``, ``[validator]``, ``[checkpoint]`` and every section's own ``__post_init__``, before launch.
-"""
+"""Checks of ``[training]``, ``[validator]``, ``[checkpoint]`` and every section's own ``__post_init__``, before launch."""
 
 from __future__ import annotations
+
 import copy
 import dataclasses
 import logging
+
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming
 
 
@@ -54,6 +55,8 @@ def validate_sections(config, names: Naming) -> None:
             post_init(copy.copy(section))
         except (ValueError, AssertionError) as e:
             message = " ".join(str(e).split())
-            raise ConfigError(f"{names.source(field.name, text=message)}TorchTitan rejects the {field.name} settings: {message}") from None
+            raise ConfigError(
+                f"{names.source(field.name, text=message)}TorchTitan rejects the {field.name} settings: {message}"
+            ) from None
         finally:
             logging.disable(previous)

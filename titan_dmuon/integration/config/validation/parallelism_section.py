@@ -3,15 +3,17 @@ degrees against the world size, expert, context and pipeline parallelism, and DM
 """
 
 from __future__ import annotations
+
 import difflib
 import re
 import types
+
 from titan_dmuon.integration import cpu
-from titan_dmuon.integration.distributed import context_parallel
-from titan_dmuon.integration.names import DMUON
-from titan_dmuon.integration.distributed.parallelize import expert_parallel_limit
-from titan_dmuon.integration.distributed.degrees import expert_region_ranks
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming
+from titan_dmuon.integration.distributed import context_parallel
+from titan_dmuon.integration.distributed.degrees import expert_region_ranks
+from titan_dmuon.integration.distributed.parallelize import expert_parallel_limit
+from titan_dmuon.integration.names import DMUON
 
 
 def check_supported(*, parallelism, compile_config, training) -> None:
@@ -50,8 +52,10 @@ def validate_context_parallel(config, names: Naming, *, this_machine: bool) -> N
     p, opt = config.parallelism, config.optimizer
     balancer = p.context_parallel_load_balancer
     if balancer not in LOAD_BALANCERS:
-        raise ConfigError(f"{names.key('parallelism', 'context_parallel_load_balancer')} = {balancer!r}: expected "
-                          "'headtail' (the default), 'ptrr' or none (unset)")
+        raise ConfigError(
+            f"{names.key('parallelism', 'context_parallel_load_balancer')} = {balancer!r}: expected "
+            "'headtail' (the default), 'ptrr' or none (unset)"
+        )
     cp = p.context_parallel_degree
     if cp == 1:
         return
@@ -77,8 +81,10 @@ def validate_context_parallel(config, names: Naming, *, this_machine: bool) -> N
                 f"accelerator: {context_parallel.CONTEXT_PARALLEL_BACKEND_REASON}; use {context_parallel.CONTEXT_PARALLEL_BACKEND!r} (the default)"
             )
         if balancer == "ptrr":
-            raise ConfigError(f"{names.key('parallelism', 'context_parallel_load_balancer')} = 'ptrr' {with_cp} on a "
-                              f"machine without an accelerator: {context_parallel.PTRR_REASON}")
+            raise ConfigError(
+                f"{names.key('parallelism', 'context_parallel_load_balancer')} = 'ptrr' {with_cp} on a "
+                f"machine without an accelerator: {context_parallel.PTRR_REASON}"
+            )
 
 
 def validate_parallelism(p, world_size: int | None, names: Naming) -> None:
@@ -102,7 +108,9 @@ def validate_parallelism(p, world_size: int | None, names: Naming) -> None:
         others *= degree
     product = " * ".join(f"{k}({v})" for k, v in degrees.items())
     if world_size is not None and shard == -1 and world_size % others:
-        raise ConfigError(f"{names.section('parallelism', *degrees)} {product} = {others} does not divide the world size {world_size}")
+        raise ConfigError(
+            f"{names.section('parallelism', *degrees)} {product} = {others} does not divide the world size {world_size}"
+        )
     if world_size is not None and shard != -1 and shard * others != world_size:
         raise ConfigError(
             f"{names.section('parallelism', 'data_parallel_shard_degree', *degrees)} "
@@ -133,24 +141,32 @@ def validate_pipeline(config, names: Naming) -> None:
     try:
         schedule = get_schedule_class(p.pipeline_parallel_schedule)
     except ValueError as e:  # (its message lists torch's schedules)
-        valid = [n for n in re.findall(r"'(\w+)'", str(e).partition("valid options are")[2])
-                 if n not in ("PipelineScheduleSingle", "PipelineScheduleMulti")]
+        valid = [
+            n
+            for n in re.findall(r"'(\w+)'", str(e).partition("valid options are")[2])
+            if n not in ("PipelineScheduleSingle", "PipelineScheduleMulti")
+        ]
         close = difflib.get_close_matches(p.pipeline_parallel_schedule, valid, n=1, cutoff=0.5)
         raise ConfigError(
             f"{key} = {p.pipeline_parallel_schedule!r}: not a schedule of torch.distributed.pipelining"
             f"{f' (did you mean {close[0]!r}?)' if close else ''}; expected one of {', '.join(valid)}"
         ) from None
     if schedule.__name__ in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
-        raise ConfigError(f"{key} = {p.pipeline_parallel_schedule!r} is an abstract base class: use a schedule such as 1F1B or Interleaved1F1B")
+        raise ConfigError(
+            f"{key} = {p.pipeline_parallel_schedule!r} is an abstract base class: use a schedule such as 1F1B or Interleaved1F1B"
+        )
     spec = config.model_spec
     if spec is None or spec.pipelining_fn is not pipeline_parallel.pipeline_llm:
         return  # (another model family's pipelining checks its own split)
     degree = p.pipeline_parallel_degree
-    where = names.source("parallelism", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-                         "pipeline_parallel_layers_per_stage")
+    where = names.source(
+        "parallelism", "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_layers_per_stage"
+    )
     try:
         # (of ParallelDims it reads the pipeline degree only: none exists before the process groups)
-        stages, layers, first, last = pipeline_parallel._get_pipeline_metadata(types.SimpleNamespace(pp=degree), p, spec.model)
+        stages, layers, first, last = pipeline_parallel._get_pipeline_metadata(
+            types.SimpleNamespace(pp=degree), p, spec.model
+        )
         if p.module_fqns_per_model_part is None:
             pipeline_parallel._generate_llm_fqn_per_model_part(stages, layers, first, last)
     except ValueError as e:
@@ -166,7 +182,9 @@ def validate_pipeline(config, names: Naming) -> None:
                 + (" or a single-stage schedule (1F1B, GPipe)" if per_rank > 1 else "")
             ) from None
         message = " ".join(str(e).split())
-        raise ConfigError(f"{where}TorchTitan cannot split the {spec.name} {spec.flavor} model into pipeline stages: {message}") from None
+        raise ConfigError(
+            f"{where}TorchTitan cannot split the {spec.name} {spec.flavor} model into pipeline stages: {message}"
+        ) from None
     if config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError(
             f"{names.key('parallelism', 'pipeline_parallel_microbatch_size')} = {p.pipeline_parallel_microbatch_size}: "
@@ -180,8 +198,12 @@ def _expert_region_ranks(p, world_size: int | None) -> int | None:
     if shard == -1:
         if world_size is None:
             return None
-        shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
-                               * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+        shard = world_size // (
+            p.data_parallel_replicate_degree
+            * p.context_parallel_degree
+            * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+        )
     return expert_region_ranks(shard=shard, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree)
 
 

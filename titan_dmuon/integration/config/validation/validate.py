@@ -7,16 +7,21 @@ section holds that section's checks.
 """
 
 from __future__ import annotations
+
 from titan_dmuon.integration.config.validation.fault_tolerance_section import fault_tolerance_problem, fault_tolerant
 from titan_dmuon.integration.config.validation.model_checks import validate_against_model
-from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, PYTHON_NAMES
+from titan_dmuon.integration.config.validation.naming import PYTHON_NAMES, ConfigError, Naming
 from titan_dmuon.integration.config.validation.optimizer_section import validate_optimizer
-from titan_dmuon.integration.config.validation.parallelism_section import validate_context_parallel, validate_parallelism, validate_pipeline
 from titan_dmuon.integration.config.validation.other_sections import (
     validate_checkpoint,
     validate_sections,
     validate_training,
     validate_validator,
+)
+from titan_dmuon.integration.config.validation.parallelism_section import (
+    validate_context_parallel,
+    validate_parallelism,
+    validate_pipeline,
 )
 
 
@@ -42,4 +47,3 @@ def validate_dmuon(
     if problem is not None:
         raise ConfigError(problem)
     return validate_against_model(config, world_size, names)
-
