@@ -169,10 +169,10 @@ def _timer_order(_rank, _world):
 
     with fake_pg(TP), _recorded(log, waits=True):
         tp_step = _tp_step()
-        tp_step.rule.figures.timer = RecordingTimer()
+        tp_step.owner_update.figures.timer = RecordingTimer()
         tp_step.submit([(GROUP, [_experts(2)])], then=lambda: log.append(("applied",)))
         tp_step.finish()
-    return [entry for entry in log if entry[0] != "all_to_all"], tp_step.rule.figures.matrices
+    return [entry for entry in log if entry[0] != "all_to_all"], tp_step.owner_update.figures.matrices
 
 
 def test_the_newton_schulz_timer_starts_once_the_shards_are_home(solo):

@@ -55,21 +55,21 @@ def member_batches(batch: list[GroupedWeight], ns_method: str, steps: int) -> li
     return [batch[first : first + per_batch] for first in range(0, len(batch), per_batch)]
 
 
-def update_grouped(rule, group: dict, weights: list[GroupedWeight], comm) -> None:
-    """Muon on this member's blocks of ``weights`` with ``group``'s options (``rule``: the ``OwnerUpdate``
+def update_grouped(owner_update, group: dict, weights: list[GroupedWeight], comm) -> None:
+    """Muon on this member's blocks of ``weights`` with ``group``'s options (``owner_update``: the ``OwnerUpdate``
     whose state, method and figures they use; ``comm``: the ``OwnerGroupComm``), batch by batch."""
     lr = scalar(group["lr"])
     momentum, nesterov = group["momentum"], group["nesterov"]
     for whole in batch_order(weights):
         member = whole[0].member
-        for batch in member_batches(whole, rule.ns_method, group["ns_steps"]):
+        for batch in member_batches(whole, owner_update.ns_method, group["ns_steps"]):
             param = batch[0].param
             stack = torch.empty((len(batch), *param.shape), dtype=torch.bfloat16, device=param.device)
             for k, weight in enumerate(batch):  # one block's fp32 temporary at a time
-                buffer = rule.momentum_buffer(weight.param)
+                buffer = owner_update.momentum_buffer(weight.param)
                 buffer.lerp_(weight.grad, 1 - momentum)
                 stack[k].copy_(weight.grad.lerp(buffer, momentum) if nesterov else buffer)
-            with rule.figures.timing(param.device):
+            with owner_update.figures.timing(param.device):
                 orthogonal = group_newton_schulz(
                     stack,
                     shape=member.shape,
@@ -78,10 +78,10 @@ def update_grouped(rule, group: dict, weights: list[GroupedWeight], comm) -> Non
                     steps=group["ns_steps"],
                     coefficients=group["ns_coefficients"],
                     eps=group["eps"],
-                    ns_method=rule.ns_method,
+                    ns_method=owner_update.ns_method,
                     overwrite=True,
                 )
-                rule.figures.matrices += len(batch)
+                owner_update.figures.matrices += len(batch)
             del stack
             scale = adjusted_lr(lr, group["adjust_lr_fn"], member.shape)
             params = [w.param for w in batch]

@@ -148,8 +148,10 @@ class DMuon(torch.optim.Optimizer):
                 threshold=defaults.qk_clip_threshold,
                 alpha=defaults.qk_clip_alpha,
             )
-        rule = self._rule = OwnerUpdate(self, self._ns)
-        self._schedule = StepSchedule(rule, self._handles, qk_clip=self.qk_clip, dedicated_ids=self._dedicated_ids)
+        owner_update = self._owner_update = OwnerUpdate(self, self._ns)
+        self._schedule = StepSchedule(
+            owner_update, self._handles, qk_clip=self.qk_clip, dedicated_ids=self._dedicated_ids
+        )
 
     def _is_muon_param(self, p: torch.Tensor) -> bool:
         for handle in self._handles:
@@ -180,7 +182,7 @@ class DMuon(torch.optim.Optimizer):
     @property
     def workspace_bytes(self) -> int:
         """The bytes this rank's Muon step keeps between steps for its temporaries (``optim/workspace.py``)."""
-        return self._rule.workspace.nbytes()
+        return self._owner_update.workspace.nbytes()
 
     def state_dict(self):
         """Also lands HSDP's in-flight post-step broadcasts first.

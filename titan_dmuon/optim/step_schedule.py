@@ -52,8 +52,8 @@ class Job:
 class StepSchedule:
     """DMuon's Muon step over its handles, in the order that overlaps its communication."""
 
-    def __init__(self, rule: OwnerUpdate, handles: list, *, qk_clip=None, dedicated_ids: set[int]) -> None:
-        self.rule, self.handles, self.qk_clip = rule, handles, qk_clip
+    def __init__(self, owner_update: OwnerUpdate, handles: list, *, qk_clip=None, dedicated_ids: set[int]) -> None:
+        self.owner_update, self.handles, self.qk_clip = owner_update, handles, qk_clip
         self._dedicated_ids = dedicated_ids  # every dedicated parameter DMuon was given (filled as it is built)
 
     def run(self, groups: list[dict]) -> None:
@@ -70,7 +70,7 @@ class StepSchedule:
         """Weights held whole are updated at once and their units sent on; tensor-parallel ones go
         through ``TensorParallelStep``'s pipeline, which sends their units on once they are applied.
         Units are sent on in job order: a job with no TP weights first lets the pipeline finish."""
-        tp_step = TensorParallelStep(handle.tensor_parallel_ns, self.rule) if handle.mode.tp else None
+        tp_step = TensorParallelStep(handle.tensor_parallel_ns, self.owner_update) if handle.mode.tp else None
         for job in jobs:
             for unit in job.units:
                 handle.before_update(unit)
@@ -78,12 +78,12 @@ class StepSchedule:
             for group, items in job.in_order():
                 owned = [w for w in items if isinstance(w, OwnedWeight)]
                 if owned:
-                    self.rule.update(group, owned)
+                    self.owner_update.update(group, owned)
                 grouped = [w for w in items if isinstance(w, GroupedWeight)]
                 if grouped:  # (its members run it together: the same list on each). No TP pipeline is in flight
                     # here: a tp mesh makes every weight TP (check_tp_dims_complete), and TP weights get no group
                     # (MatrixSpec.may_group), so these sends never pass a unit's deferred broadcast on NCCL
-                    update_grouped(self.rule, group, grouped, handle.owner_groups)
+                    update_grouped(self.owner_update, group, grouped, handle.owner_groups)
                 sharded = [w for w in items if isinstance(w, TPItem)]
                 if sharded:  # (the same list on every rank of the TP group)
                     tp_work.append((group, sharded))
@@ -169,7 +169,7 @@ class StepSchedule:
                         )
                     )
             if weights:
-                self.rule.update(group, weights)
+                self.owner_update.update(group, weights)
 
 
 def _merged(chunks: list[list], by_key: dict[int, Job], *, key, sent_on: bool) -> list[Job]:

@@ -103,8 +103,8 @@ class _Batch:
 class TensorParallelStep:
     """One handle's TP weights through the owner's rule, a batch at a time, pipelined."""
 
-    def __init__(self, exchange: TensorParallelNewtonSchulz, rule: OwnerUpdate) -> None:
-        self.exchange, self.rule = exchange, rule
+    def __init__(self, exchange: TensorParallelNewtonSchulz, owner_update: OwnerUpdate) -> None:
+        self.exchange, self.owner_update = exchange, owner_update
         self._sent: _Batch | None = None  # its shards on their way to their homes
         self._back: _Batch | None = None  # its results on their way back
         self._batches_sent = 0  # a batch's exchange buffers are the rule's workspace's, in slot count % 2
@@ -161,7 +161,7 @@ class TensorParallelStep:
 
     def _send(self, batch: _Batch) -> None:
         """Momentum and Newton–Schulz inputs of ``batch``, sent to their homes."""
-        me, inputs, matrices, workspace = self.exchange.tp.rank, [], [], self.rule.workspace
+        me, inputs, matrices, workspace = self.exchange.tp.rank, [], [], self.owner_update.workspace
         batch.slot, self._batches_sent = self._batches_sent % 2, self._batches_sent + 1
         computed = [p for p in batch.parts if not (p.matrices[0].dim is None and p.matrices[0].home != me)]
         sizes = [len(p.matrices) * p.matrices[0].numel for p in computed]
@@ -175,7 +175,7 @@ class TensorParallelStep:
             count, shape = len(part.matrices), part.matrices[0].shape
             out = flat[offset : offset + count * part.matrices[0].numel].view(count, *shape)
             offset += out.numel()
-            inputs += self.rule.momentum_inputs(
+            inputs += self.owner_update.momentum_inputs(
                 batch.group, part.item.param, part.item.grad, slice(part.first, part.stop), part.item.matrices, out=out
             )
         batch.exchange = self.exchange.send_to_homes(matrices, inputs, scratch=workspace, slot=batch.slot)
@@ -183,7 +183,7 @@ class TensorParallelStep:
     def _orthogonalise(self, batch: _Batch) -> None:
         """Newton–Schulz of the matrices homed here, timed from when their shards are here (the wait
         is the transfer's: on an accelerator the timer's start event is queued after it)."""
-        figures, newton_schulz = self.rule.figures, self.rule.orthogonalise_fn(batch.group)
+        figures, newton_schulz = self.owner_update.figures, self.owner_update.orthogonalise_fn(batch.group)
 
         def timed(matrices: list[torch.Tensor], consume) -> None:
             with figures.timing(matrices[0].device):
@@ -194,9 +194,9 @@ class TensorParallelStep:
         batch.exchange = self.exchange.orthogonalise_at_homes(
             sent,
             timed,
-            dtype=self.rule.result_dtype,
-            rule=self.rule.home_rule(owners),
-            scratch=self.rule.workspace,
+            dtype=self.owner_update.result_dtype,
+            rule=self.owner_update.home_rule(owners),
+            scratch=self.owner_update.workspace,
             slot=batch.slot,
         )
         figures.matrices += batch.exchange.ns_matrices
@@ -205,7 +205,9 @@ class TensorParallelStep:
         """Weight decay and each block's update (scaled for the block of the full matrix) on this rank's shards."""
         updates = iter(self.exchange.received(batch.exchange))
         for part in batch.parts:
-            self.rule.apply_shards(batch.group, part.weight, part.matrices, updates, tp_rank=self.exchange.tp.rank)
+            self.owner_update.apply_shards(
+                batch.group, part.weight, part.matrices, updates, tp_rank=self.exchange.tp.rank
+            )
         batch.exchange = None
         if batch.then is not None:
             batch.then()
