@@ -146,7 +146,8 @@ def job_toml(
 
 
 LINE = re.compile(
-    r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n.*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
+    r"step:\s+(\d+)\s+loss:\s+([\d.]+).*?memory:\s+([\d.]+)GiB.*?\n"
+    r".*?titan_dmuon: step ([\d.]+)s, optimizer ([\d.]+) ms"
     r"\s+all comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; ([\d.]+) launches\)"
     r"(?:\s+dmuon: comm .*?; ([\d.]+) launches\))?(?:.*?peak buffers ([\d.]+) MB)?"
     r"(?:\s+host ([\d.]+) ms\s+first layer waited ([\d.]+) ms)?"
@@ -424,7 +425,8 @@ def text_table(summary: dict, title: str, ranks: int) -> str:
     header = (
         f"{'tokens/rank':<12}{'5d/B':>7}  {'configuration':<26}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}"
         f"{'comm MB':>9}{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}"
-        f"{'DMuon buf MB':>13}{'final loss':>11}{'time to AdamW final loss':>26}{'vs AdamW':>9}   rounds' step-time medians"
+        f"{'DMuon buf MB':>13}{'final loss':>11}{'time to AdamW final loss':>26}{'vs AdamW':>9}"
+        "   rounds' step-time medians"
     )
     lines = [title, header]
     for batch, by_name in summary.items():
@@ -467,7 +469,8 @@ def markdown_table(summary: dict, ranks: int, steps: int) -> str:
                 )
             reach, ratio = _reach(s, base) if base is not s else ("–", "–")
             lines.append(
-                f"| {local} x {seq} | {100 * share:.1f} % | {label} | {s['step_s']:.3f} s | {s['step_s'] / base['step_s']:.3f} "
+                f"| {local} x {seq} | {100 * share:.1f} % | {label} | {s['step_s']:.3f} s "
+                f"| {s['step_s'] / base['step_s']:.3f} "
                 f"| {100 * s['opt_share']:.1f} % | {s['comm_mb'] / base['comm_mb']:.3f} "
                 f"| {s['rss_gib'] / base['rss_gib']:.3f} | {s['loss']:.2f} | {reach} | {ratio} |"
             )

@@ -86,7 +86,8 @@ seed = 0
 """
 
 DMUON_LINE = re.compile(
-    r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M.*?NS: (\d+) matrices on this rank, ([\d.]+) ms"
+    r"step:\s+(\d+)\s.*?\n.*?dmuon: comm ([\d.]+)M elements/rank/step \(([\d.]+) MB; design ([\d.]+)M"
+    r".*?NS: (\d+) matrices on this rank, ([\d.]+) ms"
 )
 
 
@@ -179,7 +180,8 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
     text = [
         title,
         (
-            f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}{'comm M elem':>12}{'comm MB':>10}"
+            f"{'configuration':<24}{'step time':>10}{'vs AdamW':>9}{'optim. share':>13}"
+            f"{'comm M elem':>12}{'comm MB':>10}"
             f"{'vs AdamW':>9}{'launches':>9}{'(DMuon)':>8}{'peak RSS GiB':>13}{'vs AdamW':>9}{'loss':>8}"
         ),
     ]
@@ -200,7 +202,8 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
             f"| {label} | {s['step_s']:.2f} s | {s['step_s'] / base['step_s']:.2f} | {100 * s['opt_share']:.1f} % "
             f"| {s['comm_mb']:.2f} MB ({s['comm_m']:.4f}M elements) | {s['comm_mb'] / base['comm_mb']:.4f} "
             f"| {_f(s['launches'], '.0f')} ({_f(s['launch_dmuon'], '.0f')}) "
-            f"| {s['rss_gib']:.2f} GiB | {s['rss_gib'] / base['rss_gib']:.3f} | {', '.join(f'{x:.3f}' for x in s['losses'])} |"
+            f"| {s['rss_gib']:.2f} GiB | {s['rss_gib'] / base['rss_gib']:.3f} "
+            f"| {', '.join(f'{x:.3f}' for x in s['losses'])} |"
         )
     d = summary.get("DMuon", {})
     if d.get("dmuon_m") is not None:

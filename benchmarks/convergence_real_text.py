@@ -223,7 +223,7 @@ def reach(run: dict, target: float, tokens_per_step: int) -> tuple[float, float]
         if loss <= target:
             if previous is None:
                 return step * tokens_per_step, elapsed[step]
-            (step0, loss0), f = previous, (previous[1] - target) / (previous[1] - loss) if previous[1] != loss else 1.0
+            (step0, _), f = previous, (previous[1] - target) / (previous[1] - loss) if previous[1] != loss else 1.0
             exact = step0 + f * (step - step0)
             seconds = elapsed[step0] + f * (elapsed[step] - elapsed[step0])
             return exact * tokens_per_step, seconds

@@ -329,7 +329,8 @@ def launch_check(device: torch.device, *, sleep_ms: float = 50.0, numel: int = 1
             check,
             "host not blocked",
             verdict(host_ms < sleep_ms / 4, f"{host_ms:.1f} ms on the host"),
-            f"Launch {1e3 * (t1 - t0):.2f} ms + wait() {1e3 * (t3 - t2):.2f} ms on the host; side stream asleep {sleep_ms:.0f} ms",
+            f"Launch {1e3 * (t1 - t0):.2f} ms + wait() {1e3 * (t3 - t2):.2f} ms on the host; "
+            f"side stream asleep {sleep_ms:.0f} ms",
         ),
         (
             check,
@@ -779,7 +780,8 @@ def fsdp_step_check(
             f"DMuon {bypassed['step_ms'] / adamw['step_ms']:.2f}x AdamW",
             f"FSDP2 + AdamW {adamw['step_ms']:.2f} ms; DMuon-Z3 {bypassed['step_ms']:.2f} ms (shortcut bypassed), "
             f"{alone['step_ms']:.2f} ms (as NGPU=1); {timed.get('n_layers', 2)} layers, "
-            f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}",
+            f"{adamw['params'] / 1e6:.1f}M parameters, {sequences} x {seq} tokens; "
+            f"last loss {adamw['loss']:.3f} / {bypassed['loss']:.3f}",
         )
     )
     if not cuda:

@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     print(
-        "| structure | ranks | configuration | step (host) | optimizer step | in DMuon:: labels | in FSDP:: labels | DMuon launches |"
+        "| structure | ranks | configuration | step (host) | optimizer step "
+        "| in DMuon:: labels | in FSDP:: labels | DMuon launches |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, layers, world in CASES:

@@ -394,7 +394,8 @@ def main() -> None:
         name = f"**{label}**" if label.startswith("DMuon") else label
         lines.append(
             f"| {name} | {world} | {fmt('params')} | {fmt('grads')} | {fmt('opt_state')} | {fmt('dmuon_buffers')} "
-            f"| {fmt('other')} | **{fmt('persistent')}** | {ratio('persistent')} | {fmt('fwd_bwd')} | {ratio('fwd_bwd')} "
+            f"| {fmt('other')} | **{fmt('persistent')}** | {ratio('persistent')} "
+            f"| {fmt('fwd_bwd')} | {ratio('fwd_bwd')} "
             f"| {fmt('step')} | {ratio('step')} | **{fmt('high_water')}** | {ratio('high_water')} |"
         )
     print("\n".join(lines))
@@ -440,7 +441,8 @@ def _moe_table(args) -> None:
         ratio = {k: f"{cell[k] / base[k]:.{3 if k == 'resident' else 2}f}" for k in (*PHASES, "resident")}
         print(
             f"| {label} | {_mb(cell['params'])} | {_mb(cell['grads'])} | {_mb(cell['opt_state'])} | "
-            f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** | {ratio['persistent']} "
+            f"{_mb(cell['dmuon_buffers'])} | {_mb(cell['other'])} | **{_mb(cell['persistent'])}** "
+            f"| {ratio['persistent']} "
             f"| {_mb(cell['fwd_bwd'])} | {ratio['fwd_bwd']} | {_mb(cell['step'])} | {ratio['step']} "
             f"| **{_mb(cell['high_water'])}** | {ratio['high_water']} | {cell['resident'] / 2**30:.2f} GiB "
             f"| {ratio['resident']} |"

@@ -1,6 +1,6 @@
 """The QK-clip figures of docs/qk-clip.md, regenerated: each job with the clip and without it, per step.
 
-    .venv/bin/python benchmarks/qk_clip_figures.py            # llama3 and deepseek_v3 debug models, ~2.5 min on 2 CPU cores
+    .venv/bin/python benchmarks/qk_clip_figures.py  # llama3 and deepseek_v3 debug models, ~2.5 min on 2 CPU cores
 
 Runs ``./run_train.sh`` (the main job, 2 ranks) with ``--optimizer.qk_clip_threshold TAU`` and,
 for the comparison, with a threshold no logit reaches (1e9: the capture and its reduce run and log

@@ -97,7 +97,7 @@ def data_flow() -> Svg:
     # forward
     y = 66
     svg.text(10, y + 12, "1  Forward", size=15, anchor="start", weight="bold")
-    for i, (x, name) in enumerate(zip(cols, "ABC")):
+    for _i, (x, name) in enumerate(zip(cols, "ABC")):
         svg.box(
             x + 20, y + 24, col_w - 40, 30, fill="#ffffff", stroke=WEIGHT_COLOURS[name], label=f"owns {name}", size=14
         )

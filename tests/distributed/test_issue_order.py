@@ -166,7 +166,7 @@ def check_issue_order(sequences: list[list[tuple]]) -> None:
     # implied: the rank's own sequence on it is its index order)
     after: dict[tuple, set] = {}
     waiting: dict[tuple, int] = {}
-    for rank, ops in enumerate(sequences):
+    for _rank, ops in enumerate(sequences):
         seen: dict[tuple, int] = {}
         previous = None
         for _, ranks, _, _ in ops:

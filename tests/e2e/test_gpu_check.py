@@ -245,7 +245,7 @@ def test_a_sanitizer_race_reads_as_one_line():
     )
 
 
-# ---- (3) race amplification -------------------------------------------------------------------------------------------
+# ---- (3) race amplification ------------------------------------------------------------------------------------------
 def test_the_bypass_issues_collectives_at_world_one(dry_run):
     """On gloo at world 1 the bypass makes DMuon issue its collectives (launches > 0 in CommStats;
     without it none: the row's verdict requires both) and trains to the same weights, Z3 and Z2;
@@ -281,7 +281,7 @@ def test_the_injected_sleeps_wrap_side_streams_and_frees_and_come_off():
     assert Streams.use is use and Unit.free is free and counts == {"side_stream_blocks": 0, "frees": 0}
 
 
-# ---- (5) the profiled step -----------------------------------------------------------------------------------------------
+# ---- (5) the profiled step -------------------------------------------------------------------------------------------
 def test_a_profiled_step_finds_the_hooks(dry_run):
     """Host time under DMuon::* (DMuon-Z3) and FSDP::* (the FSDP2 + AdamW baseline) labels is found
     in a CPU profile. Only a GPU gives kernels per layer and the compute stream's idle time."""
@@ -355,7 +355,7 @@ def test_a_plain_pytorch_fsdp2_dmuon_step_beside_adamw(dry_run):
     assert rows["no host sync from step 3 (sync debug 'warn')"][2].startswith("skipped (cpu)")
 
 
-# ---- the runtime checks' subprocess --------------------------------------------------------------------------------------
+# ---- the runtime checks' subprocess ----------------------------------------------------------------------------------
 def test_a_check_killed_by_its_time_limit_is_a_failed_row_and_a_spent_budget_skips():
     """A check that printed no rows (here: killed by its time limit) is one FAILED row, and a
     spent budget skips (the rows that came back through the JSON lines: the dry run above)."""
@@ -369,7 +369,7 @@ def test_a_check_killed_by_its_time_limit_is_a_failed_row_and_a_spent_budget_ski
     assert parse_table(table([("x", "max |diff|", "1", "")]))[0] == ("x", "max |diff|", "1", "")
 
 
-# ---- (4) (6) (b) (c): the jobs -------------------------------------------------------------------------------------------
+# ---- (4) (6) (b) (c): the jobs ---------------------------------------------------------------------------------------
 STEP_LINE = "[rank0]:[titan] 2026-12-01 23:21:{s},{ms} - root - INFO - step: {n:2}  loss: {loss:8.5f}  grad_norm:  1.0000  memory:  {mem:5.2f}GiB(1.00%)  tps: {tps}  tflops: 0.10  mfu: 0.10%"  # noqa: E501
 TORCH_LINE = "[rank0]:V1201 23:21:{s}.{us} 4836 torch/_dynamo/guards.py:5621] [0/1] [__recompiles] {text}"
 COMPILED_LINE = "[rank0]:[rank0]:I1201 23:21:{s}.{us} 8366 torch/_dynamo/output_graph.py:3233] [0/0] Step 2: done compiler function inductor"  # noqa: E501
@@ -417,7 +417,8 @@ def test_a_failed_job_reads_as_its_error_and_where_it_was_raised():
         [
             "[rank0]:[titan] 2026-12-01 23:21:30,100 - root - WARNING - something about an Error budget",
             "[rank0]:Traceback (most recent call last):",
-            '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torchtitan/trainer.py", line 804, in forward_backward_step',
+            '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torchtitan/trainer.py", '
+            "line 804, in forward_backward_step",
             '[rank0]:  File "/w/main/titan_dmuon/runtime/unit.py", line 150, in gather',
             '[rank0]:  File "/w/.venv/lib/python3.11/site-packages/torch/cuda/__init__.py", line 9, in synchronize',
             "[rank0]:RuntimeError: called a synchronizing CUDA operation",

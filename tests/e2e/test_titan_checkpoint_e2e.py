@@ -226,8 +226,9 @@ def _documented_commands(page: str, heading: str) -> list[str]:
 
 
 def test_documented_checkpoint_commands_run_as_written(tmp_path):
-    """The documented resume and resharding commands (docs/checkpoints/torchtitan.md), verbatim, in a copy of the checkout (they write
-    ./outputs). Changing the layout (2 -> 4 ranks) without --checkpoint.exclude_from_loading
+    """The documented resume and resharding commands (docs/checkpoints/torchtitan.md), verbatim,
+    in a copy of the checkout (they write ./outputs). Changing the layout (2 -> 4 ranks) without
+    --checkpoint.exclude_from_loading
     dataloader failed on every rank inside TorchTitan's dataloader (a missing dataloader.dp_rank_3);
     now every rank stops before loading with the one line that names the option, and the documented
     command with the option resumes."""

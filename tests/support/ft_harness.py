@@ -4,8 +4,8 @@ that TorchTitan's entry point loads with it:
 
 * ``FT_TEST_RECORD=<folder>``: after every step each rank appends a line to
   ``<folder>/<replica>_<rank>.jsonl``: the trainer's step, TorchFT's committed steps, the
-  learning rates, the trainable elements it holds, a digest of every tensor this rank holds of the model and of the optimizer
-  state (bitwise: equal digests at the same rank of two groups mean equal weights, momentum and
+  learning rates, the trainable elements it holds, a digest of every tensor this rank holds of the model and of the
+  optimizer state (bitwise: equal digests at the same rank of two groups mean equal weights, momentum and
   AdamW moments), and the wall-clock time;
 * ``FT_TEST_PAUSE=mid:<step>`` (in the forward of that step) or ``end:<step>`` (after that step,
   before the next quorum): every rank writes ``<folder>/<replica>_<rank>.paused`` (its pid) and sleeps,

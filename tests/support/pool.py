@@ -103,7 +103,7 @@ class WorkerPool:
                         else f"timed out after {timeout:.0f}s"
                     )
                     self.restart()
-                    raise AssertionError(f"{fn.__name__}: {why}; results so far: {results}")
+                    raise AssertionError(f"{fn.__name__}: {why}; results so far: {results}") from None
         failures = {r: v for r, (ok, v) in results.items() if not ok}
         if failures:
             self.restart()

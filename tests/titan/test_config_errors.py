@@ -109,8 +109,8 @@ def test_toml_door_switch_to_adamw_says_how():
     message = one_line_error(load_config, MAIN_JOB, ["--optimizer.name", "AdamW"], world_size=2)
     assert message.startswith(f'{MAIN_JOB}: [optimizer] momentum applies to name = "dmuon"')
     assert (
-        f"remove momentum, nesterov, ns_steps, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, reshard_after_forward from [optimizer] in {MAIN_JOB}"
-        in message
+        "remove momentum, nesterov, ns_steps, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, "
+        f"reshard_after_forward from [optimizer] in {MAIN_JOB}" in message
     )
     assert "--optimizer.lr <value> --optimizer.weight_decay <value>" in message
     assert message.endswith("or start from an AdamW file such as train_configs/debug_model_adamw.toml")
@@ -216,13 +216,15 @@ PYTHON_DOOR = ["--module", "titan_dmuon", "--config", "llama3_debugmodel_dmuon"]
         (
             ["--checkpoint.last_save_in_hf"],
             2,
-            "command line: [checkpoint] last_save_in_hf = true needs last_save_model_only = true (TorchTitan saves only the model "
-            "weights in HF format); add [checkpoint] last_save_model_only = true (--checkpoint.last_save_model_only)",
+            "command line: [checkpoint] last_save_in_hf = true needs last_save_model_only = true "
+            "(TorchTitan saves only the model weights in HF format); "
+            "add [checkpoint] last_save_model_only = true (--checkpoint.last_save_model_only)",
         ),
         (
             ["--checkpoint.keep_latest_k", "1"],
             2,
-            "command line: TorchTitan rejects the checkpoint settings: We need to maintain at least 2 checkpoint replicas",
+            "command line: TorchTitan rejects the checkpoint settings: "
+            "We need to maintain at least 2 checkpoint replicas",
         ),
     ],
     ids=["ns_mode", "qk_clip_threshold", "last_save_in_hf", "keep_latest_k"],
@@ -264,10 +266,10 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
         (
             ["--parallelism.pipeline_parallel_degree", "8"],
             8,
-            "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' (2 stages per pipeline "
-            "rank) splits the llama3 debugmodel model into 16 stages, and TorchTitan needs at least one of its 8 layers per "
-            "stage (6 layers, the embedding counted as 1, the head as 1); use pipeline_parallel_degree <= 4 or a single-stage "
-            "schedule (1F1B, GPipe)",
+            "parallelism.pipeline_parallel_degree = 8 with pipeline_parallel_schedule 'Interleaved1F1B' "
+            "(2 stages per pipeline rank) splits the llama3 debugmodel model into 16 stages, and TorchTitan "
+            "needs at least one of its 8 layers per stage (6 layers, the embedding counted as 1, the head as 1); "
+            "use pipeline_parallel_degree <= 4 or a single-stage schedule (1F1B, GPipe)",
         ),
         (
             [
@@ -277,8 +279,9 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
                 "Interleaved1FB1",
             ],
             2,
-            "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining (did you mean "
-            "'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
+            "pipeline_parallel_schedule = 'Interleaved1FB1': not a schedule of torch.distributed.pipelining "
+            "(did you mean 'Interleaved1F1B'?); expected one of 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
+            "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
         ),
         (
             [
@@ -288,8 +291,8 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
                 "PipelineScheduleMulti",
             ],
             2,
-            "pipeline_parallel_schedule = 'PipelineScheduleMulti' is an abstract base class: use a schedule such as 1F1B or "
-            "Interleaved1F1B",
+            "pipeline_parallel_schedule = 'PipelineScheduleMulti' is an abstract base class: "
+            "use a schedule such as 1F1B or Interleaved1F1B",
         ),
         (
             [
@@ -299,13 +302,14 @@ def test_ns_method_other_than_torch_is_refused_with_the_exact_mode_in_both_doors
                 "PipelineScheduleSingle",
             ],
             2,
-            "pipeline_parallel_schedule = 'PipelineScheduleSingle' is an abstract base class: use a schedule such as 1F1B or "
-            "Interleaved1F1B",
+            "pipeline_parallel_schedule = 'PipelineScheduleSingle' is an abstract base class: "
+            "use a schedule such as 1F1B or Interleaved1F1B",
         ),
         (
             ["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
             6,
-            "TorchTitan cannot build the llama3 debugmodel model for this job: tensor_parallel_degree (3) must divide n_heads (16).",
+            "TorchTitan cannot build the llama3 debugmodel model for this job: "
+            "tensor_parallel_degree (3) must divide n_heads (16).",
         ),
     ],
     ids=["pp_stages_over_layers", "pp_schedule_name", "pp_schedule_multi_base", "pp_schedule_single_base", "tp_heads"],

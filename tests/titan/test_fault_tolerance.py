@@ -405,7 +405,8 @@ def test_fault_tolerant_configs_from_both_doors(monkeypatch):
     [
         (
             dict(parallelism={"data_parallel_replicate_degree": 2}),
-            "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: DMuon's HSDP reduces each gradient to one global owner",
+            "data_parallel_replicate_degree = 2 with fault_tolerance.enable = true: "
+            "DMuon's HSDP reduces each gradient to one global owner",
         ),
         (
             dict(parallelism={"pipeline_parallel_degree": 2}),

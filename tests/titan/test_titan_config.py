@@ -183,8 +183,8 @@ ERRORS = [
         ["context_parallel_load_balancer = 'roundrobin': expected 'headtail'"],
     ),
     (
-        MINIMAL
-        + 'qk_clip_threshold = 100.0\n[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_load_balancer = "ptrr"\n',
+        MINIMAL + "qk_clip_threshold = 100.0\n[parallelism]\ncontext_parallel_degree = 2\n"
+        'context_parallel_load_balancer = "ptrr"\n',
         [],
         2,
         ["qk_clip_threshold = 100.0 with parallelism.context_parallel_load_balancer = 'ptrr'", "head-tail"],

@@ -185,7 +185,8 @@ def test_command_line_overrides_reach_the_parallelize_step(monkeypatch):
         (
             ["--parallelism.context_parallel_degree", "2", "--parallelism.spmd_backend", "partial_dtensor"],
             None,
-            "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 on a machine without an accelerator",
+            "parallelism.spmd_backend = 'partial_dtensor' with parallelism.context_parallel_degree = 2 "
+            "on a machine without an accelerator",
         ),
         (
             ["--parallelism.data_parallel_shard_degree", "3"],

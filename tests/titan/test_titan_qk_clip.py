@@ -64,10 +64,10 @@ def _naive(q, k, scale):
 
 
 def _titan_rule(rank, world, family, kwargs):
-    """Muon lr 0 and AdamW lr 1e-30 (below the weights' resolution): the step changes only what the clip rescales. tau is set to the median
-    of layer 0's heads, measured by an independent hook in the step's forward; after the step the same
-    forward's layer-0 logits are <= tau (= tau for the clipped heads; layer 0's input does not depend on
-    any clipped weight) and the unclipped heads' are unchanged."""
+    """Muon lr 0 and AdamW lr 1e-30 (below the weights' resolution): the step changes only what the clip rescales.
+    tau is set to the median of layer 0's heads, measured by an independent hook in the step's forward;
+    after the step the same forward's layer-0 logits are <= tau (= tau for the clipped heads;
+    layer 0's input does not depend on any clipped weight) and the unclipped heads' are unchanged."""
     from torchtitan.models.common.attention import BaseAttention
 
     from tests.support import titan_harness as th

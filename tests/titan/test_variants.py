@@ -233,7 +233,7 @@ def test_float16_per_head_and_normuon_under_tensor_parallelism(pool2):
 def test_normuon_with_per_heads_on_a_moe_family(pool2):
     """qwen3 MoE on FSDP 2 with NorMuon and per-head blocks (dedicated matrices; the experts are covered
     by the toy tests above)."""
-    for diffs, split in pool2.run(_heads_vs_reference, "qwen3_moe", 1, BETA2):
+    for diffs, _split in pool2.run(_heads_vs_reference, "qwen3_moe", 1, BETA2):
         assert max(diffs.values()) <= EXACT_NORMUON, diffs
 
 

@@ -74,14 +74,16 @@ def test_dmuon_takes_them_as_keywords_not_per_group():
 REFUSED = [
     (
         ["--optimizer.ns_dtype", "float16", "--optimizer.ns_mode", "exact"],
-        "ns_dtype = 'float16': expected 'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), or ns_mode 'batched'",
+        "ns_dtype = 'float16': expected 'bfloat16' with ns_mode 'exact' (torch.optim.Muon's own update), "
+        "or ns_mode 'batched'",
     ),
     (["--optimizer.normuon_beta2", "1"], "normuon_beta2 = 1.0: expected a number in [0, 1), or unset (Muon)"),
     (["--optimizer.ns_blocks", "head"], "ns_blocks = 'head': expected one of 'matrix', 'heads'"),
     (
         ["--optimizer.ns_blocks", "heads", "--optimizer.muon_params", r"\.feed_forward\.w[123]\.weight$"],
         "ns_blocks = 'heads': none of the llama3 debugmodel model's attention projections is on Muon "
-        '(command line: [optimizer] muon_params), so no weight would be split by heads; add them or use ns_blocks = "matrix"',
+        "(command line: [optimizer] muon_params), so no weight would be split by heads; "
+        'add them or use ns_blocks = "matrix"',
     ),
 ]
 

@@ -255,7 +255,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
         self.ledger = CommLedger() if config.count_all_comm else None
         self.microbatches_per_step = 1
         self.deferred_reduce = False  # pipelining: one reduce per schedule step, whatever its micro-batches
-        self.figure_sources: list = []  # more figures per step: objects with figures(steps) -> dict, describe(figures) -> str
+        # more figures per step: objects with figures(steps) -> dict, describe(figures) -> str
+        self.figure_sources: list = []
         self.seconds_outside_steps = 0.0  # since the last figures: validation, not part of any step's time
         self._steps_since_figures = 0
         self._time_of_last_figures: float | None = None

@@ -199,7 +199,7 @@ class DMuon(torch.optim.Optimizer):
             handle.wait_for_replicate_broadcasts(host=True)
         initialise_missing_state(self)
         packed = super().state_dict()
-        for index, p, member, handle in self._tensor_parallel_params():
+        for index, _p, member, handle in self._tensor_parallel_params():
             state = packed["state"].get(index)
             if state is not None and "momentum_buffer" in state:  # (a new dict: super's shares ours)
                 packed["state"][index] = {
@@ -221,7 +221,7 @@ class DMuon(torch.optim.Optimizer):
         (positions, or names from ``get_state_dict``), in the order of ours."""
         states = state_dict.get("state", {})
         keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
-        for index, _, member, handle in self._tensor_parallel_params():
+        for index, _, _member, _handle in self._tensor_parallel_params():
             key = keys[index] if index < len(keys) else index
             state = states.get(key)
             if state is not None and isinstance(state.get("momentum_buffer"), DTensor):

@@ -211,7 +211,8 @@ class QKClip:
         attentions = list(attentions)
         if not attentions:
             raise ValueError(
-                "qk_clip_threshold is set but no attention layer was described: pass qk_clip_attention=[QKClipAttention...] "
+                "qk_clip_threshold is set but no attention layer was described: "
+                "pass qk_clip_attention=[QKClipAttention...] "
                 "(TorchTitan: built from the model; see docs/qk-clip.md)"
             )
         self.threshold, self.alpha = float(threshold), float(alpha)

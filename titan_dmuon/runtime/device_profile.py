@@ -10,9 +10,9 @@ A ``GroupOptions`` figure left None (the default) is measured here, once, before
 
 Every rank measures, then the slowest rank's times are taken on every rank (an all-reduce MAX over the
 mesh's groups), so all ranks plan with the same figures; they are printed with the plan. Each figure is
-the fastest of TIMED_RUNS runs (the latency's of LATENCY_RUNS) after a warm-up: a busy machine (other processes on its cores) slows some
-runs by whole scheduler slices, and the fastest is the device's own speed. Only when the
-plan could use a group at all: ``needs_measuring`` builds it first with free communication, and a plan
+the fastest of TIMED_RUNS runs (the latency's of LATENCY_RUNS) after a warm-up: a busy machine
+(other processes on its cores) slows some runs by whole scheduler slices, and the fastest is the device's own speed.
+Only when the plan could use a group at all: ``needs_measuring`` builds it first with free communication, and a plan
 with no group then (communication only makes groups dearer) measures nothing. A resume may measure other
 figures and plan other groups: checkpoints hold whole matrices (DTensors), so it still loads. On the fake
 process group (tests, host-time benchmarks) nothing is timed: the H200's stated figures stand in.

@@ -57,7 +57,8 @@ class MeshInfo:
             names = tuple(mesh.mesh_dim_names or ())
             if names not in _HSDP_ALIASES:
                 raise ValueError(
-                    f"a 2-D mesh must have dims named {HSDP_DIM_NAMES} (replicate x shard, HSDP); got {names or 'no names'}. "
+                    f"a 2-D mesh must have dims named {HSDP_DIM_NAMES} (replicate x shard, HSDP); "
+                    f"got {names or 'no names'}. "
                     'Build it with init_device_mesh(device, (R, N), mesh_dim_names=("dp_replicate", "dp_shard"))'
                 )
             shard_group = mesh.get_group(1)

@@ -1,5 +1,5 @@
-"""The command line of ``python -m titan_dmuon.sizing``: size a job from a shape table, TorchTitan's model on the meta device or a
-TOML config, and print the tables."""
+"""The command line of ``python -m titan_dmuon.sizing``: size a job from a shape table, TorchTitan's model
+on the meta device or a TOML config, and print the tables."""
 
 from __future__ import annotations
 

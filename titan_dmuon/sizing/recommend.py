@@ -25,7 +25,8 @@ def recommend(stages: list[Stage], layout: Layout, device_memory: float, share: 
     saved = z3.traffic["DMuon-Z3"].bytes - z2.traffic["DMuon-Z2"].bytes
     fits = z2.memory["DMuon-Z2"].peak <= budget
     reasons = [
-        f"Z2 keeps every layer's gathered Muon weights from forward to backward: {format_gb(extra)} more per rank at its "
+        f"Z2 keeps every layer's gathered Muon weights from forward to backward: {format_gb(extra)} "
+        "more per rank at its "
         f"peak than Z3 (P_M in the compute dtype, not P_M / N)",
         f"Z3 broadcasts them again in backward: {format_gb(saved)} more per rank per step than Z2 "
         f"({float(z3.traffic['DMuon-Z3'].elements / z3.floor.elements):.2f}x the floor against "

@@ -101,7 +101,8 @@ def _traffic_table(sizing: Sizing) -> list[str]:
         f"({_count(stage.dedicated_numel)} elements"
         + (" in the largest pipeline stage" if sizing.layout.pp > 1 else "")
         + "; elements as a bandwidth-optimal "
-        f"algorithm moves them, titan_dmuon.plan.cost_model; bytes with weights sent in {names[p.compute]}, gradients in "
+        f"algorithm moves them, titan_dmuon.plan.cost_model; bytes with weights sent in {names[p.compute]}, "
+        "gradients in "
         f"{names[p.reduce]})",
         "",
         "| | elements | x floor | bytes |",
@@ -151,6 +152,7 @@ def _newton_schulz_lines(sizing: Sizing, tflops: float) -> list[str]:
         f"- busiest rank {_flop(sizing.ns_max)}, mean {_flop(mean)}, max/mean "
         f"{sizing.ns_max / mean if mean else 1.0:.3f}",
         f"- critical path at {tflops:g} TFLOP/s: {_ms(sizing.ns_max / rate)} (the busiest rank); floor "
-        f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: no one-owner plan goes below it; owner groups can)",
+        f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: "
+        "no one-owner plan goes below it; owner groups can)",
         "- FSDP2 + AdamW runs none; naive FSDP2 + Muon runs every matrix on every rank",
     ]

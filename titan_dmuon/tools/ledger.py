@@ -222,7 +222,8 @@ class CommLedger(TorchDispatchMode):
         return total / len(parts)
 
     def table(self, steps: int = 1) -> str:
-        """A printable table per source and collective kind: calls, elements and bytes per rank (divided by ``steps``)."""
+        """A printable table per source and collective kind: calls, elements and bytes per rank
+        (divided by ``steps``)."""
         lines = [f"{'source':<28}{'kind':<16}{'calls':>7}{'elements/rank':>18}{'bytes/rank':>16}"]
         for (source, kind), (calls, elements, nbytes) in self.by_label().items():
             lines.append(

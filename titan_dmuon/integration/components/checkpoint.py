@@ -131,7 +131,8 @@ class FreshSecondMoments:
         if fresh:
             logger.warning(
                 f"checkpoint {self.checkpoint_id} holds no NorMuon second moment of this job's shape for "
-                f"{len(fresh)} weight(s) (e.g. {fresh[0].removeprefix('state.').removesuffix('.' + SECOND_MOMENT)}): it "
+                f"{len(fresh)} weight(s) (e.g. {fresh[0].removeprefix('state.').removesuffix('.' + SECOND_MOMENT)}): "
+                "it "
                 "was written without optimizer.normuon_beta2, or with another optimizer.ns_blocks; they start at "
                 "zero, as in a new job, and the rest of the optimizer state loads."
             )

@@ -33,11 +33,14 @@ from torchtitan.config import ConfigManager  # noqa: E402
 
 from titan_dmuon.integration.config.toml_file import apply_command_line, command_line_names, load_config  # noqa: E402
 from titan_dmuon.integration.config.validation.naming import ConfigError  # noqa: E402
-from titan_dmuon.integration.config.validation.validate import validate_dmuon
+from titan_dmuon.integration.config.validation.validate import validate_dmuon  # noqa: E402 (after cpu.enable())
 from titan_dmuon.integration.train import split_config_file  # noqa: E402
 from titan_dmuon.integration.trainer import DMuonTrainer  # noqa: E402
 
-USAGE = "usage: python -m titan_dmuon.integration.config.check (--config_file FILE.toml | --module M --config F) [overrides ...]"
+USAGE = (
+    "usage: python -m titan_dmuon.integration.config.check "
+    "(--config_file FILE.toml | --module M --config F) [overrides ...]"
+)
 
 
 def check(args: list[str], *, world_size: int | None) -> None:

@@ -126,7 +126,8 @@ def _descriptions(model: nn.Module, tp_size: int) -> list[QKClipAttention]:
             )
         else:
             raise QKClipNotSupported(
-                f"attention {fqn!r} ({type(module).__module__}.{type(module).__name__}) has a layout QK-clip does not know "
+                f"attention {fqn!r} ({type(module).__module__}.{type(module).__name__}) "
+                "has a layout QK-clip does not know "
                 "(supported: TorchTitan's GQAttention without q/k norms, DeepSeek-V3's MLA)"
             )
     return out

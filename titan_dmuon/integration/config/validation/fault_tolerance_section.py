@@ -135,12 +135,14 @@ def fault_tolerance_problem(config, names, *, this_machine: bool) -> str | None:
         for degree in ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree"):
             if getattr(p, degree) > 1:
                 return (
-                    f"{names.key('parallelism', degree)} = {getattr(p, degree)} with {key('enable')} = true: DMuon under "
-                    "TorchFT is built and tested with data parallelism inside each group (FSDP, or one rank); set it to 1"
+                    f"{names.key('parallelism', degree)} = {getattr(p, degree)} with {key('enable')} = true: "
+                    "DMuon under TorchFT is built and tested with data parallelism inside each group "
+                    "(FSDP, or one rank); set it to 1"
                 )
         if opt.qk_clip_threshold is not None:
             return (
-                f"{names.key('optimizer', 'qk_clip_threshold')} = {opt.qk_clip_threshold!r} with {key('enable')} = true: "
+                f"{names.key('optimizer', 'qk_clip_threshold')} = {opt.qk_clip_threshold!r} "
+                f"with {key('enable')} = true: "
                 "QK-clip's per-head max logit would cover one group's batch only, so the groups would clip "
                 "differently: per step they would drift apart (TorchFT's state transfer needs them identical), and "
                 "under semi-synchronous training (DiLoCo, LocalSGD) the sync would average weights each group clipped "

@@ -106,8 +106,8 @@ def meta_model(config, names: Naming = PYTHON_NAMES) -> nn.Module:
     except (ValueError, TypeError, AssertionError, NotImplementedError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(
-            f"{names.source('model', text=message)}TorchTitan cannot build the {spec.name} {spec.flavor} model for this "
-            f"job: {message}"
+            f"{names.source('model', text=message)}TorchTitan cannot build the {spec.name} {spec.flavor} model "
+            f"for this job: {message}"
         ) from None
 
 

@@ -157,7 +157,8 @@ def validate_optimizer(config, names: Naming) -> None:
                 raise ConfigError(f"{key} = {opt.qk_clip_threshold!r}: QK-clip runs with optimizer.name = 'dmuon' only")
             if config.compile.enable and "model" in config.compile.components:
                 raise ConfigError(
-                    f"{key} = {opt.qk_clip_threshold!r} with compile.enable = true: QK-clip captures the logits with an "
+                    f"{key} = {opt.qk_clip_threshold!r} with compile.enable = true: "
+                    "QK-clip captures the logits with an "
                     "eager forward hook on each inner_attention, which TorchTitan's fullgraph-compiled blocks cannot "
                     "contain; turn compile off (or take 'model' out of compile.components) with QK-clip"
                 )

@@ -1,4 +1,5 @@
-"""Checks of ``[training]``, ``[validator]``, ``[checkpoint]`` and every section's own ``__post_init__``, before launch."""
+"""Checks of ``[training]``, ``[validator]``, ``[checkpoint]`` and every section's own ``__post_init__``,
+before launch."""
 
 from __future__ import annotations
 

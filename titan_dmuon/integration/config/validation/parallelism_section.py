@@ -21,7 +21,8 @@ def check_supported(*, parallelism, compile_config, training) -> None:
     if parallelism.tensor_parallel_degree > 1:
         if parallelism.spmd_backend == "partial_dtensor":
             raise NotImplementedError(
-                "parallelism.tensor_parallel_degree > 1 with parallelism.spmd_backend = 'partial_dtensor': that backend "
+                "parallelism.tensor_parallel_degree > 1 with parallelism.spmd_backend = 'partial_dtensor': "
+                "that backend "
                 "makes tensor-parallel weights DTensors before FSDP2, and DMuon dedicates TP-local shards as the "
                 "'spmd_types' backend (the default) keeps them; use spmd_backend = 'spmd_types'"
             )
@@ -72,13 +73,15 @@ def validate_context_parallel(config, names: Naming, *, this_machine: bool) -> N
             f"{names.key('optimizer', 'qk_clip_threshold')} = {opt.qk_clip_threshold!r} with "
             "parallelism.context_parallel_load_balancer = 'ptrr': QK-clip takes each rank's queries against the keys "
             "at or before their positions in the sequence, which it knows for the head-tail load balancer (or none) "
-            "but not for PTRR, whose order follows FlexAttention's block mask; use 'headtail' (the default) with QK-clip"
+            "but not for PTRR, whose order follows FlexAttention's block mask; "
+            "use 'headtail' (the default) with QK-clip"
         )
     if this_machine and not cpu.accelerator_present():
         if p.spmd_backend != context_parallel.CONTEXT_PARALLEL_BACKEND:
             raise ConfigError(
                 f"{names.key('parallelism', 'spmd_backend')} = {p.spmd_backend!r} {with_cp} on a machine without an "
-                f"accelerator: {context_parallel.CONTEXT_PARALLEL_BACKEND_REASON}; use {context_parallel.CONTEXT_PARALLEL_BACKEND!r} (the default)"
+                f"accelerator: {context_parallel.CONTEXT_PARALLEL_BACKEND_REASON}; "
+                f"use {context_parallel.CONTEXT_PARALLEL_BACKEND!r} (the default)"
             )
         if balancer == "ptrr":
             raise ConfigError(
@@ -153,7 +156,8 @@ def validate_pipeline(config, names: Naming) -> None:
         ) from None
     if schedule.__name__ in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
         raise ConfigError(
-            f"{key} = {p.pipeline_parallel_schedule!r} is an abstract base class: use a schedule such as 1F1B or Interleaved1F1B"
+            f"{key} = {p.pipeline_parallel_schedule!r} is an abstract base class: "
+            "use a schedule such as 1F1B or Interleaved1F1B"
         )
     spec = config.model_spec
     if spec is None or spec.pipelining_fn is not pipeline_parallel.pipeline_llm:
