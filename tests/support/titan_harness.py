@@ -152,7 +152,7 @@ def tiny_deepseek_v3(*, experts: int = 8, q_lora_rank: int = 0, dim: int = 64):
     return config, ds.model_registry("debugmodel")
 
 
-_SPMD_DIMS: dict = {}  # per worker process: the spmd_types backend keeps the first ParallelDims' meshes
+SPMD_DIMS: dict = {}  # per worker process: the spmd_types backend keeps the first ParallelDims' meshes
 
 
 def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1, cp: int = 1):
@@ -161,9 +161,9 @@ def parallel_dims(world: int, *, replicate: int = 1, ep: int = 1, tp: int = 1, c
     of the first one built, and FSDP2 refuses parameters annotated with another mesh object."""
     if tp > 1 or cp > 1:
         key = (world, replicate, ep, tp, cp)
-        if key not in _SPMD_DIMS:
-            _SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
-        return _SPMD_DIMS[key]
+        if key not in SPMD_DIMS:
+            SPMD_DIMS[key] = _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
+        return SPMD_DIMS[key]
     return _new_parallel_dims(world, replicate=replicate, ep=ep, tp=tp, cp=cp)
 
 
@@ -384,8 +384,8 @@ def pp_dims(world: int, *, pp: int = 2, replicate: int = 1, cp: int = 1):
 
     if cp > 1:  # (spmd_types: one object per layout and worker process, as parallel_dims explains)
         key = ("pp", world, pp, replicate, cp)
-        if key not in _SPMD_DIMS:
-            _SPMD_DIMS[key] = ParallelDims(
+        if key not in SPMD_DIMS:
+            SPMD_DIMS[key] = ParallelDims(
                 dp_replicate=replicate,
                 dp_shard=world // (pp * replicate * cp),
                 cp=cp,
@@ -395,7 +395,7 @@ def pp_dims(world: int, *, pp: int = 2, replicate: int = 1, cp: int = 1):
                 world_size=world,
                 spmd_backend="spmd_types",
             )
-        return _SPMD_DIMS[key]
+        return SPMD_DIMS[key]
     return ParallelDims(
         dp_replicate=replicate,
         dp_shard=world // (pp * replicate),

@@ -1,6 +1,7 @@
 """QK-clip with TorchTitan: the config keys and refusals, the rule on TorchTitan's own attention
 modules (llama3 fused / separate GQA, deepseek_v3 MLA with wq or wq_a/wq_b) in-process on 2
-gloo ranks, and pipelining and activation checkpointing (end to end: tests/e2e/test_qk_clip_e2e.py)."""
+gloo ranks, and pipelining and activation checkpointing (TorchTitan's trainer on the debug models:
+tests/titan/test_trainer_jobs_features.py)."""
 
 import pytest
 import torch

@@ -25,7 +25,7 @@ DESIGN_FIGURES = {
     ): "M elements/rank/step of Z3 on the debug model, 3(N-1)/N P_M - (N-1)/N P_layer, from its shapes",
     ("e2e/test_titan_e2e.py", 19.5953): "MB of the same elements (bf16 broadcasts, fp32 reduces), from the shapes",
     ("e2e/test_titan_e2e.py", 7.6677): "step 1's Z3 elements (the last layer re-broadcast), from the shapes",
-    ("e2e/test_titan_e2e.py", 5.1118): "2(N-1)/N P_M of the debug model, from its shapes",
+    ("titan/test_trainer_jobs.py", 5.1118): "2(N-1)/N P_M of the debug model, from its shapes",
 }
 
 # calls whose positional arguments are the expected value (not a tolerance)
