@@ -322,6 +322,12 @@ def main() -> None:
     )
     table = text_table(summary, title, args.ngpu)
     markdown = markdown_table(summary, args.ngpu, args.steps)
+    for batch, by_name in summary.items():
+        for name in by_name:
+            if name.startswith("DMuon"):
+                base_name = "FSDP2+AdamW " + re.search(r"Z[23]", name)[0]
+                by_step = {n: s["rss_by_step"] for n, s in by_name.items()}
+                table += "".join(f"\n{batch} tokens/rank, {line}" for line in rss_by_step(by_step, name, base_name))
     print(table)
     print()
     print(markdown)
@@ -381,6 +387,7 @@ def summarize(data: list[dict]) -> dict:
         "comm_m": _median(steady, "comm_m"),
         "comm_mb": _median(steady, "comm_mb"),
         "rss_gib": max(d["rss_gib"] for d in data),
+        "rss_by_step": {k: max(d["rss_gib"] for d in data if d["step"] == k) for k in {d["step"] for d in data}},
         "buffers_mb": max(d["buffers_mb"] for d in data),
         "losses": mean_losses(data),
     }
@@ -392,6 +399,22 @@ def summarize(data: list[dict]) -> dict:
     for key in ("launches", "launch_dmuon", "host_ms", "first_wait_ms"):
         out[key] = _median(steady, key)
     return out
+
+
+def rss_by_step(by_step: dict[str, dict[int, float]], name: str, base_name: str) -> list[str]:
+    """Peak RSS (TorchTitan's ``memory:``, the process's high-water mark; the largest over rounds) of ``name``
+    and of ``base_name`` at steps 3, 5 and the last, each against the baseline's at the same step, and the
+    growth from step 5 to the last: whether memory levels off as the baseline's does."""
+    ref = by_step[base_name]
+    lines = []
+    for label in (base_name, name):
+        rss = by_step[label]
+        last = max(rss)
+        steps = [k for k in (3, 5) if k < last] + [last]
+        cells = ", ".join(f"step {k} {rss[k]:.2f} GiB ({rss[k] / ref[k]:.3f}x)" for k in steps)
+        growth = 100 * (rss[last] / rss[min(5, last)] - 1)
+        lines.append(f"peak RSS, {label}: {cells}; step {min(5, last)} to {last}: {growth:+.1f}%")
+    return lines
 
 
 def _base(by_name: dict, name: str) -> dict:

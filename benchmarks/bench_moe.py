@@ -45,6 +45,7 @@ from bench_debug_model import (  # noqa: E402
     bar_panels,
     job_args,
     job_env,
+    rss_by_step,
     seed_checkpoint,
     train_args,
 )
@@ -165,6 +166,7 @@ def summarize(data: list[dict]) -> dict:
     }
     s["opt_share"] = s["opt_ms"] / 1e3 / s["step_s"]
     s["rss_gib"] = max(d["rss_gib"] for d in data)
+    s["rss_by_step"] = {d["step"]: d["rss_gib"] for d in data}
     s["losses"] = [d["loss"] for d in data]
     s["loss"] = data[-1]["loss"]
     s["steps_used"] = [d["step"] for d in steady]
@@ -205,6 +207,14 @@ def tables(summary: dict, title: str) -> tuple[str, str]:
             f"| {s['rss_gib']:.2f} GiB | {s['rss_gib'] / base['rss_gib']:.3f} "
             f"| {', '.join(f'{x:.3f}' for x in s['losses'])} |"
         )
+    text.append("")
+    md.append("")
+    by_step = {name: s["rss_by_step"] for name, s in summary.items()}
+    for name in summary:
+        if name != "FSDP2+AdamW":
+            for line in rss_by_step(by_step, name, "FSDP2+AdamW"):
+                text.append(line)
+                md.append(f"- {line}")
     d = summary.get("DMuon", {})
     if d.get("dmuon_m") is not None:
         extra = (
