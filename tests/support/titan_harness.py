@@ -11,6 +11,8 @@ divided by the global token count; FSDP2 sums).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,8 +25,8 @@ VOCAB = 256
 SEQ = 16
 
 
-def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
-    """(model config, family parallelize_fn, post_optimizer_build_fn)"""
+def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2, hidden_dim: int | None = None):
+    """(model config, family parallelize_fn, post_optimizer_build_fn); ``hidden_dim``: the MLP's (2 dim)"""
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -33,7 +35,7 @@ def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
         dim=dim,
         n_heads=4,
         n_kv_heads=2,
-        hidden_dim=2 * dim,
+        hidden_dim=hidden_dim or 2 * dim,
         fuse_qkv=fuse_qkv,
         rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=500000, scaling="llama"),
         attn_backend="flex",
@@ -420,11 +422,13 @@ def build_pp(
     state: dict | None = None,
     param_dtype: str = "bfloat16",
     ac_config=None,
+    owner_groups=None,
     **optimizer_kwargs,
 ):
     """(pipeline schedule, model parts, has first stage, has last stage, optimizer container), built as
     TorchTitan's trainer builds them with pipeline parallelism (its pipeline_llm splits the model
-    and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize)."""
+    and runs the parallelize step on every part; DMuon's parallelize step is DMuonParallelize).
+    ``owner_groups``: GroupOptions with every figure given, in place of the config's (measured)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -452,6 +456,9 @@ def build_pp(
         name=optimizer, implementation="for-loop", **container_kwargs, **optimizer_kwargs
     )
     parallelize = DMuonParallelize(base_fn=spec.parallelize_fn).bind(opt_config)
+    if owner_groups is not None:
+        settings = dataclasses.replace(parallelize.dedication, owner_groups=owner_groups)
+        parallelize = dataclasses.replace(parallelize, dedication=settings)
     tokens = local_batch * SEQ
 
     def loss_fn(pred, labels):

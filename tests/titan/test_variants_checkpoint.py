@@ -3,7 +3,9 @@ resumed bit for bit in new processes, resharded onto another world size and plan
 parallelism onto plain FSDP, and loadable across jobs with and without NorMuon (the other state loads;
 second moments the checkpoint does not hold start at zero, as in a new job)."""
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer
 
@@ -150,3 +152,63 @@ def test_tensor_parallel_second_moments_reshard_onto_fsdp(pool2, tmp_path):
     for key, values in merged.items():
         assert all(torch.equal(values[0], v) for v in values), key
         assert values[0].abs().sum() > 0, key
+
+
+# ---- the TP merge's collectives: decided by the job, never by a rank's own state ---------------------------
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _issued_by_state_dict(container) -> list[tuple]:
+    """The collectives ``container.state_dict()`` issues on this rank (kind, group ranks, shape, dtype), recorded
+    instead of run: ranks that disagree would otherwise wait on each other (on gloo until the timeout)."""
+    issued, real = [], {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recorder(name):
+        def record(tensor, *args, group=None, **kwargs):
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            shape = tuple(tensor.shape) if torch.is_tensor(tensor) else len(tensor)
+            issued.append((name, ranks, shape, str(getattr(tensor, "dtype", ""))))
+
+        return record
+
+    try:
+        for name in COLLECTIVES:
+            setattr(dist, name, recorder(name))
+        container.state_dict()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return issued
+
+
+def _tp_state_dict_collectives(rank, world, options, change):
+    """TP 2 (llama3, per-head blocks) after one step; then this rank's state is made to differ from its TP
+    peer's (``change``) and each rank records what ``state_dict()`` issues."""
+    dims = th.parallel_dims(world, tp=world)
+    model, container = th.build(th.tiny_llama3(), dims, lr=0.02, ns_blocks="heads", **options)
+    th.train(model, container, dims, th.batches(1, 1, batch=8))
+    (opt,) = container.dmuon_optimizers()
+    split = [m.param for h in opt.dedicated_handles() for m in h.members if m.entry.tp_dim is not None and m.runs_ns]
+    assert split
+    if change == "dropped" and rank == 1:  # as a load that left them to the next step (FreshSecondMoments)
+        for p in split:
+            opt.state[p].pop(SECOND, None)
+    if change == "leftover" and rank == 0:  # a second moment a Muon job's state holds (a NorMuon state loaded)
+        opt.state[split[0]][SECOND] = torch.zeros(split[0].shape[0], 1)
+    issued = _issued_by_state_dict(container)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, issued)
+    return everyone, len(split)
+
+
+@pytest.mark.parametrize("options, change", [(NORMUON, "dropped"), ({}, "leftover")])
+def test_tp_state_dict_issues_the_same_collectives_whatever_a_ranks_state(pool2, options, change):
+    """Regression (issue 39): ``state_dict()`` merged NorMuon's second moments over the TP group when this
+    rank's state held any (and per weight when it held that weight's): two TP ranks whose state differs — a
+    rank whose second moments a load left out, a Muon job with a second moment left in one rank's state —
+    issued different all-reduces, a hang on NCCL. Now the job's setting (normuon_beta2) and the plan decide:
+    with NorMuon one all-reduce per TP-split weight on both ranks (zeros for a moment not held), without it none."""
+    for everyone, split in pool2.run(_tp_state_dict_collectives, options, change):
+        assert everyone[0] == everyone[1]
+        assert len(everyone[0]) == (split if options else 0)
+        assert all(kind == "all_reduce" and ranks == (0, 1) for kind, ranks, _, _ in everyone[0])

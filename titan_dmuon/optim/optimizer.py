@@ -28,7 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from titan_dmuon.math.update_rules import scalar
-from titan_dmuon.optim.optimizer_state import adamw_initial_state, initialise_missing_state, list_every_param
+from titan_dmuon.optim.optimizer_state import (
+    adamw_initial_state,
+    initialise_missing_state,
+    keeps_momentum,
+    list_every_param,
+)
 from titan_dmuon.optim.qk_clip import CLIPPED_HEADS_STAT, MAX_LOGIT_STAT
 from titan_dmuon.optim.step_schedule import StepSchedule
 from titan_dmuon.optim.tensor_parallel_update import merged_second_moments
@@ -206,9 +211,14 @@ class DMuon(torch.optim.Optimizer):
                     **state,
                     "momentum_buffer": handle.as_sharded(member, state["momentum_buffer"]),
                 }
-        if self.normuon_beta2 is not None or any(SECOND_MOMENT in s for s in self.state.values()):
+        # Which second moments are merged (a collective on the TP group) follows the job's setting and the plan,
+        # the same on every rank of the group, never this rank's state (issue 39: ranks whose states differed
+        # issued different all-reduces, a hang on NCCL).
+        if self.normuon_beta2 is not None:
             params = [p for group in self.param_groups for p in group["params"]]
-            merged = merged_second_moments(self.state, params, self._handles)
+            muon = [p for group in self.param_groups if group["use_muon"] for p in group["params"]]
+            kept = [p for p in muon if keeps_momentum(self._handles, p)]
+            merged = merged_second_moments(self.state, kept, self._handles)
             for index, p in enumerate(params):
                 if id(p) in merged:
                     packed["state"][index] = {**packed["state"][index], SECOND_MOMENT: merged[id(p)]}

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_dmuon.optim.whole_update import SECOND_MOMENT, OwnerUpdate
+from titan_dmuon.optim.whole_update import SECOND_MOMENT, OwnerUpdate, second_moment_shape_of, zero_second_moment
 from titan_dmuon.plan.specs import TPMatrix
 from titan_dmuon.runtime.comm import CommLabel, comm_source
 from titan_dmuon.runtime.tensor_parallel import Exchange, TensorParallelNewtonSchulz
@@ -219,14 +219,19 @@ def merged_second_moments(state: dict, params: list, handles: list) -> dict[int,
     experts of a stack, the whole of a matrix it homes) and the other ranks' copies are stale there, so
     each rank contributes its homes' rows and zeros, and one SUM all-reduce on the TP group per weight
     (checkpoints only) gives every rank the same whole value: DCP writes it once and loads it into any
-    layout (a weight's rows are its full matrix's). ``params``: in the same order on every rank of a TP
-    group (the optimizer's param groups); weights TP replicates keep theirs on their home only."""
+    layout (a weight's rows are its full matrix's). ``params``: the weights whose state the plan keeps on
+    this rank, in the same order on every rank of a TP group (the optimizer's param groups); weights TP
+    replicates keep theirs on their home only. Which all-reduces run is decided by the plan alone: a rank
+    that holds no second moment (yet: a load that dropped it, or no step) sends zeros, as a rank whose
+    collectives depended on its own state would leave its TP peers waiting (a hang on NCCL)."""
     merged = {}
     for p in params:
-        moment = state.get(p, {}).get(SECOND_MOMENT)
         found = _tp_homes_of(p, handles)
-        if moment is None or found is None:
+        if found is None:
             continue
+        moment = state.get(p, {}).get(SECOND_MOMENT)
+        if moment is None:
+            moment = zero_second_moment(p, second_moment_shape_of(handles, p))
         tp, homes = found
         local = moment.to_local() if isinstance(moment, DTensor) else moment
         mine = torch.tensor([home == tp.rank for home in homes], dtype=local.dtype, device=local.device)

@@ -53,7 +53,7 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
             if m.block is not None:  # this rank's block of the full matrix
                 value = state_dict.get(prefix + m.name)
                 if isinstance(value, DTensor):  # ours (DCP filled the DTensor state_dict() gave), or another layout
-                    ours = value.device_mesh is handle.owner_groups.device_mesh(m)
+                    ours = _block_layout(value, handle.owner_groups.device_mesh(m), m.group.long_dim)
                     value = value.to_local() if ours else value.full_tensor()
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == m.shape:
                     value = pieces_of(m, handle.plan)[m.block].of(value)
@@ -82,3 +82,12 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
         module.register_load_state_dict_pre_hook(before_load),
         module.register_load_state_dict_post_hook(after_load),
     ]
+
+
+def _block_layout(value: DTensor, mesh, long_dim: int) -> bool:
+    """Whether ``value`` is laid out as ``state_dict()`` gives a block: on its group's ranks, ``Shard`` along
+    the long side. Compared by ranks, not by object: TorchFT's recovery sends the state dict pickled, so
+    its meshes are copies (without process groups: a ``full_tensor()`` on one fails)."""
+    other = value.device_mesh
+    same_ranks = other is mesh or (other.device_type == mesh.device_type and torch.equal(other.mesh, mesh.mesh))
+    return same_ranks and tuple(value.placements) == (Shard(long_dim),)
