@@ -23,8 +23,8 @@ VOCAB = 256
 SEQ = 16
 
 
-def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
-    """(model config, family parallelize_fn, post_optimizer_build_fn)"""
+def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2, hidden_dim: int | None = None):
+    """(model config, family parallelize_fn, post_optimizer_build_fn); ``hidden_dim``: the MLP's (2 x dim)."""
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -33,7 +33,7 @@ def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2):
         dim=dim,
         n_heads=4,
         n_kv_heads=2,
-        hidden_dim=2 * dim,
+        hidden_dim=hidden_dim or 2 * dim,
         fuse_qkv=fuse_qkv,
         rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=500000, scaling="llama"),
         attn_backend="flex",
