@@ -45,6 +45,8 @@ PASSED_ON = {
     ("titan_dmuon/integration/config/values.py", "_convert_int", "TypeError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_float", "TypeError"): "the caller writes the line",
     ("titan_dmuon/integration/config/values.py", "_convert_str", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_table", "TypeError"): "the caller writes the line",
+    ("titan_dmuon/integration/config/values.py", "_convert_dataclass", "TypeError"): "the caller writes the line",
     (
         "titan_dmuon/integration/config/validation/optimizer_section.py",
         "validate_optimizer",

@@ -26,7 +26,7 @@ SEQ = 16
 
 
 def tiny_llama3(*, fuse_qkv: bool = True, dim: int = 64, n_layers: int = 2, hidden_dim: int | None = None):
-    """(model config, family parallelize_fn, post_optimizer_build_fn); ``hidden_dim``: the MLP's (2 dim)"""
+    """(model config, family parallelize_fn, post_optimizer_build_fn); ``hidden_dim``: the MLP's (2 x dim)."""
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 

@@ -2,7 +2,7 @@
 
 * ``[optimizer] name`` values (the TOML key, ``--optimizer.name``, ``DMuonOptimizersContainer.Config.name``);
 * the optimizer names of TorchTitan's container (``ParamGroupConfig.optimizer_name``: what
-  ``_resolve_optimizer_factory`` is asked for);
+  ``_resolve_optimizer_factory`` is asked for, and what a user's DMuon param group is named);
 * ``[optimizer] muon_params``' default (``DEFAULT_MUON_PARAMS``);
 * the figures ``DMuonMetricsProcessor`` logs each step (TensorBoard/W&B tags), and the keys of
   ``DMuon.last_step_stats`` they are made from (declared by the core: ``titan_dmuon.optim.optimizer.StepStat``).
@@ -33,7 +33,10 @@ DEFAULT_MUON_PARAMS = (
 )
 
 # ---- optimizer names in TorchTitan's container (ParamGroupConfig.optimizer_name) -------------------------
-DMUON_FACTORY = "DMuon"  # the param group of the Muon targets
+DMUON_FACTORY = "DMuon"  # the param groups of the Muon targets
+# A [[optimizer.param_groups]] entry that claims Muon targets into a DMuon param group of its own: "DMuon" as
+# TorchTitan names its optimizers ("AdamW", "DistMuon"), or "dmuon" as [optimizer] name writes it.
+DMUON_GROUP_NAMES = (DMUON_FACTORY, DMUON)
 ADAMW_FACTORY = ADAMW  # the catch-all group of a dmuon job (TorchTitan's AdamW)
 
 

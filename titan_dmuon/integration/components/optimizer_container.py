@@ -2,8 +2,13 @@
 
 TorchTitan 0.3.0 resolves optimizers from a fixed table; this container adds
 "DMuon" to it. With ``name = "dmuon"`` the Muon targets (dedicated weights and
-experts updated in place) go to one DMuon optimizer, claimed before any
-pattern; every other parameter keeps TorchTitan's own param groups (its
+experts updated in place) go to one DMuon optimizer per model part, claimed
+before any AdamW/Adam pattern: a param group whose ``optimizer_name`` is
+"DMuon" (or "dmuon") takes the Muon targets its pattern matches (TorchTitan's
+rule: first match in config order, ``re.search``, here on canonical names as
+``muon_params``) into a DMuon param group of its own, its ``optimizer_kwargs``
+over the flat Muon keys; the targets none claims form the last group, from the
+flat keys. Every other parameter keeps TorchTitan's own param groups (its
 AdamW/Adam, fused or foreach as ``implementation`` says), so a config's
 groups (no weight decay on embeddings, Adam on the router, ...) keep their
 settings. The catch-all group (pattern ``.*``) takes the flat keys: ``lr``,
@@ -33,7 +38,15 @@ from torchtitan.tools.logging import logger
 
 from titan_dmuon.integration.distributed.parallelize import DEFAULT_MUON_PARAMS
 from titan_dmuon.integration.models.attention_heads import NS_BLOCKS
-from titan_dmuon.integration.names import ADAMW, ADAMW_FACTORY, BASELINE_NAMES, DMUON, DMUON_FACTORY, OPTIMIZER_NAMES
+from titan_dmuon.integration.names import (
+    ADAMW,
+    ADAMW_FACTORY,
+    BASELINE_NAMES,
+    DMUON,
+    DMUON_FACTORY,
+    DMUON_GROUP_NAMES,
+    OPTIMIZER_NAMES,
+)
 from titan_dmuon.optim.optimizer import DMuon
 from titan_dmuon.options import JOB_KEYS, MUON_KEYS, OPTION_NAMES, DMuonOptions
 from titan_dmuon.plan.owner_groups import GroupOptions
@@ -54,6 +67,16 @@ DEDICATION_KEYS = (
 MUON_FAMILY_KEYS = tuple(k for k in DMUON_OPTION_KEYS if k not in ("lr", "weight_decay")) + DEDICATION_KEYS
 ADAMW_ONLY_KEYS = ("betas", "eps")  # TorchTitan's flat AdamW keys, DMuonOptions' adamw_betas/adamw_eps
 CATCH_ALL = ".*"
+# What a DMuon param group's optimizer_kwargs may set: the per-group Muon options that [optimizer] sets too
+# (not the job-wide ones, not ns_coefficients/eps, which [optimizer] leaves at torch.optim.Muon's: "eps" is
+# AdamW's name in TorchTitan's groups)
+MUON_GROUP_KEYS = tuple(k for k in MUON_KEYS if k in DMUON_OPTION_KEYS)
+DEFAULT_MUON_GROUP = "optimizer.muon_params"  # how the log names the group of the unclaimed Muon targets
+
+
+def is_dmuon_group(group: ParamGroupConfig) -> bool:
+    """A param group that claims Muon targets (``optimizer_name`` "DMuon" or "dmuon")."""
+    return group.optimizer_name in DMUON_GROUP_NAMES
 
 
 def baseline_not_built(name: str, key: str) -> str:
@@ -62,6 +85,16 @@ def baseline_not_built(name: str, key: str) -> str:
         f"{key} = {name!r}: the benchmarks' baseline (naive FSDP2 + Muon), which DMuon does not build itself; "
         "run it through its config module, whose container builds it (MODULE=benchmarks.naive_muon_job "
         'CONFIG=from_toml NAIVE_MUON_CONFIG_FILE=<job.toml> ./run_train.sh), or use name = "dmuon"'
+    )
+
+
+def dmuon_group_without_dmuon(group: ParamGroupConfig, name: str, key: str) -> str:
+    """The one-line error for a DMuon param group in a job whose optimizer is not DMuon (``key``: the door's
+    name for ``optimizer.param_groups``)."""
+    return (
+        f"{key}: the group with pattern {group.pattern!r} has optimizer_name {group.optimizer_name!r}, which puts "
+        f'Muon targets in a DMuon param group, but optimizer.name = {name!r} trains no Muon; set name = "dmuon" '
+        "or remove the group"
     )
 
 
@@ -125,7 +158,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         ``weight_decay`` are Muon's with name = "dmuon", else AdamW's; ``betas`` and ``eps`` are AdamW's
         with name = "AdamW"/"Adam"); ``adamw_*`` set the catch-all param group (pattern ".*") of a dmuon
         job, for the non-Muon parameters (embeddings, norms, head); other param groups keep their own
-        settings."""
+        settings, and a group with ``optimizer_name = "DMuon"`` gives the Muon targets it matches their own
+        (``MUON_GROUP_KEYS`` in its optimizer_kwargs)."""
 
         muon_params: list[str] = field(default_factory=lambda: list(DEFAULT_MUON_PARAMS))
         """Regexes over parameter names selecting Muon targets (default: attention and MLP projections)."""
@@ -160,6 +194,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return None
 
     def __init__(self, config: Config, *, model_parts) -> None:
+        misnamed = next((g for g in config.param_groups if is_dmuon_group(g)), None)
+        if misnamed is not None and config.name != DMUON:
+            raise ValueError(dmuon_group_without_dmuon(misnamed, config.name, "optimizer.param_groups"))
         self._muon_kwargs = None
         self._part_handles: list = []
         self._part_attention: list = []
@@ -178,7 +215,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         else:
             config.param_groups = param_groups_with_catch_all(config)
             if config.name == DMUON:
-                self._muon_kwargs = {k: getattr(config, k) for k in MUON_KEYS if k in DMUON_OPTION_KEYS}
+                self._muon_kwargs = {k: getattr(config, k) for k in MUON_GROUP_KEYS}
         self._name = config.name
         super().__init__(config, model_parts=model_parts)
         self._step_timer = DeviceTimer(next(p for m in model_parts for p in m.parameters()).device)
@@ -209,7 +246,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         muon_ids = {id(p) for _, p in muon}
         rest = [(n, p) for n, p in named if id(p) not in muon_ids]
         kept = []
-        for group in param_group_configs:
+        for group in (g for g in param_group_configs if not is_dmuon_group(g)):
             pattern = re.compile(group.pattern)
             if any(pattern.search(n) for n, _ in rest) or not any(pattern.search(n) for n, _ in named):
                 kept.append(group)  # (a pattern that matches nothing at all keeps TorchTitan's error)
@@ -220,12 +257,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         groups, patterns = OptimizersContainer._build_param_groups(_Named(rest), kept, impl_kwargs)
         if not muon:  # (a pipeline stage without Muon targets, e.g. the token embedding alone)
             return groups, patterns
-        muon_group = {
-            "params": [p for _, p in muon],
-            "param_names": [canonical_fqn(n) for n, _ in muon],
-            **self._muon_kwargs,
-        }
-        return {DMUON_FACTORY: [muon_group], **groups}, {DMUON_FACTORY: ["optimizer.muon_params"], **patterns}
+        claimed = muon_param_groups(muon, [g for g in param_group_configs if is_dmuon_group(g)], self._muon_kwargs)
+        return {DMUON_FACTORY: [g for g, _ in claimed], **groups}, {DMUON_FACTORY: [p for _, p in claimed], **patterns}
 
     def step(self, closure=None):
         """Each optimizer once. (Not ``super().step()``: once any plain OptimizersContainer has been
@@ -253,6 +286,28 @@ class DMuonOptimizersContainer(OptimizersContainer):
         return [o for o in self.optimizers if isinstance(o, DMuon)] if self._name == DMUON else []
 
 
+def muon_param_groups(muon, dmuon_groups, flat: dict) -> list[tuple[dict, str]]:
+    """(DMuon param group, pattern) of a model part's Muon targets ``muon`` ((name, parameter) pairs): one per
+    DMuon group of the config that claims any of them here (first match in config order, on canonical names),
+    its optimizer_kwargs over ``flat`` (the flat keys' Muon settings), then the unclaimed ones from ``flat``.
+    The same order on every rank of a stage (the config's, then the model's), which the plan and the owner
+    groups' sums follow; a group that claims nothing in this part (a pipeline stage) is left out."""
+    named = [(canonical_fqn(n), p) for n, p in muon]
+    claimed: set[int] = set()
+    out = []
+    for config in dmuon_groups:
+        pattern = re.compile(config.pattern)
+        mine = [(n, p) for n, p in named if id(p) not in claimed and pattern.search(n)]
+        claimed.update(id(p) for _, p in mine)
+        if mine:
+            group = {**flat, **config.optimizer_kwargs}
+            out.append(({"params": [p for _, p in mine], "param_names": [n for n, _ in mine], **group}, config.pattern))
+    left = [(n, p) for n, p in named if id(p) not in claimed]
+    if left:
+        out.append(({"params": [p for _, p in left], "param_names": [n for n, _ in left], **flat}, DEFAULT_MUON_GROUP))
+    return out
+
+
 class _Named:
     """The parameters TorchTitan's param-group builder may assign (those Muon does not take)."""
 
@@ -264,7 +319,8 @@ class _Named:
 
 
 def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
-    """The config's param groups, with the catch-all group (added if missing) set from the flat keys."""
+    """The config's param groups, with the catch-all group (added if missing) set from the flat keys (a DMuon
+    group's ".*" is not it: that group claims every Muon target)."""
     if config.name == DMUON:
         flat = dict(
             lr=config.adamw_lr,
@@ -276,8 +332,8 @@ def param_groups_with_catch_all(config) -> list[ParamGroupConfig]:
     else:
         flat = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
         optimizer_name = config.name
-    specific = [g for g in config.param_groups if g.pattern != CATCH_ALL]
-    catch_all = next((g for g in config.param_groups if g.pattern == CATCH_ALL), None)
+    specific = [g for g in config.param_groups if g.pattern != CATCH_ALL or is_dmuon_group(g)]
+    catch_all = next((g for g in config.param_groups if g.pattern == CATCH_ALL and not is_dmuon_group(g)), None)
     extra = dict(catch_all.optimizer_kwargs) if catch_all is not None else {}
     return specific + [
         ParamGroupConfig(pattern=CATCH_ALL, optimizer_name=optimizer_name, optimizer_kwargs={**extra, **flat})

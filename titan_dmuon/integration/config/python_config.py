@@ -34,7 +34,8 @@ def with_dmuon(config, **options):
     what TOML gives an unset key: ``lr`` and ``weight_decay`` from its AdamW, the
     others DMuon's defaults (``reshard_after_forward=None`` mirrors
     ``parallelism.fsdp_reshard_after_forward``; ``muon_params=None`` selects the
-    attention and MLP projections). Like TorchTitan's registry functions this
+    attention and MLP projections). The config's param groups are kept, its
+    ``optimizer_name = "DMuon"`` groups (Muon targets) too. Like TorchTitan's registry functions this
     builds on ``config``: use the result, not the argument. Raises ConfigError
     naming the first bad setting.
     """

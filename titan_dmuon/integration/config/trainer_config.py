@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
 from titan_dmuon.integration.components.checkpoint import DMuonCheckpointManager
-from titan_dmuon.integration.components.optimizer_container import CATCH_ALL, DMuonOptimizersContainer
+from titan_dmuon.integration.components.optimizer_container import CATCH_ALL, DMuonOptimizersContainer, is_dmuon_group
 from titan_dmuon.integration.config.validation.naming import ConfigError
 from titan_dmuon.integration.names import ADAMW, ADAMW_NAMES
 from titan_dmuon.integration.trainer import DMuonMetricsProcessor, DMuonTrainer
@@ -80,8 +80,9 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
     Its AdamW/Adam param groups are kept for the parameters Muon does not take (e.g. no weight
     decay on embeddings, Adam on the router); the catch-all group (pattern ".*") becomes the
     flat keys, AdamW's ``lr``/``betas``/``eps``/``weight_decay`` and, for DMuon, the same as
-    ``adamw_*`` (the TOML layer's flat [optimizer] keys). TorchTitan's own Muon groups
-    (DistMuon, in its Kimi recipes) give way to DMuon."""
+    ``adamw_*`` (the TOML layer's flat [optimizer] keys). DMuon param groups (``optimizer_name``
+    "DMuon") are kept, in their place; TorchTitan's own Muon groups (DistMuon, in its Kimi recipes)
+    give way to DMuon."""
     if isinstance(base, cls):
         return base
     if isinstance(base, DMuonOptimizersContainer.Config):  # (DMuon's, for a fault-tolerant job now)
@@ -91,8 +92,8 @@ def _dmuon_optimizer_config(base, cls=DMuonOptimizersContainer.Config):
             f"optimizer: {type(base).__qualname__} cannot be combined with DMuon's optimizer container; "
             "start from TorchTitan's OptimizersContainer.Config"
         )
-    groups = [g for g in base.param_groups if g.optimizer_name in ADAMW_NAMES]
-    catch_all = next((g for g in groups if g.pattern == CATCH_ALL), None)
+    groups = [g for g in base.param_groups if g.optimizer_name in ADAMW_NAMES or is_dmuon_group(g)]
+    catch_all = next((g for g in groups if g.pattern == CATCH_ALL and not is_dmuon_group(g)), None)
     flat = {
         k: (tuple(v) if k == "betas" else v)
         for k, v in (catch_all.optimizer_kwargs if catch_all else {}).items()

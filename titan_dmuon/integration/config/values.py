@@ -6,9 +6,10 @@ the same way and describes the expected type with the same words.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 
 def convert(value, annotation, *, from_cli: bool):
@@ -21,6 +22,10 @@ def convert(value, annotation, *, from_cli: bool):
         return _convert_literal(value, typing.get_args(annotation), from_cli)
     if origin in (list, tuple):
         return _convert_sequence(value, origin, typing.get_args(annotation), from_cli)
+    if origin is dict:
+        return _convert_table(value, typing.get_args(annotation), from_cli)
+    if annotation is Any:
+        return value
     scalar = next((fn for t, fn in _SCALARS.items() if annotation is t), None)  # (no hashing of annotations)
     if scalar is not None:
         return scalar(value, from_cli)
@@ -60,7 +65,44 @@ def _convert_sequence(value, origin, args: tuple, from_cli: bool):
         if len(value) != len(args):
             raise ValueError(f"{len(args)} values")
         return tuple(convert(v, a, from_cli=from_cli) for v, a in zip(value, args))
+    if args and _is_table_list(args[0], from_cli):  # (e.g. [[optimizer.param_groups]])
+        return [_convert_dataclass(v, args[0]) for v in value]
     return [convert(v, args[0], from_cli=from_cli) for v in value] if args else list(value)
+
+
+def _is_table_list(item, from_cli: bool) -> bool:
+    """A list of config dataclasses, which TOML writes as an array of tables (not the command line)."""
+    return dataclasses.is_dataclass(item) and isinstance(item, type) and not from_cli
+
+
+def _convert_table(value, args: tuple, from_cli: bool) -> dict:
+    """A TOML table (``dict[str, Any]``: e.g. a param group's optimizer_kwargs), each value as its annotation."""
+    if not isinstance(value, dict):
+        raise TypeError("")
+    key_type, value_type = args or (str, Any)
+    return {
+        convert(k, key_type, from_cli=from_cli): convert(v, value_type, from_cli=from_cli) for k, v in value.items()
+    }
+
+
+def _convert_dataclass(value, cls):
+    """A TOML table as a config dataclass (e.g. one ``[[optimizer.param_groups]]`` entry as TorchTitan's
+    ParamGroupConfig), each key as its field; ValueError names an unknown or missing key."""
+    if not isinstance(value, dict):
+        raise TypeError("")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r}")
+    return cls(**{k: convert(v, hints[k], from_cli=False) for k, v in value.items()})
 
 
 def _convert_bool(value, from_cli: bool) -> bool:
@@ -110,8 +152,12 @@ def describe(annotation) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     plural = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
+    if origin is list and args and _is_table_list(args[0], False):
+        return "a list of tables with keys " + ", ".join(f.name for f in dataclasses.fields(args[0]) if f.init)
     if origin is list:
         return f"a list of {plural.get(args[0], describe(args[0]))}" if args else "a list"
+    if origin is dict or annotation is Any:
+        return "a table" if origin is dict else "any value"
     if origin is tuple:
         return f"a list of {len(args)} {plural.get(args[0], describe(args[0]))}"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

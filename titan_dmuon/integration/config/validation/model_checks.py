@@ -1,5 +1,6 @@
 """Checks against the model's parameters, built on the meta device (no memory, no process group):
-``muon_params`` against names and shapes, QK-clip's and per-head blocks' attention, expert counts.
+``muon_params`` against names and shapes, DMuon param groups' patterns, QK-clip's and per-head blocks'
+attention, expert counts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 import torch
 from torch import nn
 
+from titan_dmuon.integration.components.optimizer_container import is_dmuon_group
 from titan_dmuon.integration.config.validation.fault_tolerance_section import fault_tolerant, moe_problem
 from titan_dmuon.integration.config.validation.naming import PYTHON_NAMES, ConfigError, Naming
 from titan_dmuon.integration.config.validation.parallelism_section import validate_expert_parallelism
@@ -27,6 +29,8 @@ def validate_against_model(config, world_size: int | None, names: Naming) -> lis
         return []  # nothing below needs the model: do not build it
     model = meta_model(config, names)
     warnings = _validate_muon_params(model, opt.muon_params, config.model_spec, names) if muon else []
+    if opt.name == DMUON:
+        _validate_dmuon_groups(model, opt, config.model_spec, names)
     if opt.name == DMUON and opt.qk_clip_threshold is not None:
         _validate_qk_clip(model, opt, config.model_spec, names, tp=p.tensor_parallel_degree)
     if opt.name == DMUON and opt.ns_blocks != "matrix":
@@ -148,6 +152,36 @@ def _validate_muon_params(model: nn.Module, patterns, spec, names: Naming) -> li
             f"{key} = [{listed}] matches no parameter of {model_name}; its parameters are {', '.join(_overview(model))}"
         )
     return _fused_qkv_left_out(model, selected, key)
+
+
+def _validate_dmuon_groups(model: nn.Module, opt, spec, names: Naming) -> None:
+    """Each DMuon param group must claim a Muon target, as the container claims them (first match in config
+    order, on canonical names): a group that claims none would leave its settings unused without a word."""
+    groups = [g for g in opt.param_groups if is_dmuon_group(g)]
+    if not groups:
+        return
+    selectors = [re.compile(p) for p in opt.muon_params]
+    names_of = [canonical_fqn(n) for n, p in model.named_parameters() if p.requires_grad]
+    targets = [n for n in names_of if any(r.search(n) for r in selectors)]
+    key, claimed_by = names.key("optimizer", "param_groups"), {}
+    for group in groups:
+        regex = re.compile(group.pattern)
+        hits = [n for n in targets if regex.search(n)]
+        mine = [n for n in hits if n not in claimed_by]
+        where = f"{key}: the group with pattern {group.pattern!r} (optimizer_name {group.optimizer_name!r})"
+        if hits and not mine:
+            raise ConfigError(
+                f"{where} matches only Muon targets that the earlier DMuon group with pattern "
+                f"{claimed_by[hits[0]]!r} claims (the first match wins), so its settings would apply to none; "
+                "narrow the earlier pattern or remove this group"
+            )
+        if not mine:
+            overview = ", ".join(dict.fromkeys(_collapsed(n) for n in targets))
+            raise ConfigError(
+                f"{where} matches no Muon target of the {spec.name} {spec.flavor} model; its Muon targets "
+                f"(optimizer.muon_params) are {overview}"
+            )
+        claimed_by.update((n, group.pattern) for n in mine)
 
 
 def _fused_qkv_left_out(model: nn.Module, selected: dict[int, str], key: str) -> list[str]:

@@ -11,14 +11,24 @@ from titan_dmuon.integration.components.optimizer_container import (
     ADAMW_ONLY_KEYS,
     DMUON_OPTION_KEYS,
     MUON_FAMILY_KEYS,
+    MUON_GROUP_KEYS,
     DMuonOptimizersContainer,
     baseline_not_built,
+    dmuon_group_without_dmuon,
+    is_dmuon_group,
 )
 from titan_dmuon.integration.config.validation.naming import ConfigError, Naming, command_line, toml_value
 from titan_dmuon.integration.config.validation.parallelism_section import check_supported
 from titan_dmuon.integration.models.families import ModelNotSupported, check_model
-from titan_dmuon.integration.names import ADAMW_NAMES, BASELINE_NAMES, DMUON, MUON_FAMILY_NAMES, NAIVE_MUON
-from titan_dmuon.options import ADAMW_KEYS, DMuonOptions, OptionError
+from titan_dmuon.integration.names import (
+    ADAMW_NAMES,
+    BASELINE_NAMES,
+    DMUON,
+    DMUON_FACTORY,
+    MUON_FAMILY_NAMES,
+    NAIVE_MUON,
+)
+from titan_dmuon.options import ADAMW_KEYS, JOB_KEYS, DMuonOptions, OptionError
 from titan_dmuon.plan.owner_groups import GroupOptions
 
 ADAMW_EXAMPLE = "train_configs/debug_model_adamw.toml"
@@ -36,6 +46,43 @@ def validate_owner_groups(opt, names: Naming) -> None:
         except ValueError as e:
             expected = str(e).split("expected ", 1)[-1]
             raise ConfigError(f"{names.key('optimizer', key)} = {getattr(opt, key)!r}: expected {expected}") from None
+
+
+def validate_param_groups(opt, names: Naming) -> None:
+    """``optimizer.param_groups``: each pattern a regex; a DMuon group (``optimizer_name`` "DMuon") only in a
+    dmuon job, its optimizer_kwargs per-group Muon settings (``MUON_GROUP_KEYS``) with values as DMuonOptions
+    checks them; with dmuon, the other groups AdamW/Adam (the only optimizers DMuon's container builds beside
+    it). Whether a DMuon group's pattern matches Muon targets is checked against the model (``model_checks``)."""
+    key = names.key("optimizer", "param_groups")
+    for group in opt.param_groups:
+        where = f"{key}: the group with pattern {group.pattern!r}"
+        try:
+            re.compile(group.pattern)
+        except re.error as e:
+            raise ConfigError(f"{where}: bad regex ({e})") from None
+        if not is_dmuon_group(group):
+            if opt.name == DMUON and group.optimizer_name not in ADAMW_NAMES:
+                raise ConfigError(
+                    f"{where} has optimizer_name {group.optimizer_name!r}: with optimizer.name = 'dmuon' a group is "
+                    f"{DMUON_FACTORY!r} (Muon targets, in a DMuon param group of their own) or one of "
+                    f"{', '.join(repr(n) for n in ADAMW_NAMES)} (the other parameters)"
+                )
+            continue
+        if opt.name != DMUON:
+            raise ConfigError(dmuon_group_without_dmuon(group, opt.name, key))
+        for option in group.optimizer_kwargs:
+            if option not in MUON_GROUP_KEYS:
+                why = (
+                    f"{option} is job-wide: set it in [optimizer]"
+                    if option in JOB_KEYS
+                    else f"a DMuon group holds Muon targets only; its optimizer_kwargs are some of "
+                    f"{', '.join(MUON_GROUP_KEYS)}"
+                )
+                raise ConfigError(f"{where}: optimizer_kwargs key {option!r} is not a per-group Muon setting ({why})")
+        try:
+            DMuonOptions(**{**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS}, **group.optimizer_kwargs})
+        except OptionError as e:
+            raise ConfigError(f"{where}: optimizer_kwargs {e.key} = {e.value!r}: expected {e.expected}") from None
 
 
 def validate_adamw_switch(opt, names: Naming) -> None:
@@ -128,6 +175,7 @@ def validate_optimizer(config, names: Naming) -> None:
         )
     if opt.name in BASELINE_NAMES and not opt.builds_baseline(opt.name):
         raise ConfigError(baseline_not_built(opt.name, names.key("optimizer", "name")))
+    validate_param_groups(opt, names)
     if opt.name in MUON_FAMILY_NAMES:
         try:
             DMuonOptions(**{k: getattr(opt, k) for k in DMUON_OPTION_KEYS})
