@@ -194,6 +194,13 @@ def main() -> None:
         short_cube_table(options)
 
 
+def ns_seconds(plan, options: GroupOptions) -> list[float]:
+    """Each rank's Newton–Schulz time per step: its FLOPs at ``options.ns_tflops`` plus its groups'
+    all-reduces (``plan.ns_seconds_per_rank``); ``python -m titan_dmuon.sizing`` prints the same busiest
+    rank for the same weights and mesh (``tests/unit/test_sizing_groups.py``)."""
+    return plan.ns_seconds_per_rank(options)
+
+
 def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
     """Each model and mesh without and with owner groups (see the module's docstring)."""
     print(
@@ -215,7 +222,7 @@ def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
                     lambda: build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, groups=chosen),
                     repeats,
                 )
-                times = plan.ns_seconds_per_rank(options)
+                times = ns_seconds(plan, options)
                 mean = sum(times) / len(times)
                 held = plan.numel_per_shard_rank
                 grouped = [e.group.size for e in plan.entries if e.group is not None]
