@@ -122,7 +122,10 @@ def test_keep_whole_and_groups_off_plan_one_owner():
     and the report says why."""
     kept = size_job(_one_matrix((SHORT, LONG)), Layout(shard=4), keep_whole=(r"\.w$",))
     assert kept.stages[0].runs is kept.stages[0].one_owner and not kept.grouped
-    assert "one owner whatever the cost: layers.*.w (1 weights; kept whole" in render.render(kept, title="t")
+    assert (
+        "one owner whatever the cost (kept whole: a rule reads the whole matrix (QK-clip)): layers.*.w (1 weights)"
+        in render.render(kept, title="t")
+    )
     off = size_job(_one_matrix((SHORT, LONG)), Layout(shard=4), groups=GroupOptions(enabled=False))
     assert off.stages[0].runs.plan.entries[0].group is None
 

@@ -221,16 +221,20 @@ def _newton_schulz_lines(sizing: Sizing) -> list[str]:
     for (name, k), n in _summed(g for x in sizing.figures("runs") for g in groups_formed(x.plan)).items():
         out.append(f"- in owner groups of {k} ranks: {name} ({n} weights)")
     if options.enabled:
+        kept: dict[str, dict[str, int]] = {}
         for (name, why), n in _summed(g for x in sizing.figures("runs") for g in kept_whole(x.plan)).items():
-            out.append(f"- one owner whatever the cost: {name} ({n} weights; {why})")
+            kept.setdefault(why, {})[name] = kept.get(why, {}).get(name, 0) + n
+        for why, names in kept.items():
+            out.append(f"- one owner whatever the cost ({why}): {', '.join(names)} ({sum(names.values())} weights)")
     floor = max(x.largest_ns for x in sizing.figures("one_owner"))
     busiest = sizing.ns_seconds_max("runs")
     if not options.enabled:
         verdict = "owner groups are off (--no-owner-groups)"
     elif sizing.grouped:
-        verdict = f"owner groups take the busiest rank to {_ms(busiest)}" + (
-            ", under it" if busiest < floor / rate else ", not under it"
-        )
+        verdict = f"owner groups take the busiest rank from {_ms(sizing.ns_seconds_max('one_owner'))} to {_ms(busiest)}"
+        verdict += ", below that floor" if busiest < floor / rate else ""
+    elif not any(e.may_group for x in sizing.figures("runs") for e in x.plan.entries):
+        verdict = "owner groups form none here: no weight may take one (above)"
     else:
         verdict = (
             "owner groups form none here: no sizing shortens the busiest rank by more than "
