@@ -161,7 +161,8 @@ def main() -> None:
         notes.append(
             f"{model}: {total / 1e15:.1f} PFLOP of NS per step; the largest weight's NS (the floor) "
             f"{largest / 1e12:.1f} TFLOP = {1e3 * largest / rate:.1f} ms at {args.ns_tflops:g} TFLOP/s; "
-            f"ranks beyond total/largest = {total / largest:,.0f} cannot shorten the critical path"
+            f"with one owner per weight, ranks beyond total/largest = {total / largest:,.0f} cannot shorten the "
+            "critical path (owner groups can: --groups)"
         )
         for replicate_size, shard_size in MESHES[model][:1] if args.quick else MESHES[model]:
             after, plan = best_time(
