@@ -161,7 +161,8 @@ def main() -> None:
         notes.append(
             f"{model}: {total / 1e15:.1f} PFLOP of NS per step; the largest weight's NS (the floor) "
             f"{largest / 1e12:.1f} TFLOP = {1e3 * largest / rate:.1f} ms at {args.ns_tflops:g} TFLOP/s; "
-            f"ranks beyond total/largest = {total / largest:,.0f} cannot shorten the critical path"
+            f"with one owner per weight, ranks beyond total/largest = {total / largest:,.0f} cannot shorten the "
+            "critical path (owner groups can: --groups)"
         )
         for replicate_size, shard_size in MESHES[model][:1] if args.quick else MESHES[model]:
             after, plan = best_time(
@@ -194,6 +195,13 @@ def main() -> None:
         short_cube_table(options)
 
 
+def ns_seconds(plan, options: GroupOptions) -> list[float]:
+    """Each rank's Newton–Schulz time per step: its FLOPs at ``options.ns_tflops`` plus its groups'
+    all-reduces (``plan.ns_seconds_per_rank``); ``python -m titan_dmuon.sizing`` prints the same busiest
+    rank for the same weights and mesh (``tests/unit/test_sizing_groups.py``)."""
+    return plan.ns_seconds_per_rank(options)
+
+
 def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
     """Each model and mesh without and with owner groups (see the module's docstring)."""
     print(
@@ -215,7 +223,7 @@ def groups_table(options: GroupOptions, repeats: int, quick: bool) -> None:
                     lambda: build_plan(specs, replicate_size=replicate_size, shard_size=shard_size, groups=chosen),
                     repeats,
                 )
-                times = plan.ns_seconds_per_rank(options)
+                times = ns_seconds(plan, options)
                 mean = sum(times) / len(times)
                 held = plan.numel_per_shard_rank
                 grouped = [e.group.size for e in plan.entries if e.group is not None]

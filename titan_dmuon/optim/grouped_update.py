@@ -48,11 +48,19 @@ def member_batches(batch: list[GroupedWeight], ns_method: str, steps: int) -> li
     short x short Gram workspace: ``member_workspace_elements``) stays within what the one-owner path
     allows a batch at ``MAX_STACK_BYTES`` (``workspace_elements`` of the matrices it stacks)."""
     member = batch[0].member
-    short, long = min(member.shape), max(member.shape)
-    width = widest_block(long, member.group.size)  # (every member cuts alike: the same all-reduces on each)
-    one_owner = max(1, MAX_STACK_BYTES // (2 * short * long)) * workspace_elements(short, long, "torch", steps)
-    per_batch = max(1, one_owner // member_workspace_elements(short, width, ns_method, steps))
+    per_batch = member_batch_size(member.shape, member.group.size, ns_method, steps)
     return [batch[first : first + per_batch] for first in range(0, len(batch), per_batch)]
+
+
+def member_batch_size(shape: tuple[int, int], group_size: int, ns_method: str, steps: int) -> int:
+    """How many equally shaped matrices of one group a member stacks per batch (``member_batches``; also
+    what ``titan_dmuon.sizing`` counts a member's step temporaries by): as many as keep their workspace
+    within the one-owner path's batch at ``MAX_STACK_BYTES``, cut by the widest block (every member cuts
+    alike: the same all-reduces on each)."""
+    short, long = min(shape), max(shape)
+    width = widest_block(long, group_size)
+    one_owner = max(1, MAX_STACK_BYTES // (2 * short * long)) * workspace_elements(short, long, "torch", steps)
+    return max(1, one_owner // member_workspace_elements(short, width, ns_method, steps))
 
 
 def update_grouped(owner_update, group: dict, weights: list[GroupedWeight], comm) -> None:

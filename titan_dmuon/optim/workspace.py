@@ -41,6 +41,11 @@ class Workspace:
         """The bytes it holds (this rank's)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def by_buffer(self) -> dict[tuple[str, torch.dtype, torch.device], int]:
+        """Its bytes per buffer: a workspace that served several sets of requests holds, per buffer, the
+        most any of them asked for (``titan_dmuon.sizing`` merges the workspaces of separate calls so)."""
+        return {key: buffer.numel() * buffer.element_size() for key, buffer in self._buffers.items()}
+
     def by_name(self) -> dict[str, int]:
         """Its bytes by name (summed over dtypes and devices)."""
         out: dict[str, int] = {}

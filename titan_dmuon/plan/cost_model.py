@@ -83,12 +83,22 @@ def owner_group_elements_per_rank(plan, *, ns_steps: int = NS_STEPS, ns_method: 
     elements) at every step of the standard iteration, or at Gram Newton–Schulz's restarts + 1, and its
     squared norm (1 element), each 2(k-1)/k x its elements per member. The forward broadcasts and the
     backward reduces move the same elements as one owner's (each block from or to its member)."""
-    total = Fraction(0)
+    return (
+        sum(owner_group_elements_of_ranks(plan, ns_steps=ns_steps, ns_method=ns_method), Fraction(0)) / plan.world_size
+    )
+
+
+def owner_group_elements_of_ranks(plan, *, ns_steps: int = NS_STEPS, ns_method: str = "torch") -> list[Fraction]:
+    """``owner_group_elements_per_rank`` rank by rank (global rank r * N + s): each member's 2(k-1)/k x the
+    elements it gives its groups' all-reduces; 0 on a rank in no group."""
+    out = [Fraction(0)] * plan.world_size
     for e in plan.entries:
         if e.group is not None:
             k = e.group.size
-            total += k * 2 * Fraction(k - 1, k) * gram_elements(min(e.shape), max(e.shape), k, ns_steps, ns_method)
-    return total / plan.world_size
+            moved = 2 * Fraction(k - 1, k) * gram_elements(min(e.shape), max(e.shape), k, ns_steps, ns_method)
+            for rank in e.group.ranks:
+                out[rank] += moved
+    return out
 
 
 def design_elements_per_rank(

@@ -103,7 +103,15 @@ class OwnershipPlan:
         sums (``GroupOptions.all_reduce_seconds``), by ``options`` (default: the plan's, else
         ``GroupOptions()``'s rates)."""
         options = options or self.groups or GroupOptions()
-        seconds = [f / options.flops_per_second() for f in self.ns_flops_per_rank]
+        comm = self.group_seconds_per_rank(options, ns_steps)
+        return [f / options.flops_per_second() + c for f, c in zip(self.ns_flops_per_rank, comm)]
+
+    def group_seconds_per_rank(self, options: GroupOptions | None = None, ns_steps: int = NS_STEPS) -> list[float]:
+        """Each rank's time in its owner groups' all-reduces per step (``member_comm_seconds``): the part of
+        ``ns_seconds_per_rank`` that is not FLOPs, for callers that count the FLOPs per rank their own way
+        (``titan_dmuon.sizing``: TP homes, experts kept in place)."""
+        options = options or self.groups or GroupOptions()
+        seconds = [0.0] * self.world_size
         for e in self.entries:
             if e.group is not None:
                 for rank in e.group.ranks:

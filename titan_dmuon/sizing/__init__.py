@@ -8,9 +8,11 @@ pipeline P, expert parallelism E), per rank:
   total without activations;
 * communication per step of the Muon targets against the floor (an all-reduce of their gradients
   over the data-parallel ranks), from ``titan_dmuon.plan.cost_model``;
-* Newton–Schulz work per rank from the ownership plan ``build_plan`` makes (max, mean, max/mean)
-  and its critical path at a given TFLOP/s;
-* which of Z2/Z3 to run, and why.
+* Newton–Schulz work per rank from the ownership plans ``build_plan`` makes, one owner per weight and
+  with owner groups as the runtime plans them by default (an H200's stated figures: nothing is measured
+  here): the busiest rank's time (its FLOPs at a given TFLOP/s and its groups' all-reduces), the groups
+  formed, their Gram all-reduces and memory, beside the one-owner figures;
+* which of Z2/Z3 to run on the plan that runs, and why.
 
     python -m titan_dmuon.sizing --model llama3 --flavor 8B --world 64
     python -m titan_dmuon.sizing --model deepseek_v3 --flavor 671B --shard 64 --ep 64 --pp 8
@@ -22,8 +24,11 @@ weights are broadcast into one packed buffer in the compute dtype, which Z2 keep
 backward (every layer: P_M per rank at the end of forward) and Z3 frees (two layers at a time,
 the running one and the prefetched one); between steps the first layer's buffer is alive (its
 broadcast for the next forward starts at the end of the step). FSDP2's weights are dim-0 shards
-padded to ceil(rows / N) rows; AdamW keeps two moments and a step count. ``tests/test_sizing.py``
-holds these figures to what ``benchmarks/memory_table.py`` measures on the CPU-sized cases.
+padded to ceil(rows / N) rows; AdamW keeps two moments and a step count. A member of an owner group
+keeps its block instead (and the block's gradient and momentum), a wide weight's column blocks land in a
+staging area while its layer is gathered, and the group's Gram workspace lives in the step.
+``tests/distributed/test_sizing_memory.py`` holds these figures to what ``benchmarks/memory_table.py``
+measures on the CPU-sized cases; ``tests/unit/test_sizing_groups.py`` the groups' to the stated rules.
 
 Model weights come from ``sizing/model_shapes.py`` (shape tables without TorchTitan,
 or TorchTitan's model on the meta device), imported only by ``main``; the rest is TorchTitan-free.

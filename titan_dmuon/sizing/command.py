@@ -4,10 +4,11 @@ on the meta device or a TOML config, and print the tables."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 
 from titan_dmuon import sizing as sizing_package
-from titan_dmuon.plan.owner_groups import H200_BF16_TFLOPS  # (Newton–Schulz runs below it: times are lower bounds)
+from titan_dmuon.plan.owner_groups import H200_BF16_TFLOPS, GroupOptions  # (NS runs below it: lower bounds)
 from titan_dmuon.sizing.figures import size_job
 from titan_dmuon.sizing.records import DTYPE_BYTES, Layout, Precision
 from titan_dmuon.sizing.render import render
@@ -65,9 +66,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     figures.add_argument(
         "--tflops",
         type=float,
-        default=H200_BF16_TFLOPS,
-        help="Newton–Schulz TFLOP/s per rank for the critical path (default: the H200's bf16 matmul "
-        "peak, so the times are lower bounds)",
+        default=None,
+        help="Newton–Schulz TFLOP/s per rank for the critical path and the owner groups' cost model "
+        f"(default: the H200's bf16 matmul peak, {H200_BF16_TFLOPS:g}, so the times are lower bounds)",
+    )
+    figures.add_argument(
+        "--owner-groups",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan owner groups as the runtime does by default (a --config's optimizer.owner_groups; "
+        "default on), priced at an H200's stated figures",
+    )
+    figures.add_argument(
+        "--node-size", type=int, default=None, help="ranks per node for owner groups (default 8; a --config's)"
     )
     figures.add_argument(
         "--device-memory", type=float, default=80.0, help="GB per rank for the recommendation (default 80)"
@@ -97,10 +108,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from titan_dmuon.sizing import model_shapes
 
     job_layout, compute_dtype, reduce_dtype = None, "bfloat16", "float32"
+    groups, keep_whole = GroupOptions(), ()
     if args.config:
         job = model_shapes.from_toml(args.config, overrides, world_size=args.world)
         weights, title = job.weights, job.description
         job_layout, compute_dtype, reduce_dtype = job.layout, job.compute_dtype, job.reduce_dtype
+        groups, keep_whole = job.owner_groups or GroupOptions(enabled=False), job.keep_whole
     elif args.model and args.flavor:
         tabled = model_shapes.table_key(args.model, args.flavor) is not None
         use_table = args.source == "table" or (args.source == "auto" and tabled)
@@ -124,11 +137,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         compute=DTYPE_BYTES[args.compute_dtype or compute_dtype],
         reduce=DTYPE_BYTES[args.reduce_dtype or reduce_dtype],
     )
+    chosen = {"enabled": args.owner_groups, "node_size": args.node_size, "ns_tflops": args.tflops}
+    groups = dataclasses.replace(groups, **{k: v for k, v in chosen.items() if v is not None})
     sizing = size_job(
         weights,
         _layout(args, job_layout),
         precision=precision,
         device_memory=args.device_memory * 1e9,
         activation_share=args.activation_share,
+        groups=groups,
+        keep_whole=keep_whole,
     )
-    print(render(sizing, title=title, tflops=args.tflops))
+    print(render(sizing, title=title))

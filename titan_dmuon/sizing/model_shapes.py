@@ -1,7 +1,7 @@
 """The weights of TorchTitan's models as ``titan_dmuon.sizing`` needs them: names, shapes, which are
 Muon targets, q/k/v row blocks and tensor-parallel split dims.
 
-Two sources that agree (``tests/test_sizing.py`` compares them weight by weight):
+Two sources that agree (``tests/titan/test_sizing_model_shapes.py`` compares them weight by weight):
 
 * shape tables (``SHAPE_TABLES``): llama3, deepseek_v3 and qwen3's MoE debug flavors of TorchTitan
   0.3.0's model registries, written out here, so that the sizing tool answers without TorchTitan
@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from titan_dmuon.integration.names import DEFAULT_MUON_PARAMS
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.sizing.records import Layout, Weight
 
 # Tensor parallelism in TorchTitan's parallelize functions: column-wise parallel linears split
@@ -240,6 +241,8 @@ class Job:
     compute_dtype: str  # training.mixed_precision_param: FSDP2's param_dtype (master weights stay fp32)
     reduce_dtype: str
     description: str
+    owner_groups: GroupOptions | None = None  # as the job dedicates (None: one owner per weight)
+    keep_whole: tuple[str, ...] = ()  # regexes of weights that keep one owner (QK-clip's attention)
 
 
 def registry_weights(name: str, flavor: str, *, muon_params: Sequence[str] = DEFAULT_MUON_PARAMS) -> list[Weight]:
@@ -288,8 +291,13 @@ def from_toml(config_file: str, cli_args: Sequence[str] = (), *, world_size: int
             ep=p.expert_parallel_degree,
         )
     )
+    from titan_dmuon.integration.distributed.parallelize import DedicationSettings
+
     muon_params = getattr(opt, "muon_params", DEFAULT_MUON_PARAMS)
+    settings = DedicationSettings.of(opt)  # (the job's own owner groups and keep_whole, as it dedicates)
     return Job(
+        owner_groups=settings.owner_groups,
+        keep_whole=settings.keep_whole,
         weights=_model_weights(meta_model(config), muon_params),
         layout=layout,
         reshard_after_forward=getattr(opt, "reshard_after_forward", None),

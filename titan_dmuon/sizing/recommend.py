@@ -1,9 +1,35 @@
-"""Z2 or Z3, and why: the recommendation from each mode's peak memory against the device's share left to it."""
+"""Z2 or Z3, and why: the recommendation from each mode's peak memory on the plan that runs (owner groups
+unless they are off) against the device's share left to it."""
 
 from __future__ import annotations
 
 from titan_dmuon.sizing.records import Layout, Stage
 from titan_dmuon.sizing.render import format_gb
+
+MODES = (("Z2", "DMuon-Z2"), ("Z3", "DMuon-Z3"))
+
+
+def _peak(stages: list[Stage], configuration: str, which: str = "runs") -> int:
+    """The largest rank's peak without activations over the stages, on ``runs`` or ``one_owner``."""
+    return max(getattr(s, which).memory[configuration].peak for s in stages)
+
+
+def _fits_line(stages: list[Stage], mode: str, budget: float, note: str) -> str:
+    """One line: whether ``mode`` fits ``budget`` and why (its peak on the plan that runs, and on one
+    owner per weight where owner groups change it)."""
+    configuration = dict(MODES)[mode]
+    peak = _peak(stages, configuration)
+    fits = peak <= budget
+    line = (
+        f"{mode} {'fits' if fits else 'does not fit'}: its peak without activations, {format_gb(peak)}, is "
+        f"{'within' if fits else 'over'} {format_gb(budget)}{note}"
+    )
+    if any(s.runs is not s.one_owner for s in stages):
+        alone = _peak(stages, configuration, "one_owner")
+        line += f", with owner groups (the plan that runs); one owner per weight: {format_gb(alone)}, " + (
+            "within" if alone <= budget else "over"
+        )
+    return line
 
 
 def recommend(stages: list[Stage], layout: Layout, device_memory: float, share: float) -> tuple[str, list[str]]:
@@ -23,7 +49,6 @@ def recommend(stages: list[Stage], layout: Layout, device_memory: float, share: 
         return "either (one data-parallel rank)", ["one data-parallel rank: nothing is broadcast or reduced"]
     extra = z2.memory["DMuon-Z2"].peak - z3.memory["DMuon-Z3"].peak
     saved = z3.traffic["DMuon-Z3"].bytes - z2.traffic["DMuon-Z2"].bytes
-    fits = z2.memory["DMuon-Z2"].peak <= budget
     reasons = [
         f"Z2 keeps every layer's gathered Muon weights from forward to backward: {format_gb(extra)} "
         "more per rank at its "
@@ -31,22 +56,19 @@ def recommend(stages: list[Stage], layout: Layout, device_memory: float, share: 
         f"Z3 broadcasts them again in backward: {format_gb(saved)} more per rank per step than Z2 "
         f"({float(z3.traffic['DMuon-Z3'].elements / z3.floor.elements):.2f}x the floor against "
         f"{float(z2.traffic['DMuon-Z2'].elements / z2.floor.elements):.2f}x)",
-        f"Z2's peak without activations, {format_gb(z2.memory['DMuon-Z2'].peak)}, is "
-        + ("within" if fits else "over")
-        + f" {format_gb(budget)} ({1 - share:.0%} of {format_gb(device_memory)}, the rest "
-        "left to activations)",
+        _fits_line(
+            stages, "Z2", budget, f" ({1 - share:.0%} of {format_gb(device_memory)}, the rest left to activations)"
+        ),
+        _fits_line(stages, "Z3", budget, ""),
     ]
-    if fits:
+    if _peak(stages, "DMuon-Z2") <= budget:
         return "DMuon-Z2", reasons + ["so Z2: it fits, and moves the least (measure the step time before keeping it)"]
-    z3_peak = z3.memory["DMuon-Z3"].peak
-    if z3_peak > budget:  # (Z3 is the smaller, and over the same budget: say so, with what would fit)
+    if _peak(stages, "DMuon-Z3") > budget:  # (Z3 is the smaller, and over the same budget: say what would fit)
         return "DMuon-Z3", reasons + [
-            f"Z3's peak without activations, {format_gb(z3_peak)}, is over {format_gb(budget)} too: neither fits this "
-            "layout; more data-parallel ranks, tensor or pipeline parallelism, or a device with more memory",
-            "so Z3, the smaller of the two",
+            "so Z3, the smaller of the two: neither fits this layout; more data-parallel ranks, tensor or pipeline "
+            "parallelism, or a device with more memory"
         ]
     return "DMuon-Z3", reasons + [
-        f"Z3's peak without activations, {format_gb(z3_peak)}, is within {format_gb(budget)}",
         "so Z3; if Z3 runs out of memory, look at activations (activation checkpointing) and gradient accumulation "
-        "first: Z3's buffers are two layers",
+        "first: Z3's buffers are two layers"
     ]

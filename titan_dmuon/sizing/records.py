@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from titan_dmuon.math.matrix_blocks import Block
+from titan_dmuon.plan.owner_groups import GroupOptions
 from titan_dmuon.plan.ownership import OwnershipPlan
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -91,7 +92,10 @@ class Memory:
     buffers_peak: int = 0  # DMuon's packed buffers at their peak (the counter ``peak_buffer_bytes``)
     unreduced_grads: int = 0  # pipelining: the stage's dedicated gradients held unreduced over the micro-batches
     gathered_peak: int = 0  # FSDP2's all-gathered weights and one layer's reduce buffers (estimate)
-    workspace: int = 0  # DMuon's Muon-step workspace, kept between steps (figures.workspace_bytes; TP weights' aside)
+    workspace: int = (
+        0  # DMuon's Muon-step workspace, kept between steps (step_memory.workspace_bytes; TP weights' aside)
+    )
+    group_temporaries: int = 0  # owner groups' step temporaries: their Gram workspace (step_memory.group_temporaries)
 
     @property
     def persistent(self) -> int:
@@ -108,6 +112,7 @@ class Memory:
             + self.unreduced_grads
             + self.gathered_peak
             + self.workspace
+            + self.group_temporaries
         )
 
 
@@ -120,19 +125,46 @@ class Traffic:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanFigures:
+    """One ownership plan of a stage and what DMuon does with it: the one-owner plan, or the plan with
+    owner groups (the runtime's default), so that the two can be read side by side."""
+
+    plan: OwnershipPlan
+    ns_per_rank: list[int]  # Newton–Schulz FLOPs of each rank of the stage (R x N x T)
+    ns_seconds: list[float]  # ... and its time: FLOPs at ns_tflops plus its owner groups' all-reduces
+    largest_ns: int  # the largest Newton–Schulz job one rank runs whole (a matrix, a dedicated stack)
+    memory: dict[str, Memory]  # "DMuon-Z2", "DMuon-Z3"
+    traffic: dict[str, Traffic]  # "DMuon-Z2", "DMuon-Z3", owner groups' all-reduces included
+    group_traffic: Traffic  # the owner groups' all-reduces alone, per rank (the mean over the stage's ranks)
+    group_traffic_max: Traffic  # ... on the rank that all-reduces the most
+
+    @property
+    def grouped(self) -> bool:
+        return any(e.group is not None for e in self.plan.entries)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One pipeline stage's figures (the whole model without pipelining)."""
+    """One pipeline stage's figures (the whole model without pipelining): DMuon's from the plan that runs
+    (``runs``: with owner groups unless they are off), ``one_owner`` beside it."""
 
     index: int
     memory: dict[str, Memory]
     traffic: dict[str, Traffic]
     floor: Traffic
     tp_exchange: Traffic
-    plan: OwnershipPlan
-    ns_per_rank: list[int]  # Newton–Schulz FLOPs of each rank of the stage (R x N x T)
-    largest_ns: int  # the largest Newton–Schulz job one rank runs whole (a matrix, a dedicated stack)
+    runs: PlanFigures
+    one_owner: PlanFigures  # the same object as ``runs`` where no owner group forms
     dedicated_numel: int
     local_expert_numel: int
+
+    @property
+    def plan(self) -> OwnershipPlan:
+        return self.runs.plan
+
+    @property
+    def ns_per_rank(self) -> list[int]:
+        return self.runs.ns_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,11 +175,20 @@ class Sizing:
     muon_numel: int
     other_numel: int
     recommendation: str
+    groups: GroupOptions  # how the plan that runs chose owner groups (``enabled`` False: one owner per weight)
     reasons: list[str] = field(default_factory=list)
 
     def heaviest(self, configuration: str) -> Stage:
         """The stage whose ranks need the most memory under ``configuration``."""
         return max(self.stages, key=lambda s: s.memory[configuration].peak)
+
+    def figures(self, which: str) -> list[PlanFigures]:
+        """Each stage's ``runs`` or ``one_owner``."""
+        return [getattr(s, which) for s in self.stages]
+
+    @property
+    def grouped(self) -> bool:
+        return any(s.runs.grouped for s in self.stages)
 
     @property
     def ns_max(self) -> int:
@@ -156,3 +197,7 @@ class Sizing:
     @property
     def ns_mean(self) -> float:
         return sum(sum(s.ns_per_rank) for s in self.stages) / sum(len(s.ns_per_rank) for s in self.stages)
+
+    def ns_seconds_max(self, which: str = "runs") -> float:
+        """The busiest rank's Newton–Schulz time (``step()`` waits for it), of ``runs`` or ``one_owner``."""
+        return max(max(f.ns_seconds) for f in self.figures(which))

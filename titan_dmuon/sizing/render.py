@@ -4,7 +4,7 @@ per rank, the recommendation.
 
 from __future__ import annotations
 
-from titan_dmuon.plan.owner_groups import H200_BF16_TFLOPS  # (Newton–Schulz runs below it: times are lower bounds)
+from titan_dmuon.sizing.plans import groups_formed, kept_whole
 from titan_dmuon.sizing.records import CONFIGURATIONS, Sizing
 
 
@@ -28,14 +28,14 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:,.1f} ms" if seconds >= 1e-3 else f"{1e6 * seconds:,.1f} us"
 
 
-def render(sizing: Sizing, *, title: str, tflops: float = H200_BF16_TFLOPS) -> str:
+def render(sizing: Sizing, *, title: str) -> str:
     """The report ``python -m titan_dmuon.sizing`` prints."""
     return "\n".join(
         [
             *_header(sizing, title),
             *_memory_table(sizing),
             *_traffic_table(sizing),
-            *_newton_schulz_lines(sizing, tflops),
+            *_newton_schulz_lines(sizing),
             "",
             f"Recommendation: {sizing.recommendation}",
             *(f"- {reason}" for reason in sizing.reasons),
@@ -60,7 +60,9 @@ def _memory_table(sizing: Sizing) -> list[str]:
         "",
         "Memory per rank (GB = 1e9 bytes, MB = 1e6; the largest rank"
         + (", of the heaviest pipeline stage" if staged else "")
-        + "; activations not included)",
+        + "; activations not included"
+        + ("; DMuon on the plan with owner groups, that runs: a member keeps its block" if sizing.grouped else "")
+        + ")",
         "",
         "| | " + " | ".join(CONFIGURATIONS) + " |",
         "|---" * (len(CONFIGURATIONS) + 1) + "|",
@@ -73,6 +75,10 @@ def _memory_table(sizing: Sizing) -> list[str]:
         ("DMuon buffers, peak", lambda m: m.buffers_peak),
         ("DMuon's Muon-step workspace (kept between steps)", lambda m: m.workspace),
     ]
+    if sizing.grouped:
+        rows.append(
+            ("owner groups' step temporaries (their Gram workspace, in the step only)", lambda m: m.group_temporaries)
+        )
     if staged:
         rows.append(("gradients held over the micro-batches (estimate)", lambda m: m.unreduced_grads))
     rows += [
@@ -122,6 +128,12 @@ def _traffic_table(sizing: Sizing) -> list[str]:
             t = stage.traffic[name]
             ratio = f"{float(t.elements / stage.floor.elements):.3f}" if stage.floor.elements else "-"
             out.append(f"| {name} | {_count(t.elements)} | {ratio} | {format_gb(t.bytes, unit)} |")
+    if stage.runs.grouped:
+        groups = stage.runs.group_traffic
+        out.append(
+            "| of which owner groups' Gram all-reduces (both modes; fp32; the mean over the ranks) | "
+            f"{_count(groups.elements)} | | {format_gb(groups.bytes, unit)} |"
+        )
     if sizing.layout.tp > 1:
         out.append(
             "| of which DMuon's TP exchange (both modes, on the TP group) | "
@@ -139,20 +151,98 @@ def _traffic_table(sizing: Sizing) -> list[str]:
     return out
 
 
-def _newton_schulz_lines(sizing: Sizing, tflops: float) -> list[str]:
-    rate = tflops * 1e12
-    largest = max(s.largest_ns for s in sizing.stages)
-    mean = sizing.ns_mean
-    return [
+def _summed(rows) -> dict:
+    """{row without its last item: the last items summed}, in first-seen order (counts over the stages)."""
+    out: dict = {}
+    for *key, n in rows:
+        key = key[0] if len(key) == 1 else tuple(key)
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def _newton_schulz_lines(sizing: Sizing) -> list[str]:
+    """The step's Newton–Schulz on the one-owner plan and, beside it, on the plan with owner groups."""
+    options = sizing.groups
+    columns = ["one_owner", "runs"] if sizing.grouped else ["runs"]
+    heads = {"one_owner": "one owner per weight", "runs": "owner groups (the plan that runs)"}
+    if not sizing.grouped:
+        heads["runs"] = "one owner per weight (the plan that runs)"
+    rate = options.flops_per_second()
+
+    def cells(get) -> str:
+        return " | ".join(get(sizing.figures(c)) for c in columns)
+
+    def flops(figures) -> str:
+        load = [f for x in figures for f in x.ns_per_rank]
+        mean = sum(load) / len(load)
+        return f"{_flop(max(load))}; {_flop(mean)}; {max(load) / mean if mean else 1.0:.3f}"
+
+    def largest(figures) -> str:
+        most = max(x.largest_ns for x in figures)
+        return f"{_ms(most / rate)} ({_flop(most)})"
+
+    def peaks(figures) -> str:
+        return " / ".join(format_gb(max(x.memory[c].peak for x in figures)) for c in ("DMuon-Z2", "DMuon-Z3"))
+
+    out = [
         "",
-        "Newton–Schulz per step (ns_method 'torch', 5 steps; owners from build_plan"
+        "Newton–Schulz per step (ns_method 'torch', 5 steps; plans from build_plan"
         + (", per pipeline stage" if sizing.layout.pp > 1 else "")
-        + "):",
+        + f"; {options.describe() if options.enabled else f'at {options.ns_tflops:g} TFLOP/s, owner groups off'}):",
         "",
-        f"- busiest rank {_flop(sizing.ns_max)}, mean {_flop(mean)}, max/mean "
-        f"{sizing.ns_max / mean if mean else 1.0:.3f}",
-        f"- critical path at {tflops:g} TFLOP/s: {_ms(sizing.ns_max / rate)} (the busiest rank); floor "
-        f"{_ms(largest / rate)} (the largest job one rank runs whole, {_flop(largest)}: "
-        "no one-owner plan goes below it; owner groups can)",
+        "| | " + " | ".join(heads[c] for c in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+        f"| busiest rank, the critical path: its FLOPs at {options.ns_tflops:g} TFLOP/s + its groups' all-reduces | "
+        + cells(lambda fs: _ms(max(t for x in fs for t in x.ns_seconds)))
+        + " |",
+        "| its FLOPs; the mean; max/mean | " + cells(flops) + " |",
+        "| the largest job one rank runs whole (no rank runs less: the plan's floor) | " + cells(largest) + " |",
+    ]
+    if sizing.grouped:
+        runs = sizing.figures("runs")
+        mean = sum(x.group_traffic.elements for x in runs) / len(runs)
+        busiest = max(runs, key=lambda x: x.group_traffic_max.elements).group_traffic_max
+        sizes = _summed((k, n) for x in runs for _, k, n in groups_formed(x.plan))
+        out += [
+            "| owner groups: weights x ranks | – | "
+            + ", ".join(f"{n} x {k}" for k, n in sorted(sizes.items(), key=lambda kn: -kn[0]))
+            + " |",
+            "| their Gram all-reduces per rank per step, fp32: the mean; the busiest member | – | "
+            f"{_count(mean)} elements, {format_gb(mean * 4)}; {_count(busiest.elements)}, "
+            f"{format_gb(busiest.bytes)} |",
+            "| their step temporaries (Gram workspace; the largest rank, in the step only) | – | "
+            + format_gb(max(x.memory["DMuon-Z3"].group_temporaries for x in runs))
+            + " |",
+        ]
+    out += [
+        "| DMuon-Z2 / DMuon-Z3 peak without activations | " + cells(peaks) + " |",
+        "",
+    ]
+    for (name, k), n in _summed(g for x in sizing.figures("runs") for g in groups_formed(x.plan)).items():
+        out.append(f"- in owner groups of {k} ranks: {name} ({n} weights)")
+    if options.enabled:
+        kept: dict[str, dict[str, int]] = {}
+        for (name, why), n in _summed(g for x in sizing.figures("runs") for g in kept_whole(x.plan)).items():
+            kept.setdefault(why, {})[name] = kept.get(why, {}).get(name, 0) + n
+        for why, names in kept.items():
+            out.append(f"- one owner whatever the cost ({why}): {', '.join(names)} ({sum(names.values())} weights)")
+    floor = max(x.largest_ns for x in sizing.figures("one_owner"))
+    busiest = sizing.ns_seconds_max("runs")
+    if not options.enabled:
+        verdict = "owner groups are off (--no-owner-groups)"
+    elif sizing.grouped:
+        verdict = f"owner groups take the busiest rank from {_ms(sizing.ns_seconds_max('one_owner'))} to {_ms(busiest)}"
+        verdict += ", below that floor" if busiest < floor / rate else ""
+    elif not any(e.may_group for x in sizing.figures("runs") for e in x.plan.entries):
+        verdict = "owner groups form none here: no weight may take one (above)"
+    else:
+        verdict = (
+            "owner groups form none here: no sizing shortens the busiest rank by more than "
+            f"{options.min_gain:.0%} at these figures"
+        )
+    out += [
+        f"- the one-matrix floor: no one-owner plan goes below the largest weight's Newton–Schulz, "
+        f"{_ms(floor / rate)} ({_flop(floor)}); {verdict}",
         "- FSDP2 + AdamW runs none; naive FSDP2 + Muon runs every matrix on every rank",
     ]
+    return out
