@@ -19,6 +19,17 @@ import time
 import traceback
 
 COLLECTIVE_TIMEOUT_S = 60  # a wrong collective fails a test in a minute, never hangs it
+# Workers are forked from a server process that has imported these once (the modules every tier's workers
+# import; no TorchTitan: the core-portability tests check a worker without it), so a pool's start or restart
+# does not pay torch's import per rank (~2 s of CPU each here). The server starts with the session's
+# environment; OMP's thread count is set per worker (torch.set_num_threads) after the fork.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _init_gloo(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
@@ -67,7 +78,7 @@ class WorkerPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         init_file = None
         if self.backend is not None:
             fd, init_file = tempfile.mkstemp(prefix="dmuon_pg_")
