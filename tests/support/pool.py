@@ -160,7 +160,7 @@ def run_job(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout_s: fl
     """Run ``fn(rank, world_size, *args)`` once in fresh processes that exit when it returns or raises
     (a job, not a pool: for tests where a rank fails on purpose). Returns per rank
     ``(ok, value_or_traceback, exit_code)``; fails the test if the job outlives ``timeout``."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     fd, init_file = tempfile.mkstemp(prefix="dmuon_job_")
     os.close(fd)
     os.unlink(init_file)
