@@ -173,6 +173,8 @@ def study(args) -> dict:
         result = train(f"{name} seed {seed}", optimizer, seed, args, workdir)
         result.update(config=name)
         runs.append(result)
+        with open(os.path.join(args.out, "real_text_partial.json"), "w") as f:  # (a stopped study keeps its runs)
+            json.dump({"runs": runs}, f)
         training = sum(result["step_s"])
         print(
             f"  held-out loss {result['held_out'][-1][1]:.4f} at step {args.steps}; "
