@@ -30,6 +30,8 @@ def pytest_collection_modifyitems(config, items):
         if foreign:
             raise pytest.UsageError(f"{item.nodeid}: marked {foreign[0]} in tests/{tier}: the folder is the tier")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier != "unit":  # a tier with worker pools stays on one test process (pyproject's addopts)
+            item.add_marker(pytest.mark.xdist_group(tier))
 
 
 @pytest.fixture(scope="session")
