@@ -4,7 +4,7 @@ member's Newton–Schulz workspace under the one-owner path's cap.
 Before issue 39 a member stacked every equally shaped block of a group at once (fp32 Nesterov
 temporaries, an fp32 and a bf16 stack, a clone) with each matrix's short x short Gram workspace beside
 it: ~1.6 GB per 16384-row matrix, uncapped. Now a batch is cut so that its workspace
-(``member_workspace_elements``) stays within what the one-owner path allows a batch at
+(``member_batch_elements``) stays within what the one-owner path allows a batch at
 ``MAX_STACK_BYTES`` (``workspace_elements`` of the matrices it stacks), and every member cuts alike.
 """
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from titan_dmuon.math.group_newton_schulz import block_bounds, member_workspace_elements, widest_block
+from titan_dmuon.math.group_newton_schulz import block_bounds, member_batch_elements, widest_block
 from titan_dmuon.math.ns_methods import MAX_STACK_BYTES, workspace_elements
 from titan_dmuon.optim.grouped_update import batch_order, member_batches
 
@@ -47,10 +47,10 @@ def test_a_members_batch_stays_under_the_one_owner_cap(shape, k):
     assert [len(b) for b in first] == [len(b) for b in last]
     assert sum(len(b) for b in first) == 40
     cap = max(1, MAX_STACK_BYTES // (2 * short * long)) * workspace_elements(short, long, "torch", 5)
-    per_matrix = member_workspace_elements(short, widest_block(long, k), "torch", 5)
+    width = widest_block(long, k)
     for batch in first:
-        assert len(batch) == 1 or len(batch) * per_matrix <= cap
-    if per_matrix * 40 > cap:
+        assert len(batch) == 1 or member_batch_elements(short, width, len(batch), "torch", 5) <= cap
+    if member_batch_elements(short, width, 40, "torch", 5) > cap:
         assert len(first) > 1  # (the cap did cut)
 
 

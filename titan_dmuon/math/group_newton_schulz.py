@@ -94,22 +94,23 @@ def _halves(n: int) -> tuple[int, int]:
     return (n + 1) // 2, n // 2
 
 
-def pack_symmetric(matrices: torch.Tensor, dtype: torch.dtype = GRAM_REDUCE_DTYPE) -> torch.Tensor:
+def pack_symmetric(matrices: torch.Tensor, dtype: torch.dtype = GRAM_REDUCE_DTYPE, *, extra: int = 0) -> torch.Tensor:
     """(B, n, n) symmetric matrices as (B, n (n + 1) / 2) numbers of ``dtype``, by blocks (no index
     tensors): with A = [[A11, A12], [A12ᵀ, A22]] (A11 of ceil(n/2) rows), A11's lower triangle and
     A22's upper one share one rectangle (A22's shifted by one row or column), followed by A12.
-    Only the upper triangle of A is read (the lower triangle of A11 is its upper one mirrored)."""
+    Only the upper triangle of A is read (the lower triangle of A11 is its upper one mirrored).
+    ``extra`` columns are left after it for the caller (the squared norm: no concatenated copy)."""
     batch, n = matrices.size(0), matrices.size(-1)
     a, b = _halves(n)
     even = a == b
-    out = torch.empty(batch, packed_numel(n), dtype=dtype, device=matrices.device)
+    out = torch.empty(batch, packed_numel(n) + extra, dtype=dtype, device=matrices.device)
     rows = a + 1 if even else a
     rectangle = out[:, : rows * a].view(batch, rows, a)
     rectangle.zero_()
     rectangle[:, 1 if even else 0 :] = torch.tril(matrices[:, :a, :a].mT)
     shifted = rectangle[:, :b, (0 if even else 1) : (0 if even else 1) + b]
     shifted.add_(torch.triu(matrices[:, a:, a:]))
-    out[:, rows * a :].view(batch, a, b).copy_(matrices[:, :a, a:])
+    out[:, rows * a : rows * a + a * b].view(batch, a, b).copy_(matrices[:, :a, a:])
     return out
 
 
@@ -123,8 +124,12 @@ def unpack_symmetric(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.bf
     lower = rectangle[:, 1 if even else 0 :]  # A11's lower triangle
     upper = rectangle[:, :b, (0 if even else 1) : (0 if even else 1) + b]  # A22's upper triangle
     out = torch.empty(batch, n, n, dtype=dtype, device=packed.device)
-    out[:, :a, :a] = torch.tril(lower) + torch.tril(lower, -1).mT
-    out[:, a:, a:] = torch.triu(upper) + torch.triu(upper, 1).mT
+    # (each entry rounded once, then a triangle and its mirror added where it was zero: small temporaries)
+    lower, upper = lower.to(dtype), upper.to(dtype)
+    out[:, :a, :a] = torch.tril(lower)
+    out[:, :a, :a] += torch.tril(lower, -1).mT
+    out[:, a:, a:] = torch.triu(upper)
+    out[:, a:, a:] += torch.triu(upper, 1).mT
     corner = packed[:, rows * a :].view(batch, a, b)
     out[:, :a, a:] = corner
     out[:, a:, :a] = corner.mT
@@ -174,19 +179,25 @@ def group_newton_schulz(
     if x.size(-2) != short or not 0 < x.size(-1) <= long:
         raise ValueError(f"a block of shape {tuple(block.shape[1:])} is not a block along the long side of {shape}")
     x = x.clone() if not overwrite and (x is block or x._base is block) else x
+    del block  # (handed over: with ``overwrite``, the stack is freed once the first step has replaced it)
     schedule = ns_schedule(ns_method, steps, coefficients)
     uses_gram = ns_method == "gram" and group_uses_gram(short, long, group_size, steps)
     levels = symmetric_levels(short) if uses_gram else 0
-    if group_size == 1:  # (nothing to sum: the one-owner's order, its Gram matrix of the normalised X)
-        _first_gram(x, eps, ns_input_scale(ns_method), lambda t: None, levels)
-        first = summed_gram(x, all_reduce, levels)
-    else:
-        first = _first_gram(x, eps, ns_input_scale(ns_method), all_reduce, levels)
-    widest = widest_block(long, group_size)
+    scale = ns_input_scale(ns_method)
+
+    def first_gram(y: torch.Tensor) -> torch.Tensor:
+        if group_size == 1:  # (nothing to sum: the one-owner's order, its Gram matrix of the normalised X)
+            _first_gram(y, eps, scale, lambda t: None, levels)
+            return summed_gram(y, all_reduce, levels)
+        return _first_gram(y, eps, scale, all_reduce, levels)
+
+    held = [x]  # (no name here keeps the block alive while the iteration replaces it: member_workspace_elements)
+    del x
     if uses_gram:
-        x = _group_gram(x, schedule, all_reduce, first, levels)
+        x = _group_gram(held, schedule, all_reduce, first_gram, levels)
     else:
-        x = _group_iterate(x, schedule, all_reduce, first, reassociate=reassociates(short, widest))
+        reassociate = reassociates(short, widest_block(long, group_size))
+        x = _group_iterate(held, schedule, all_reduce, first_gram, reassociate=reassociate)
     return x.mT if tall else x
 
 
@@ -195,50 +206,58 @@ def _first_gram(x: torch.Tensor, eps: float, scale: float, all_reduce: AllReduce
     ``eps``), and return its first summed Gram matrix, both from one all-reduce: the packed Gram part of
     the block as it came, with its squared norm (fp32) as one more column. The norm is rooted and rounded
     to bf16 as the one-owner's ``vector_norm`` of its bf16 matrix rounds its fp32 result, and divides X as
-    there; the summed Gram matrix is divided by the same divisor squared in fp32, then rounded once."""
-    squares = torch.linalg.vector_norm(x.flatten(1), dim=1, dtype=GRAM_REDUCE_DTYPE).square()
+    there; the summed Gram matrix is divided by the same divisor squared in fp32, then rounded once.
+    Each matrix's fp32 squares are taken one matrix at a time (``vector_norm`` with a dtype copies its
+    input in that dtype: the whole batch in fp32 before), the packed sum divided in place."""
+    squares = torch.stack([torch.linalg.vector_norm(m, dtype=GRAM_REDUCE_DTYPE) for m in x]).square()
     part = _batched_symmetric(x, x.mT, levels) if levels else x @ x.mT
-    fused = torch.cat([pack_symmetric(part), squares[:, None]], dim=1)
+    fused = pack_symmetric(part, extra=1)
     del part
+    fused[:, -1] = squares
     all_reduce(fused)
     norms = fused[:, -1].sqrt().to(x.dtype)
     if scale != 1.0:
         norms = norms * scale
     divisor = norms.clamp(min=eps)
     x.div_(divisor[:, None, None])
-    packed = fused[:, :-1] / divisor.to(GRAM_REDUCE_DTYPE).square()[:, None]
+    packed = fused[:, :-1]
+    packed.div_(divisor.to(GRAM_REDUCE_DTYPE).square()[:, None])
     return unpack_symmetric(packed, x.size(-2), x.dtype)
 
 
-def _group_iterate(
-    x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, *, reassociate: bool
-) -> torch.Tensor:
-    """``ns_methods._iterate`` on this member's block: X_i <- a X_i + (b A + c A²) X_i with A the
-    group's Gram matrix (``first`` at the first step); ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i)
-    (no s³ product)."""
+def _group_iterate(held: list, schedule, all_reduce: AllReduce, first_gram, *, reassociate: bool) -> torch.Tensor:
+    """``ns_methods._iterate`` on this member's block (``held``'s one tensor, taken): X_i <- a X_i +
+    (b A + c A²) X_i with A the group's Gram matrix (``first_gram`` at the first step);
+    ``reassociate``: X_i <- a X_i + b A X_i + c A (A X_i) (no s³ product). At most X_i, its next value
+    and A X_i (or A and its polynomial) are alive with A: no name keeps an earlier one."""
+    x = held.pop()
     for step, (a, b, c) in enumerate(schedule):
-        gram = first if step == 0 else summed_gram(x, all_reduce)
-        if reassociate:
-            inner = torch.baddbmm(x, gram, x, beta=b, alpha=c)  # b X_i + c A X_i, rounded once
-            x = torch.baddbmm(x, gram, inner, beta=a)
+        gram = first_gram(x) if step == 0 else summed_gram(x, all_reduce)
+        if reassociate:  # (the inner product: b X_i + c A X_i, rounded once)
+            x = torch.baddbmm(x, gram, torch.baddbmm(x, gram, x, beta=b, alpha=c), beta=a)
         else:  # ns_methods._iterate's step
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        del gram
     return x
 
 
-def _group_gram(x: torch.Tensor, schedule, all_reduce: AllReduce, first: torch.Tensor, levels: int) -> torch.Tensor:
-    """``ns_methods._gram_newton_schulz`` on this member's block: the short-space iteration (R, Q) on the
-    group's summed Gram matrix (``first`` at the start), repeated by every member; Q X_i at each restart
-    and at the end. Large matrices go one at a time (2-D symmetric products), as there."""
+def _group_gram(held: list, schedule, all_reduce: AllReduce, first_gram, levels: int) -> torch.Tensor:
+    """``ns_methods._gram_newton_schulz`` on this member's block (``held``'s one tensor, taken): the
+    short-space iteration (R, Q) on the group's summed Gram matrix (``first_gram`` at the start), repeated
+    by every member; Q X_i at each restart and at the end. Large matrices go one at a time (2-D
+    symmetric products), as there."""
     restarts = set(gram_restarts(len(schedule)))
-    given = [first]
+    given = [first_gram(held[0])]
 
     def gram_of(y: torch.Tensor) -> torch.Tensor:
         return given.pop() if given else summed_gram(y, all_reduce, levels)
 
     return gram_segments(
-        x, schedule, restarts, gram_of=gram_of, symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw)
+        held.pop(),
+        schedule,
+        restarts,
+        gram_of=gram_of,
+        symmetric=lambda a, b, **kw: _batched_symmetric(a, b, levels, **kw),
     )
 
 
@@ -277,12 +296,26 @@ def _gram_member_flops(short: int, block: int, steps: int) -> int:
 
 
 def member_workspace_elements(short: int, block: int, ns_method: str = "torch", steps: int = NS_STEPS) -> int:
-    """Elements one matrix's group Newton–Schulz holds on a member at its peak, its block ``block`` wide
-    (as ``muon_math.workspace_elements`` counts one owner's): the block and its next value, the summed Gram
-    matrix and the polynomial (or A X_i), the packed fp32 sum (two bf16 elements each); Gram Newton–Schulz
-    about six short x short matrices."""
-    square = 6 if ns_method == "gram" else 2
-    return 2 * short * block + square * short * short + 2 * packed_numel(short)
+    """Elements one matrix's group Newton–Schulz holds on a member at its peak (bf16 elements), its block
+    ``block`` wide (the group's widest), as ``ns_methods.workspace_elements`` counts one owner's: with the
+    polynomial, the block and its next value, the summed Gram matrix and its polynomial; in Horner's order
+    (``reassociates``) the block, A X_i and the next value, with the Gram matrix; Gram Newton–Schulz the
+    block and its next value, about six short x short matrices; and the packed fp32 sum (two bf16
+    elements a number). ``member_batch_elements`` adds what a batch holds once."""
+    if ns_method == "gram":
+        blocks, squares = 2, 6
+    elif reassociates(short, block):
+        blocks, squares = 3, 1
+    else:
+        blocks, squares = 2, 2
+    return blocks * short * block + squares * short * short + 2 * packed_numel(short)
+
+
+def member_batch_elements(short: int, block: int, count: int, ns_method: str = "torch", steps: int = NS_STEPS) -> int:
+    """Elements a member's step holds at its peak for a batch of ``count`` equally shaped blocks (bf16
+    elements): each one's ``member_workspace_elements``, and one block's fp32 temporary at a time (the
+    Nesterov input before it is rounded into the stack; a matrix's squares for its norm)."""
+    return count * member_workspace_elements(short, block, ns_method, steps) + 2 * short * block
 
 
 def group_uses_gram(short: int, long: int, group_size: int, steps: int = NS_STEPS) -> bool:

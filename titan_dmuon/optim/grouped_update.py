@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_dmuon.math.group_newton_schulz import group_newton_schulz, member_workspace_elements, widest_block
+from titan_dmuon.math.group_newton_schulz import (
+    group_newton_schulz,
+    member_batch_elements,
+    member_workspace_elements,
+    widest_block,
+)
 from titan_dmuon.math.ns_methods import MAX_STACK_BYTES, workspace_elements
 from titan_dmuon.math.update_rules import adjusted_lr, scalar
 from titan_dmuon.runtime.members import Member
@@ -44,9 +49,10 @@ def batch_order(weights: list[GroupedWeight]) -> list[list[GroupedWeight]]:
 
 
 def member_batches(batch: list[GroupedWeight], ns_method: str, steps: int) -> list[list[GroupedWeight]]:
-    """``batch`` in pieces whose workspace on this member (its bf16 stack, its iterates and each matrix's
-    short x short Gram workspace: ``member_workspace_elements``) stays within what the one-owner path
-    allows a batch at ``MAX_STACK_BYTES`` (``workspace_elements`` of the matrices it stacks)."""
+    """``batch`` in pieces whose workspace on this member (its bf16 stack, its iterates, each matrix's
+    short x short Gram workspace and one block's fp32 temporary: ``member_batch_elements``) stays within
+    what the one-owner path allows a batch at ``MAX_STACK_BYTES`` (``workspace_elements`` of the matrices
+    it stacks)."""
     member = batch[0].member
     per_batch = member_batch_size(member.shape, member.group.size, ns_method, steps)
     return [batch[first : first + per_batch] for first in range(0, len(batch), per_batch)]
@@ -54,13 +60,14 @@ def member_batches(batch: list[GroupedWeight], ns_method: str, steps: int) -> li
 
 def member_batch_size(shape: tuple[int, int], group_size: int, ns_method: str, steps: int) -> int:
     """How many equally shaped matrices of one group a member stacks per batch (``member_batches``; also
-    what ``titan_dmuon.sizing`` counts a member's step temporaries by): as many as keep their workspace
-    within the one-owner path's batch at ``MAX_STACK_BYTES``, cut by the widest block (every member cuts
-    alike: the same all-reduces on each)."""
+    what ``titan_dmuon.sizing`` counts a member's step temporaries by): as many as keep their
+    ``member_batch_elements`` within the one-owner path's batch at ``MAX_STACK_BYTES``, cut by the widest
+    block (every member cuts alike: the same all-reduces on each); at least one."""
     short, long = min(shape), max(shape)
     width = widest_block(long, group_size)
     one_owner = max(1, MAX_STACK_BYTES // (2 * short * long)) * workspace_elements(short, long, "torch", steps)
-    return max(1, one_owner // member_workspace_elements(short, width, ns_method, steps))
+    per_matrix = member_workspace_elements(short, width, ns_method, steps)
+    return max(1, (one_owner - member_batch_elements(short, width, 0, ns_method, steps)) // per_matrix)
 
 
 def update_grouped(owner_update, group: dict, weights: list[GroupedWeight], comm) -> None:
@@ -72,14 +79,10 @@ def update_grouped(owner_update, group: dict, weights: list[GroupedWeight], comm
         member = whole[0].member
         for batch in member_batches(whole, owner_update.ns_method, group["ns_steps"]):
             param = batch[0].param
-            stack = torch.empty((len(batch), *param.shape), dtype=torch.bfloat16, device=param.device)
-            for k, weight in enumerate(batch):  # one block's fp32 temporary at a time
-                buffer = owner_update.momentum_buffer(weight.param)
-                buffer.lerp_(weight.grad, 1 - momentum)
-                stack[k].copy_(weight.grad.lerp(buffer, momentum) if nesterov else buffer)
+            held = [_update_stack(owner_update, batch, momentum, nesterov)]
             with owner_update.figures.timing(param.device):
                 orthogonal = group_newton_schulz(
-                    stack,
+                    held.pop(),  # (handed over, no name left here: freed once the first step replaced it)
                     shape=member.shape,
                     group_size=member.group.size,
                     all_reduce=comm.all_reduce(member),
@@ -90,9 +93,27 @@ def update_grouped(owner_update, group: dict, weights: list[GroupedWeight], comm
                     overwrite=True,
                 )
                 owner_update.figures.matrices += len(batch)
-            del stack
-            scale = adjusted_lr(lr, group["adjust_lr_fn"], member.shape)
-            params = [w.param for w in batch]
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            for target, update in zip(params, orthogonal):
-                target.add_(update, alpha=-scale)
+            _apply(batch, orthogonal, lr, group, member.shape)
+            del orthogonal  # (before the next batch's stack: one batch's blocks alive at a time)
+
+
+def _apply(batch: list[GroupedWeight], orthogonal: torch.Tensor, lr: float, group: dict, shape) -> None:
+    """Weight decay and the update (``adjusted_lr`` of the whole matrix) on each block of ``batch``."""
+    scale = adjusted_lr(lr, group["adjust_lr_fn"], shape)
+    params = [w.param for w in batch]
+    torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+    for target, update in zip(params, orthogonal):
+        target.add_(update, alpha=-scale)
+
+
+def _update_stack(owner_update, batch: list[GroupedWeight], momentum: float, nesterov: bool) -> torch.Tensor:
+    """The batch's momentum updated and its Newton–Schulz inputs in one bf16 stack, one block's fp32
+    temporary at a time. The caller keeps no name for it: ``group_newton_schulz`` iterates it in place and
+    drops it once its first step has replaced it (``member_workspace_elements`` counts it so)."""
+    param = batch[0].param
+    stack = torch.empty((len(batch), *param.shape), dtype=torch.bfloat16, device=param.device)
+    for k, weight in enumerate(batch):
+        buffer = owner_update.momentum_buffer(weight.param)
+        buffer.lerp_(weight.grad, 1 - momentum)
+        stack[k].copy_(weight.grad.lerp(buffer, momentum) if nesterov else buffer)
+    return stack

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from titan_dmuon.math.group_newton_schulz import member_workspace_elements, widest_block
+from titan_dmuon.math.group_newton_schulz import member_batch_elements, widest_block
 from titan_dmuon.math.matrix_blocks import row_blocks
 from titan_dmuon.math.muon_update import muon_step
 from titan_dmuon.math.ns_methods import NS_STEPS
@@ -21,7 +21,7 @@ from titan_dmuon.plan.ownership import OwnershipPlan
 from titan_dmuon.sizing.records import Weight
 from titan_dmuon.sizing.stage_weights import StageWeights, chunk_rows
 
-GROUP_WORKSPACE_BYTES = 2  # member_workspace_elements counts bf16 elements (the packed fp32 sum as two each)
+GROUP_WORKSPACE_BYTES = 2  # member_batch_elements counts bf16 elements (an fp32 number as two)
 
 
 def workspace_bytes(calls: Sequence[Sequence[tuple[tuple[int, ...], Sequence]]], cache: dict | None = None) -> int:
@@ -95,7 +95,9 @@ def group_temporaries(plan: OwnershipPlan, ns_method: str = "torch", steps: int 
     """Each rank's largest owner-group batch in the step, in bytes: per job (``pipeline_chunks``) the
     blocks of one group and shape run together, ``member_batch_size`` of them at a time, each holding
     ``member_workspace_elements`` (its block and next value, the summed Gram matrix and its polynomial,
-    the packed fp32 sum). Allocated in the step and freed after it: not in the workspace kept between steps."""
+    the packed fp32 sum), with one block's fp32 temporary per batch (``member_batch_elements``, what
+    ``tests/unit/test_group_member_memory.py`` holds a member's peak to). Allocated in the step and freed
+    after it: not in the workspace kept between steps."""
     chunks = pipeline_chunks(sorted({e.unit for e in plan.entries}))
     chunk_of = {unit: c for c, chunk in enumerate(chunks) for unit in chunk}
     batches: dict[tuple, int] = {}  # (rank, job, group's ranks, shape) -> matrices
@@ -108,8 +110,8 @@ def group_temporaries(plan: OwnershipPlan, ns_method: str = "torch", steps: int 
     for (rank, _, ranks, shape), count in batches.items():
         short, long = min(shape), max(shape)
         per_batch = min(count, member_batch_size(shape, len(ranks), ns_method, steps))
-        one = member_workspace_elements(short, widest_block(long, len(ranks)), ns_method, steps)
-        out[rank] = max(out[rank], per_batch * one * GROUP_WORKSPACE_BYTES)
+        batch = member_batch_elements(short, widest_block(long, len(ranks)), per_batch, ns_method, steps)
+        out[rank] = max(out[rank], batch * GROUP_WORKSPACE_BYTES)
     return out
 
 
