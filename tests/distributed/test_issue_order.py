@@ -15,9 +15,10 @@ The layouts: Z2 and Z3 at 32 ranks, HSDP 2 x 32, one and two Muon param groups (
 and MLP at different learning rates: ``[{"params": ..., "lr": ...}, ...]``), owner groups of different
 sizes that share ranks, and a dedication mesh that is one slice of a larger world (pipeline-stage-like
 copies, each with its own model and plan, no pipeline schedule). A planted crossing (a job's param groups
-in a rank-dependent order) must fail the check. Not in the matrix yet: tensor, expert and context
-parallelism and a real pipeline schedule (TorchTitan's harness builds those; under a tp mesh no weight
-gets an owner group, TP weights keeping one NS home).
+in a rank-dependent order) must fail the check. The checker is tests/support/issue_order.py's. What this
+file does not build: tensor, expert and context parallelism and a real pipeline schedule, with everything
+else a rank issues (FSDP2's, TorchTitan's, DCP's): tests/titan/test_issue_order_layouts.py records those on
+real gloo ranks (4 of them), each op as it reaches the dispatcher.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.support.issue_order import check_issue_order
 from titan_dmuon.plan.owner_groups import GroupOptions
 
 # Cheap sums next to Newton–Schulz (so the plan splits these tiny matrices), nodes of 4 ranks, every figure
@@ -146,47 +148,6 @@ def record_job(_rank, _world, layout: str, world: int, param_groups: int, plante
         return out
     finally:
         step_schedule.Job.in_order = original
-
-
-def check_issue_order(sequences: list[list[tuple]]) -> None:
-    """AssertionError unless every communicator has one sequence on all its ranks and the ranks' orders
-    admit one global order (``sequences[rank]``: (kind, ranks, elements, dtype) in issue order)."""
-    by_comm: dict[tuple, dict[int, list]] = {}
-    for rank, ops in enumerate(sequences):
-        for kind, ranks, numel, dtype in ops:
-            by_comm.setdefault(ranks, {}).setdefault(rank, []).append((kind, numel, dtype))
-    for ranks, per_rank in by_comm.items():
-        assert set(per_rank) == set(ranks), f"communicator {ranks}: only ranks {sorted(per_rank)} used it"
-        first = per_rank[ranks[0]]
-        for rank in ranks:
-            assert per_rank[rank] == first, (
-                f"communicator {ranks}: rank {rank} issues another sequence than rank {ranks[0]}"
-            )
-    # nodes: (communicator, index); edges: each rank's consecutive operations (a communicator's order is
-    # implied: the rank's own sequence on it is its index order)
-    after: dict[tuple, set] = {}
-    waiting: dict[tuple, int] = {}
-    for _rank, ops in enumerate(sequences):
-        seen: dict[tuple, int] = {}
-        previous = None
-        for _, ranks, _, _ in ops:
-            node = (ranks, seen.get(ranks, 0))
-            seen[ranks] = node[1] + 1
-            waiting.setdefault(node, 0)
-            if previous is not None and node not in after.setdefault(previous, set()):
-                after[previous].add(node)
-                waiting[node] += 1
-            previous = node
-    ready = [node for node, count in waiting.items() if count == 0]
-    done = 0
-    while ready:
-        node = ready.pop()
-        done += 1
-        for following in after.get(node, ()):
-            waiting[following] -= 1
-            if waiting[following] == 0:
-                ready.append(following)
-    assert done == len(waiting), f"the ranks' orders cross: {len(waiting) - done} operations wait on each other"
 
 
 def _overlapping_groups(groups: list) -> bool:

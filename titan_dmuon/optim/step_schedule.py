@@ -17,7 +17,8 @@ Every rank runs every unit's ``before_update``/``updated`` in the same order, wh
 issue collectives on groups that FSDP2 and the other ranks share. An owner group's sums go job by job and,
 in a job, by the param group's position in the optimizer (then by name: ``grouped_update.batch_order``),
 never in the order this rank happens to meet its weights: two groups that share ranks then see their sums
-in one order on every rank (``tests/test_issue_order.py`` checks every communicator's order).
+in one order on every rank (``tests/distributed/test_issue_order.py`` and ``tests/titan/test_issue_order_layouts.py``
+check every communicator's order).
 """
 
 from __future__ import annotations
