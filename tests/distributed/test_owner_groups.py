@@ -356,3 +356,63 @@ def test_pipeline_stages_make_the_union_of_their_sizes(pool4):
     assert results[0][0] == {(0, 1): (0, 1)} and results[1][0] == {(0, 1): (0, 1)}
     assert all(probe == 4.0 for _, probe, _ in results)
     assert len({name for _, _, name in results}) == 1
+
+
+# ---- a state dict of another layout, loaded with load_state_dict ------------------------------------------
+def _two_dominant(seed: int):
+    """Two dominant matrices: on 4 ranks each splits over a group of 2 (ranks 0-1, 2-3), so every weight
+    has ranks outside its group."""
+    from tests.support.owner_groups_parts import DominantBlock
+
+    model = dominant_model(seed)
+    model.layers.append(DominantBlock(model.layers[0].dim, 2048, True))
+    return model
+
+
+def _load_another_layout(rank, world, which):
+    """A trained job's dedicated weights (``which``: the grouped matrix only, or every one) handed to a
+    fresh job's ``load_state_dict`` as DTensors ``Shard(0)`` over all 4 ranks (as another FSDP2 model's
+    state dict gives them), on every rank; what each rank then holds, in full."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titan_dmuon.runtime import canonical_fqn
+
+    trained = distribute(
+        _two_dominant(0), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+    )
+    train(trained, batches(2), rank, world)
+    wanted = full_state(trained)
+    fresh = distribute(
+        _two_dominant(1), "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+    )
+    dedicated = set(fresh.handle.full_tensors())
+    grouped = [e.fqn for e in fresh.handle.plan.entries if e.group is not None]
+    assert [e.group.size for e in fresh.handle.plan.entries if e.group is not None] == [2, 2]
+    given_whole = set(grouped) if which == "grouped" else dedicated
+    mesh = init_device_mesh("cpu", (world,))
+    given = fresh.model.state_dict()  # (FSDP2's own weights as they are; a dedicated one only on its holders)
+    for key, _ in fresh.model.named_parameters():  # (every rank, one order: distribute_tensor scatters)
+        if canonical_fqn(key) in given_whole:
+            given[key] = distribute_tensor(wanted[canonical_fqn(key)], mesh, [Shard(0)])
+    fresh.model.load_state_dict(given, strict=False)
+    loaded = full_state(fresh)
+    return {
+        "given": sorted(given_whole),
+        "unequal": [n for n in given_whole if not torch.equal(loaded[n], wanted[n])],
+        "dedicated": sorted(dedicated),
+        "grouped": grouped,
+    }
+
+
+@pytest.mark.parametrize("which", ["grouped", "all"])
+def test_another_layouts_dtensors_load_on_every_rank(pool4, which):
+    """A DTensor laid out otherwise than ``state_dict()`` gives it is gathered whole by every rank of its
+    mesh, holder or not, and each holder keeps its part: every dedicated weight (an owner group's and the
+    one-owner ones) loads bit for bit. Bugs: only the group's members called ``full_tensor()``, an
+    all-gather the other ranks never joined (``grouped``: on NCCL a hang; here gloo's timeout); a one-owner
+    weight's holder copied the DTensor into its plain tensor (``all``: "mixed torch.Tensor and DTensor")."""
+    results = pool4.run(_load_another_layout, which, timeout=90.0)
+    assert results[0]["grouped"] and len(results[0]["dedicated"]) > len(results[0]["grouped"])
+    assert results[0]["given"] == (results[0]["grouped"] if which == "grouped" else results[0]["dedicated"])
+    assert [r["unequal"] for r in results] == [[]] * 4

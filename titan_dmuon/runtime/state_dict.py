@@ -49,26 +49,21 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
     def before_load(module, state_dict, prefix, *args) -> None:
         handle.wait_for_replicate_broadcasts(host=True)  # so that no older value lands after the load
         handle.discard_gathered_weights()  # a buffer gathered before the load holds old values
-        for m in handle.members_of(module):
+        for m in handle.members_of(module):  # (every rank meets the members in one order: _readable's gathers)
+            key = prefix + m.name
+            value = _readable(handle, m, state_dict.get(key))
             if m.block is not None:  # this rank's block of the full matrix
-                value = state_dict.get(prefix + m.name)
-                if isinstance(value, DTensor):  # ours (DCP filled the DTensor state_dict() gave), or another layout
-                    ours = _block_layout(value, handle.owner_groups.device_mesh(m), m.group.long_dim)
-                    value = value.to_local() if ours else value.full_tensor()
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == m.shape:
                     value = pieces_of(m, handle.plan)[m.block].of(value)
                 if value is not None:
-                    state_dict[prefix + m.name] = value
+                    state_dict[key] = value
             elif not m.holds_full:
-                state_dict.pop(prefix + m.name, None)  # its holders load it
-                not_held_keys.add(prefix + m.name)
-            elif m.entry.tp_dim is not None:  # tensor parallelism: this rank's shard of the full matrix
-                value = state_dict.get(prefix + m.name)
-                if isinstance(value, DTensor):  # ours (Shard on the tp dim), or e.g. a fused wqkv's merged halves
-                    ours = len(value.placements) == 1 and value.placements[0] == Shard(m.entry.tp_dim)
-                    state_dict[prefix + m.name] = value.to_local() if ours else handle.tp_local(m, value.full_tensor())
-                elif isinstance(value, torch.Tensor) and tuple(value.shape) == m.entry.full_shape:
-                    state_dict[prefix + m.name] = handle.tp_local(m, value)
+                state_dict.pop(key, None)  # its holders load it
+                not_held_keys.add(key)
+            elif value is not None:  # a TP shard: this rank's of the full matrix; one owner: the full matrix
+                if m.entry.tp_dim is not None and tuple(value.shape) == m.entry.full_shape:
+                    value = handle.tp_local(m, value)
+                state_dict[key] = value
 
     def after_load(module, incompatible_keys) -> None:
         """Weights this rank does not hold are not "missing" from what it was given; the next
@@ -82,6 +77,23 @@ def install_state_dict_hooks(handle, module: nn.Module) -> list[RemovableHandle]
         module.register_load_state_dict_pre_hook(before_load),
         module.register_load_state_dict_post_hook(after_load),
     ]
+
+
+def _readable(handle, m, value):
+    """``value`` as this rank reads it: a DTensor laid out as ``state_dict()`` gives it (an owner group's
+    block, a TP shard) as its local tensor; any other DTensor whole, by ``full_tensor()`` on every rank of
+    its mesh, whether or not the rank holds the weight (e.g. another FSDP2 model's state dict: an
+    all-gather only the holders joined would hang on NCCL); a DTensor this rank is not part of: None."""
+    if not isinstance(value, DTensor):
+        return value
+    if m.block is not None and _block_layout(value, handle.owner_groups.device_mesh(m), m.group.long_dim):
+        return value.to_local()
+    if m.entry.tp_dim is not None and tuple(value.placements) == (Shard(m.entry.tp_dim),):
+        # a TP shard on its TP mesh: its holders read their shard; the rest of that mesh holds nothing of it
+        return value.to_local() if m.holds_full else None
+    if value.device_mesh.get_coordinate() is None:
+        return None
+    return value.full_tensor()
 
 
 def _block_layout(value: DTensor, mesh, long_dim: int) -> bool:
