@@ -4,6 +4,7 @@
         [--adamw-lrs 1e-3 2e-3 4e-3] [--dmuon-lrs 0.02 0.04 0.08] [--seeds 0 1]
         [--variants polar_express gram normuon heads float16] [--out bench_out]
     python benchmarks/convergence_real_text.py --from-raw bench_out/real_text_raw.json   # tables and PNGs again
+    python benchmarks/convergence_real_text.py --reuse bench_out/real_text_raw.json --adamw-lrs ...  # a wider grid
 
 TorchTitan's llama3 debug model trains through run_train.sh on 2 ranks (FSDP2, Z3) on the Shakespeare
 corpus (integration/shakespeare_corpus.py: 37 works to train on; 5 whole works, one per genre, held out;
@@ -22,8 +23,10 @@ Prints (and writes bench_out/real_text.txt) the sweep table, the comparison (fin
 over seeds and the seeds' spread, max - min, beside each difference, so a reader sees what is signal;
 the median step time; tokens and training seconds to reach AdamW's final held-out loss, its mean over
 seeds, linearly interpolated between validations) and two PNGs: held-out loss against tokens and against
-training seconds (AdamW vs DMuon), and the variants. Training seconds are the job's own per-step times,
-which leave validation out. On a CPU without float16 GEMMs the float16 rows' time is not a GPU's.
+training seconds (AdamW vs DMuon), and the variants. Training seconds are steps times the median of the
+job's own per-step times over the config's seeds (steps 3 on; validation left out): the steady-state
+clock, which a few steps slowed by other load on the machine do not move. On a CPU without float16 GEMMs
+the float16 rows' time is not a GPU's.
 """
 
 from __future__ import annotations
@@ -168,10 +171,25 @@ def study(args) -> dict:
     seed0, others = args.seeds[0], args.seeds[1:]
     tokens_per_step = 2 * args.batch.local * args.batch.seq
 
+    budget = {"batch": str(args.batch), "steps": args.steps, "val_every": args.val_every, "val_steps": args.val_steps}
+    reused = []
+    if args.reuse:
+        with open(args.reuse) as f:
+            reused = json.load(f)["runs"]
+
     def run(name, optimizer, seed):
         print(f"{name}, seed {seed} ...", flush=True)
-        result = train(f"{name} seed {seed}", optimizer, seed, args, workdir)
-        result.update(config=name)
+        earlier = [
+            r
+            for r in reused
+            if (r["config"], r["seed"], r.get("optimizer"), r.get("budget")) == (name, seed, optimizer, budget)
+        ]
+        if earlier:
+            result = earlier[0]
+            print(f"  taken from {args.reuse} (the same optimizer keys, seed and budget)", flush=True)
+        else:
+            result = train(f"{name} seed {seed}", optimizer, seed, args, workdir)
+            result.update(config=name, optimizer=optimizer, budget=budget)
         runs.append(result)
         with open(os.path.join(args.out, "real_text_partial.json"), "w") as f:  # (a stopped study keeps its runs)
             json.dump({"runs": runs}, f)
@@ -214,21 +232,21 @@ def final(runs: list[dict], config: str) -> float:
     return statistics.fmean(r["held_out"][-1][1] for r in runs if r["config"] == config)
 
 
-def reach(run: dict, target: float, tokens_per_step: int) -> tuple[float, float] | None:
-    """(tokens, training seconds) at which the run's held-out loss first reaches ``target``, linearly
+def median_step_s(runs: list[dict], config: str) -> float:
+    """The median step time of ``config``'s runs (all seeds), steps 3 on: its steady-state clock."""
+    return statistics.median(s for r in runs if r["config"] == config for s in r["step_s"][2:])
+
+
+def reach(run: dict, target: float) -> float | None:
+    """The step (fractional) at which the run's held-out loss first reaches ``target``, linearly
     interpolated between the two validations around it (None if it does not within the run)."""
-    elapsed = [0.0]
-    for s in run["step_s"]:
-        elapsed.append(elapsed[-1] + s)
     previous = None
     for step, loss in run["held_out"]:
         if loss <= target:
             if previous is None:
-                return step * tokens_per_step, elapsed[step]
+                return float(step)
             (step0, _), f = previous, (previous[1] - target) / (previous[1] - loss) if previous[1] != loss else 1.0
-            exact = step0 + f * (step - step0)
-            seconds = elapsed[step0] + f * (elapsed[step] - elapsed[step0])
-            return exact * tokens_per_step, seconds
+            return step0 + f * (step - step0)
         previous = (step, loss)
     return None
 
@@ -249,9 +267,8 @@ def tables(raw: dict) -> str:
             loss = next(r["held_out"][-1][1] for r in runs if r["config"] == f"{kind} lr {lr:g}")
             lines.append(f"| {kind} | {lr:g} | {loss:.4f}{mark if lr == best[kind] else ''} |")
     adamw = f"{ADAMW} lr {best[ADAMW]:g}"
-    adamw_runs = [r for r in runs if r["config"] == adamw]
     target = final(runs, adamw)
-    own = raw["steps"] * per_step, statistics.fmean(sum(r["step_s"]) for r in adamw_runs)  # (tokens, seconds)
+    own = raw["steps"] * per_step, raw["steps"] * median_step_s(runs, adamw)  # (tokens, seconds)
     configs = [adamw, f"{DMUON} lr {best[DMUON]:g}"] + [f"{DMUON} lr {best[DMUON]:g} {v}" for v in raw["variants"]]
     lines += [
         "",
@@ -267,8 +284,8 @@ def tables(raw: dict) -> str:
         if not mine:
             continue
         finals = [r["held_out"][-1][1] for r in mine]
-        reached = [reach(r, target, per_step) for r in mine]
-        got = [x for x in reached if x is not None]
+        step = median_step_s(runs, config)
+        got = [(s * per_step, s * step) for s in (reach(r, target) for r in mine) if s is not None]
         if config == adamw:  # (the target is its own mean: what each seed reaches says nothing more)
             to_tokens, to_seconds = f"{own[0] / 1e6:.3f}M (its budget)", f"{own[1]:.0f} s (its budget)"
             vs_tokens = vs_seconds = "1"
@@ -279,7 +296,6 @@ def tables(raw: dict) -> str:
         else:
             to_tokens = to_seconds = f"not reached ({len(mine) - len(got)} of {len(mine)} seeds)"
             vs_tokens = vs_seconds = "-"
-        step = statistics.median(s for r in mine for s in r["step_s"][2:])
         lines.append(
             f"| {config} | {', '.join(str(r['seed']) for r in mine)} | {statistics.fmean(finals):.4f} "
             f"| {max(finals) - min(finals):.4f} | {statistics.fmean(finals) - target:+.4f} | {step:.3f} s "
@@ -303,15 +319,13 @@ def plots(raw: dict, out: str) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for config, color in ((f"{ADAMW} lr {best[ADAMW]:g}", "#7f7f7f"), (f"{DMUON} lr {best[DMUON]:g}", "#1f77b4")):
         for i, r in enumerate(x for x in runs if x["config"] == config):
-            elapsed = [0.0]
-            for s in r["step_s"]:
-                elapsed.append(elapsed[-1] + s)
+            clock = median_step_s(runs, config)
             steps, losses = zip(*r["held_out"])
             label = f"{config}, seed {r['seed']}"
             style = "-" if i == 0 else "--"
             axes[0].plot([s * per_step / 1e6 for s in steps], losses, style, color=color, label=label, marker=".")
-            axes[1].plot([elapsed[s] for s in steps], losses, style, color=color, label=label, marker=".")
-    for ax, xlabel in zip(axes, ("tokens (millions)", "training seconds (validation left out)")):
+            axes[1].plot([s * clock for s in steps], losses, style, color=color, label=label, marker=".")
+    for ax, xlabel in zip(axes, ("tokens (millions)", "training seconds (steps x median step time)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out loss")
         ax.grid(alpha=0.3)
@@ -366,6 +380,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     parser.add_argument(
         "--from-raw", metavar="JSON", help="only print the tables (and PNGs) of an earlier run's raw file"
+    )
+    parser.add_argument(
+        "--reuse",
+        metavar="JSON",
+        help="take the runs of an earlier study's raw (or partial) file that match a run of this one (name, "
+        "seed, optimizer keys, budget) instead of training them again: a grid widened later trains only what is new",
     )
     args = parser.parse_args()
     if args.steps % args.val_every:

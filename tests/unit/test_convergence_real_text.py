@@ -3,7 +3,7 @@ the parts a two-hour run would otherwise find wrong at its end."""
 
 import pytest
 
-from benchmarks.convergence_real_text import parse_log, reach
+from benchmarks.convergence_real_text import median_step_s, parse_log, reach
 
 TRAIN, HELD_OUT, STEP_S, OPTIMIZER_MS = (8.14389, 8.09961), (8.0958, 8.0168), (1.124, 0.543), (226.4, 99.5)
 LOG = "".join(
@@ -28,8 +28,18 @@ def test_a_validation_line_is_not_read_as_the_steps_training_loss():
 
 
 def test_time_to_a_loss_is_interpolated_between_validations():
-    run = {"held_out": [(1, 8.0), (3, 6.0), (5, 4.0)], "step_s": [1.0, 1.0, 2.0, 2.0, 2.0]}
-    tokens, seconds = reach(run, 5.0, 100)  # halfway from step 3 (after 1 + 1 + 2 s) to step 5 (8 s)
-    assert tokens == 400 and seconds == 6.0
-    assert reach(run, 8.5, 100) == (100, 1.0)  # reached at the first validation
-    assert reach(run, 3.0, 100) is None
+    run = {"config": "c", "held_out": [(1, 8.0), (3, 6.0), (5, 4.0)], "step_s": [1.0, 1.0, 2.0, 5.0, 3.0]}
+    assert reach(run, 5.0) == 4.0  # halfway from step 3 to step 5
+    assert reach(run, 8.5) == 1.0  # reached at the first validation
+    assert reach(run, 3.0) is None
+
+
+def test_training_seconds_run_on_the_configs_median_step():
+    """Seconds are steps x the median step time over the config's seeds, steps 3 on (a slow step from
+    other load on the machine does not move it): steps 3-5 of two seeds, 2, 5, 3 and 2, 2, 9 s -> 2.5 s."""
+    runs = [
+        {"config": "c", "step_s": [1.0, 1.0, 2.0, 5.0, 3.0]},
+        {"config": "c", "step_s": [9.0, 9.0, 2.0, 2.0, 9.0]},
+        {"config": "other", "step_s": [7.0] * 5},
+    ]
+    assert median_step_s(runs, "c") == 2.5
