@@ -21,12 +21,12 @@ run has the same budget: ``--steps`` steps of ``--batch`` tokens per rank, linea
 
 Prints (and writes bench_out/real_text.txt) the sweep table, the comparison (final held-out loss, mean
 over seeds and the seeds' spread, max - min, beside each difference, so a reader sees what is signal;
-the median step time; tokens and training seconds to reach AdamW's final held-out loss, its mean over
-seeds, linearly interpolated between validations) and two PNGs: held-out loss against tokens and against
-training seconds (AdamW vs DMuon), and the variants. Training seconds are steps times the median of the
-job's own per-step times over the config's seeds (steps 3 on; validation left out): the steady-state
-clock, which a few steps slowed by other load on the machine do not move. On a CPU without float16 GEMMs
-the float16 rows' time is not a GPU's.
+the median step time and optimizer step, steps 3 on; tokens and training seconds to reach AdamW's final
+held-out loss, its mean over seeds, linearly interpolated between validations) and two PNGs: held-out
+loss against tokens and against training seconds (AdamW vs DMuon), and the variants. Training
+seconds are steps times the median of the job's own per-step times over the config's seeds (steps 3
+on; validation left out): the steady-state clock, which a few steps slowed by other load on the
+machine do not move. On a CPU without float16 GEMMs the float16 rows' time is not a GPU's.
 """
 
 from __future__ import annotations
@@ -276,8 +276,9 @@ def tables(raw: dict) -> str:
         f"{best[ADAMW]:g}); "
         f"target: {adamw}'s final held-out loss {target:.4f} (mean over its seeds)",
         "| run | seeds | final held-out loss (mean) | seeds' spread (max - min) | vs AdamW | step time (median) "
+        "| optimizer step (median) "
         "| tokens to AdamW's final loss | vs AdamW | training seconds to it | vs AdamW |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
@@ -299,6 +300,7 @@ def tables(raw: dict) -> str:
         lines.append(
             f"| {config} | {', '.join(str(r['seed']) for r in mine)} | {statistics.fmean(finals):.4f} "
             f"| {max(finals) - min(finals):.4f} | {statistics.fmean(finals) - target:+.4f} | {step:.3f} s "
+            f"| {statistics.median(ms for r in mine for ms in r['optimizer_ms'][2:]):.1f} ms "
             f"| {to_tokens} | {vs_tokens} | {to_seconds} | {vs_seconds} |"
         )
     return "\n".join(lines)
