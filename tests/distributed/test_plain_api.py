@@ -209,15 +209,17 @@ def _bad(rank, world, case):
     if case == "fully_shard_took_them":  # a torch where fully_shard cannot be reached: nothing wrapped
         from torch.distributed.fsdp._fully_shard import _fully_shard
 
-        wrapped = _fully_shard._get_modules_and_states
-        _fully_shard._get_modules_and_states = wrapped.__wrapped__
+        # This worker may or may not have wrapped it already (an earlier test's dedicate_params): peel to torch's own.
+        current = _fully_shard._get_modules_and_states
+        bare = getattr(current, "__wrapped__", current)
+        _fully_shard._get_modules_and_states = bare
         try:
             dedicate_params(model, mesh, predicate=r"\.attention\.w")
-            _fully_shard._get_modules_and_states = wrapped.__wrapped__  # (dedicate_params wrapped it again)
+            _fully_shard._get_modules_and_states = bare  # (dedicate_params wrapped it again)
             fully_shard(model.layers[0], mesh=mesh)
             return _error_of(lambda: DMuon(model, lr=0.02))
         finally:
-            _fully_shard._get_modules_and_states = wrapped
+            _fully_shard._get_modules_and_states = current
     if case == "no_sync_of_nothing":
         return _error_of(lambda: set_requires_gradient_sync(toy_model(), False))
     raise ValueError(case)
