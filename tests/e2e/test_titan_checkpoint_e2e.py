@@ -217,11 +217,9 @@ def _documented_commands(page: str, heading: str) -> list[str]:
 
 def test_documented_checkpoint_commands_run_as_written(tmp_path):
     """The documented resume and resharding commands (docs/checkpoints/torchtitan.md), verbatim,
-    in a copy of the checkout (they write ./outputs). Changing the layout (2 -> 4 ranks) without
-    --checkpoint.exclude_from_loading
-    dataloader failed on every rank inside TorchTitan's dataloader (a missing dataloader.dp_rank_3);
-    now every rank stops before loading with the one line that names the option, and the documented
-    command with the option resumes."""
+    in a copy of the checkout (they write ./outputs): 4 steps, a resume to 8, and the HSDP job on 4
+    ranks resuming with --checkpoint.exclude_from_loading dataloader. (Without the option every rank
+    stops before loading with the line that names it: tests/titan/test_trainer_jobs.py, in-process.)"""
     commands = _documented_commands("checkpoints/torchtitan.md", "## Resume and reshard")
     assert len(commands) == 3 and "--checkpoint.exclude_from_loading dataloader" in commands[2], commands
     clone = tmp_path / "clone"
@@ -244,16 +242,6 @@ def test_documented_checkpoint_commands_run_as_written(tmp_path):
     second, losses = sh(commands[1])
     assert second.returncode == 0 and sorted(losses) == [5, 6, 7, 8], second.stdout[-3000:]
     assert "Loading the checkpoint from ./outputs/checkpoint/step-4" in second.stdout
-
-    without_option = commands[2].replace(" --checkpoint.exclude_from_loading dataloader", "")
-    failed, losses = sh(f"LOG_RANK=0,1,2,3 {without_option}")
-    assert failed.returncode != 0 and not losses
-    for rank in range(4):
-        assert re.search(
-            rf"\[rank{rank}\]:.*checkpoint error: .*saved with data-parallel degree 2 and this job has 4.*"
-            r"--checkpoint.exclude_from_loading dataloader",
-            failed.stdout,
-        ), failed.stdout[-3000:]
 
     third, losses = sh(commands[2])
     assert third.returncode == 0 and sorted(losses) == [9, 10, 11, 12], third.stdout[-3000:]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.support.run_train import ROOT, parse
-from tests.support.trainer_jobs import run_job
+from tests.support.trainer_jobs import run_job, train_in_process
 
 TP = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2")
 
@@ -215,3 +215,29 @@ def test_deepseek_v3_debugmodel_trains(pool2, tmp_path):
     steps, comm = parse(run_job(pool2, tmp_path, "--training.steps", "3", *DEEPSEEK))
     assert sorted(steps) == [1, 2, 3] and steps[3][0] < steps[1][0]
     assert all(elements == design for elements, _, design in comm[1:])
+
+
+def _stopped_before_loading(rank, world, config, overrides):
+    """``train_in_process``, expected to be stopped by the check before a checkpoint load: this rank's error."""
+    from titan_dmuon.integration.components.checkpoint import CheckpointError
+
+    try:
+        train_in_process(rank, world, config, overrides, log_rank=rank)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_another_data_parallel_degree_stops_every_rank_before_loading(pool2, pool4, tmp_path):
+    """The documented resharding (docs/checkpoints/torchtitan.md: a 2-rank job's checkpoint resumed by the HSDP
+    job on 4 ranks) without ``--checkpoint.exclude_from_loading dataloader`` failed on every rank inside
+    TorchTitan's dataloader (a missing dataloader.dp_rank_3); now every rank stops before loading with the line
+    that names the option. (With the option it resumes: the documented command, run as written in
+    tests/e2e/test_titan_checkpoint_e2e.py.)"""
+    run_job(pool2, tmp_path, "--checkpoint.enable", "true", "--training.steps", "2")
+    overrides = ("--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing", "true")
+    overrides += ("--checkpoint.enable", "true", "--training.steps", "4")
+    errors = pool4.run(_stopped_before_loading, "debug_model_hsdp.toml", overrides)
+    for error in errors:
+        assert error is not None and "saved with data-parallel degree 2 and this job has 4" in error, errors
+        assert "--checkpoint.exclude_from_loading dataloader" in error, errors
