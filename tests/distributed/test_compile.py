@@ -56,6 +56,45 @@ def test_compiled_blocks_match_eager_hsdp(pool4):
     _check(pool4.run(_eager_vs_compiled, "hsdp", timeout=600))
 
 
+def _eager_vs_compiled_column_major(rank, world):
+    """The dominant model with its wide matrix split over an owner group by column blocks (a column-major
+    compute param), compiled and eager."""
+    from torch._dynamo.utils import counters
+
+    from tests.support.owner_groups_parts import ADAMW_EPS, TINY_GROUPS, dominant_model, dominant_targets
+
+    out = []
+    for compiled in (False, True):
+        model = dominant_model(tall=False)
+        if compiled:
+            for layer in model.layers:
+                layer.compile(backend="inductor", fullgraph=True)
+        setup = distribute(
+            model, "z3", world, targets_fn=dominant_targets, owner_groups=TINY_GROUPS, opt_kwargs=ADAMW_EPS
+        )
+        grouped = [e.fqn for e in setup.handle.plan.entries if e.group is not None and e.group.long_dim == 1]
+        data = batches(STEPS)
+        log = train(setup, data[:2], rank, world)
+        graphs = counters["stats"]["unique_graphs"]
+        log += train(setup, data[2:], rank, world)
+        out.append(
+            ([loss for loss, _, _ in log], full_state(setup), counters["stats"]["unique_graphs"] - graphs, grouped)
+        )
+    (eager_losses, eager_state, _, grouped), (losses, state, new_graphs, _) = out
+    return max(abs(a - b) for a, b in zip(losses, eager_losses)), max_diff(state, eager_state), new_graphs, grouped
+
+
+def test_compiled_blocks_match_eager_with_a_column_major_grouped_weight(pool4):
+    """A wide weight split over an owner group by column blocks is a column-major view of its unit's buffer;
+    inductor's fullgraph blocks take it as eager does, with no recompilation after warm-up. The losses are held
+    to TOLERANCE, not LOSS_TOLERANCE: Newton–Schulz turns inductor's last-bit differences into up to a bf16 ulp
+    of each update (TOLERANCE's rule), and this model's 2048-wide matrix carries them into the loss; stale or
+    missing weights are > 1e-2 off."""
+    for loss_diff, weight_diff, new_graphs, grouped in pool4.run(_eager_vs_compiled_column_major, timeout=600):
+        assert grouped == ["layers.1.big.weight"]
+        assert loss_diff < TOLERANCE and weight_diff < TOLERANCE and new_graphs == 0
+
+
 def test_unit_hooks_stay_out_of_the_compiled_graph(pool2):
     """A fullgraph compile of a block whose DMuon hooks ran as module hooks would fail
     ("Skip inlining torch.compiler.disable()d function"); around __call__ it is one graph."""

@@ -58,7 +58,7 @@ ADAMW_EPS = {"adamw_eps": 1e-4}
 
 class DominantBlock(nn.Module):
     """One layer: three small matrices, or one matrix whose Newton–Schulz dominates the job's: tall
-    (its group keeps row blocks) or wide (column blocks, which gathers put in place from a staging area)."""
+    (its group keeps row blocks) or wide (column blocks: the weight laid out column-major in the packed buffer)."""
 
     def __init__(self, dim: int, long: int | None, tall: bool) -> None:
         super().__init__()

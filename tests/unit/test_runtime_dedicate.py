@@ -113,7 +113,7 @@ def test_a_units_buffer_is_laid_out_by_shard_owner_then_global_owner():
     assert [s.shard_owner for s in unit.segments] == sorted({plan.shard_owner(e) for e in plan.entries})
     offset = 0
     for segment in unit.segments:
-        assert segment.start == offset and not segment.staging
+        assert segment.start == offset
         buckets = [b for b in unit.buckets if b.shard_owner == segment.shard_owner]
         assert [b.replicate_owner for b in buckets] == sorted({b.replicate_owner for b in buckets})
         for bucket in buckets:

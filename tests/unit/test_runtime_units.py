@@ -181,6 +181,53 @@ def _lifecycle_job(rank, world):
     return _on_fake_pg(4, _unit_lifecycle)
 
 
+def _wide_block_in_place():
+    """A unit holding a wide weight split over an owner group of 4 by column blocks, seen from rank 0."""
+    from tests.support.owner_groups_parts import TINY_GROUPS, dominant_model, dominant_targets
+
+    model = dominant_model(tall=False)
+    parts = runtime_parts(4, model=model, params=dominant_targets(model), owner_groups=TINY_GROUPS)
+    (unit,) = [u for u in parts.ctx.units if any(m.group is not None for m in u.members)]
+    (member,) = [m for m in unit.members if m.group is not None]
+    mine = next(p for p in unit.pieces if p.member is member and p.shard_owner == 0)
+    with torch.no_grad():
+        member.param.copy_(torch.arange(member.param.numel(), dtype=torch.float32).view(member.param.shape))
+    unit.gather(CommLabel.FORWARD_BROADCAST)
+    gathered = parts.ctx.buffer_bytes
+    unit.wait()
+    lo, hi = mine.bounds
+    landed = torch.equal(member.compute.detach()[:, lo:hi], member.param)  # (the fake group moves no data)
+    segments = [(s.start, s.stop) for s in unit.segments if s.start >= member.offset]
+    blocks = [(p.offset, p.offset + p.numel) for p in unit.pieces if p.member is member]
+    x = torch.randn(3, member.shape[1])
+    torch.nn.functional.linear(x, member.compute).sum().backward()
+    return (
+        member.shape,
+        member.compute.stride(),
+        member.compute.grad.stride(),
+        landed,
+        segments == blocks,
+        gathered == unit.numel * 4,
+        unit.numel,
+    )
+
+
+def test_a_wide_weights_column_blocks_are_gathered_in_place(solo):
+    """A wide weight split by column blocks is laid out column-major in its unit's buffer: each block is one
+    contiguous range (one broadcast straight into place), the owner's block lands in the compute param's
+    columns, and gathering allocates the buffer alone. Before, the blocks landed in a staging area as large
+    as the weight and were copied into the row-major weight at ``wait`` (a whole-matrix copy on every rank
+    per gather). A Linear's weight gradient comes out column-major (matmul's backward keeps the layout), so
+    autograd adds no copy of its own."""
+    shape, strides, grad_strides, landed, one_range_each, buffer_only, _ = solo.run(_wide_block_in_place_job)[0]
+    assert shape[0] < shape[1] and strides == grad_strides == (1, shape[0])
+    assert landed and one_range_each and buffer_only
+
+
+def _wide_block_in_place_job(rank, world):
+    return _on_fake_pg(4, _wide_block_in_place)
+
+
 def _order_checks():
     from titan_dmuon.runtime import UnitOrderError
 

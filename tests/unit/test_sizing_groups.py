@@ -73,23 +73,23 @@ def test_the_groups_all_reduces_in_the_design_s_units():
 
 
 @pytest.mark.parametrize("shape", [(SHORT, LONG), (LONG, SHORT)], ids=["wide", "tall"])
-def test_a_member_keeps_its_block_and_a_wide_weight_gathers_through_a_staging_area(shape):
+def test_a_member_keeps_its_block_and_every_block_is_gathered_in_place(shape):
     """docs/owner-groups.md: a member keeps its block of the fp32 weight, gradient and momentum (1/k of the
-    matrix; k divides 16384); a wide or square weight's column blocks land in a staging area as large as
-    the weight before they are copied into the packed buffer (a tall one's rows land in place); the step's
+    matrix; k divides 16384); a tall weight's row blocks and a wide one's column blocks land in place in the
+    packed buffer (the wide weight laid out column-major), so the buffers' peak is the one-owner plan's (a
+    staging area as large as the weight was added to a wide one's before); the step's
     Gram workspace of one matrix (a block at least s wide: the polynomial) is its block and next value, the
     Gram matrix and its polynomial (s x s each) and the packed fp32 sum (s (s + 1) / 2 fp32, two bf16
     elements each), in bf16, and the batch's one block in fp32 (the Nesterov input, a matrix's squares).
     The whole-weight workspace kept between steps is for weights held whole: none here."""
     sized, k = _grouped(shape)
     numel, block = SHORT * LONG, SHORT * LONG // k
-    staging = numel if shape[0] <= shape[1] else 0
     b = LONG // k
     for name in ("DMuon-Z2", "DMuon-Z3"):
         runs, alone = sized.stages[0].runs.memory[name], sized.stages[0].one_owner.memory[name]
         assert (runs.params, runs.grads, runs.optimizer_state) == (4 * block, 4 * block, 4 * block)
         assert (alone.params, alone.grads, alone.optimizer_state) == (4 * numel, 4 * numel, 4 * numel)
-        assert runs.buffers_peak == 2 * (numel + staging) and alone.buffers_peak == 2 * numel
+        assert runs.buffers_peak == alone.buffers_peak == 2 * numel
         assert b >= SHORT  # (the polynomial, not Horner's order)
         assert runs.group_temporaries == 2 * (2 * SHORT * b + 2 * SHORT * SHORT + SHORT * (SHORT + 1) + 2 * SHORT * b)
         assert runs.workspace == 0 < alone.workspace and alone.group_temporaries == 0

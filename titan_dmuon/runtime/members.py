@@ -54,6 +54,12 @@ class Member:
     def shape(self) -> tuple[int, ...]:
         return self.entry.shape
 
+    @property
+    def column_major(self) -> bool:
+        """A wide weight split over an owner group by column blocks: laid out column-major in the unit's
+        buffer (its compute param a transposed view), so each column block is one contiguous range."""
+        return self.group is not None and self.group.long_dim == 1
+
 
 @dataclass(eq=False)
 class LocalExperts:
@@ -85,9 +91,8 @@ class Piece:
     group (rows of a tall matrix, columns of a wide one). A unit broadcasts each piece from its shard
     owner before the layer runs and reduces its gradient to it (and on to its global owner) after.
 
-    ``offset``: where the piece's broadcast lands, in the unit's packed buffer (a whole weight, or rows:
-    inside the weight's own region) or, for a column block (not contiguous in the weight), in the unit's
-    staging area, from which it is copied into the weight's columns once it arrived."""
+    ``offset``: where the piece's broadcast lands in the unit's packed buffer, inside the weight's own
+    region (a column block is contiguous there too: its weight is laid out column-major)."""
 
     member: Member
     index: int | None  # its block of the owner group; None: the whole weight
@@ -102,8 +107,8 @@ class Piece:
 
     @property
     def columns(self) -> bool:
-        """A column block of a wide weight: not contiguous in the weight's row-major layout."""
-        return self.index is not None and self.member.group.long_dim == 1
+        """A column block of a wide weight."""
+        return self.index is not None and self.member.column_major
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,6 +129,15 @@ class Piece:
         lo, hi = self.bounds
         return full[lo:hi] if self.member.group.long_dim == 0 else full[:, lo:hi]
 
+    def in_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The piece's place in its unit's packed buffer, shaped as the piece (a column block: a transposed
+        view of its contiguous range)."""
+        flat = buffer[self.offset : self.offset + self.numel]
+        if self.columns:
+            rows, cols = self.shape
+            return flat.view(cols, rows).t()
+        return flat.view(self.shape)
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -140,13 +154,11 @@ class Bucket:
 
 @dataclass(eq=False)
 class Segment:
-    """A contiguous range of the unit's packed buffer (or of its staging area) that one shard index
-    holds: one broadcast."""
+    """A contiguous range of the unit's packed buffer that one shard index holds: one broadcast."""
 
     shard_owner: int
     start: int
     stop: int
-    staging: bool = False
 
 
 def pieces_of(member: Member, plan: OwnershipPlan) -> list[Piece]:

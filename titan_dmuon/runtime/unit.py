@@ -48,7 +48,6 @@ class Unit:
     buckets: list[Bucket]
     numel: int
     ctx: RuntimeContext
-    staging_numel: int = 0  # owner groups' column blocks: where they land before they are copied into place
     buffer: torch.Tensor | None = None
     state: BufferState = BufferState.FREE
     phase: Phase = Phase.IDLE
@@ -56,21 +55,26 @@ class Unit:
     holds_unreduced_grads: bool = False  # gradient sync off: gradients accumulate on the compute params
     weights_event: object = None  # the last write of the owners' weights (a step, a load): gathers wait for it
     _in_flight: InFlight | None = field(default=None, repr=False)
-    _staging: torch.Tensor | None = field(default=None, repr=False)  # alive from a gather until its wait
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value}, {self.phase.value})"
 
     # ---- the packed buffer ------------------------------------------------------------
     def allocate_compute_params(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Views of one packed buffer, registered as leaf parameters for autograd (storage freed)."""
+        """Views of one packed buffer, registered as leaf parameters for autograd (storage freed). A wide
+        weight split by column blocks is a column-major view (its blocks contiguous, so they are broadcast
+        in place); a Linear's weight gradient then comes out column-major too (matmul's backward keeps the
+        layout), so autograd adds no copy."""
         storage = torch.empty(self.numel, dtype=dtype, device=device)
         self.buffer = storage
         for m in self.members:
             view = torch.empty(0, dtype=dtype, device=device)
             # A separate tensor on the same storage: writes into the buffer do not bump the
             # version counter autograd checks on the compute param.
-            view.set_(storage.untyped_storage(), m.offset, m.shape)
+            if m.column_major:
+                view.set_(storage.untyped_storage(), m.offset, m.shape, (1, m.shape[0]))
+            else:
+                view.set_(storage.untyped_storage(), m.offset, m.shape)
             m.compute = nn.Parameter(view, requires_grad=m.param.requires_grad)
             # the registered param's annotations (TorchTitan's SPMD types of a TP shard) go with it
             m.compute.__dict__.update({k: v for k, v in m.param.__dict__.items() if k != "_dmuon_handle"})
@@ -79,8 +83,7 @@ class Unit:
     @torch.no_grad()
     def gather(self, source: CommLabel) -> None:
         """Start filling the buffer from the owners (no-op unless FREE), on the gather stream:
-        after the last write of the weights it reads, never after the compute stream's queue.
-        Owner groups' column blocks land in a staging area first (``wait`` puts them in place)."""
+        after the last write of the weights it reads, never after the compute stream's queue."""
         if self.state is not BufferState.FREE:
             return
         ctx, mesh, streams = self.ctx, self.ctx.mode.mesh, self.ctx.streams
@@ -88,49 +91,23 @@ class Unit:
             streams.wait_event(None, self.weights_event)
             ctx.replicas.wait(self)  # HSDP: this rank's held weights came from their global owner
             ctx.track_buffer(alloc_storage(self.buffer))
-            if self.staging_numel:
-                self._staging = torch.empty(self.staging_numel, dtype=self.buffer.dtype, device=self.buffer.device)
-                ctx.track_buffer(self._staging.numel() * self._staging.element_size())
             mine = [p for p in self.pieces if p.shard_owner == mesh.shard_rank]
             if mine:
-                views = [self._landing(p.columns)[p.offset : p.offset + p.numel].view(p.shape) for p in mine]
-                torch._foreach_copy_(views, [p.member.param for p in mine])
+                torch._foreach_copy_([p.in_buffer(self.buffer) for p in mine], [p.member.param for p in mine])
             with Launch(
                 mesh.shard_group, mesh.shard_size, mesh.device, source, ctx.stats, coalesce=mesh.coalesces
             ) as launch:
                 for segment in self.segments:
-                    launch.broadcast(
-                        self._landing(segment.staging)[segment.start : segment.stop], src=segment.shard_owner
-                    )
+                    launch.broadcast(self.buffer[segment.start : segment.stop], src=segment.shard_owner)
         self._in_flight = launch.in_flight
         self.state = BufferState.GATHERING
 
-    def _landing(self, staging: bool) -> torch.Tensor:
-        return self._staging if staging else self.buffer
-
     def wait(self) -> None:
-        """The compute stream waits for the broadcasts (on the CPU: the host); the buffer is READY
-        once the column blocks that arrived in the staging area are copied into their weights."""
+        """The compute stream waits for the broadcasts (on the CPU: the host); the buffer is READY."""
         if self.state is BufferState.GATHERING:
             self._in_flight.wait()
             self._in_flight = None
-            if self._staging is not None:
-                columns = [p for p in self.pieces if p.columns]
-                weights = [
-                    p.of(self.buffer[p.member.offset : p.member.offset + p.member.numel].view(p.member.shape))
-                    for p in columns
-                ]
-                torch._foreach_copy_(
-                    weights, [self._staging[p.offset : p.offset + p.numel].view(p.shape) for p in columns]
-                )
-                self._drop_staging(self.ctx.streams.record())
             self.state = BufferState.READY
-
-    def _drop_staging(self, last_use) -> None:
-        """Release the staging area; its memory belongs to the gather stream, which waits for its last use."""
-        self.ctx.streams.wait_event(self.ctx.streams.gather, last_use)
-        self.ctx.track_buffer(-self._staging.numel() * self._staging.element_size())
-        self._staging = None
 
     def synchronize(self) -> None:
         """The host waits for the broadcasts in flight, if any (before the process groups go: a stream
@@ -147,8 +124,6 @@ class Unit:
         if self.state is BufferState.GATHERING:  # prefetched, never used: only its broadcast touched it
             self._in_flight.wait(streams.gather)
             self._in_flight = None
-            if self._staging is not None:
-                self._drop_staging(None)
         else:
             streams.wait_event(streams.gather, streams.record())
         self.ctx.track_buffer(-free_storage(self.buffer))

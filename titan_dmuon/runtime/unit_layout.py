@@ -8,57 +8,37 @@ from torch import nn
 
 from titan_dmuon.plan.ownership import OwnershipPlan
 from titan_dmuon.runtime.members import Bucket, Member, Piece, Segment, pieces_of
-from titan_dmuon.runtime.request import (
-    Requested,
-)
+from titan_dmuon.runtime.request import Requested
 from titan_dmuon.runtime.unit import Unit
 
 
 # ---- the units ----------------------------------------------------------------------------------------
 def layout_unit(index: int, name: str, module: nn.Module, members: list[Member], plan: OwnershipPlan, ctx) -> Unit:
     """Buffer order: the weights with one owner by shard owner (one broadcast segment each), then by global
-    owner (one reduce bucket each); then the owner groups' weights (plan order), a tall one's row blocks
-    in place (one segment each), a wide one's column blocks in the staging area (by shard owner). Buckets:
-    every piece by (shard owner, global owner)."""
+    owner (one reduce bucket each); then the owner groups' weights (plan order), each block in place: a tall
+    weight's row blocks, a wide one's column blocks (the weight laid out column-major, ``Member.column_major``),
+    one segment each. Buckets: every piece by (shard owner, global owner)."""
     single = sorted(
         (m for m in members if m.group is None),
         key=lambda m: (plan.shard_owner(m.entry), plan.replicate_owner(m.entry)),
     )
     grouped = [m for m in members if m.group is not None]
-    pieces, columns, offset = [], [], 0
+    pieces, offset = [], 0
     for m in single + grouped:
         m.offset = offset
         for piece in pieces_of(m, plan):
-            if piece.columns:
-                columns.append(piece)
-                continue
-            piece.offset = offset + (piece.bounds[0] * m.shape[1] if piece.index is not None else 0)
+            # a block's first element: its first row of a row-major weight, its first column of a column-major one
+            across = m.shape[0] if m.column_major else m.shape[-1]
+            piece.offset = offset + (piece.bounds[0] * across if piece.index is not None else 0)
             pieces.append(piece)
         offset += m.entry.numel
-    staging = 0
-    for piece in sorted(columns, key=lambda p: (p.shard_owner, p.replicate_owner)):
-        piece.offset = staging
-        staging += piece.numel
-        pieces.append(piece)
     segments: list[Segment] = []
     for piece in pieces:
         last = segments[-1] if segments else None
-        if (
-            last
-            and last.shard_owner == piece.shard_owner
-            and last.staging == piece.columns
-            and last.stop == piece.offset
-        ):
+        if last and last.shard_owner == piece.shard_owner and last.stop == piece.offset:
             last.stop += piece.numel
         else:
-            segments.append(
-                Segment(
-                    shard_owner=piece.shard_owner,
-                    start=piece.offset,
-                    stop=piece.offset + piece.numel,
-                    staging=piece.columns,
-                )
-            )
+            segments.append(Segment(shard_owner=piece.shard_owner, start=piece.offset, stop=piece.offset + piece.numel))
     by_owner: dict[tuple[int, int], list[Piece]] = {}
     for piece in pieces:
         by_owner.setdefault((piece.shard_owner, piece.replicate_owner), []).append(piece)
@@ -72,7 +52,6 @@ def layout_unit(index: int, name: str, module: nn.Module, members: list[Member],
         segments=segments,
         buckets=buckets,
         numel=offset,
-        staging_numel=staging,
         ctx=ctx,
     )
 

@@ -25,8 +25,8 @@ backward (every layer: P_M per rank at the end of forward) and Z3 frees (two lay
 the running one and the prefetched one); between steps the first layer's buffer is alive (its
 broadcast for the next forward starts at the end of the step). FSDP2's weights are dim-0 shards
 padded to ceil(rows / N) rows; AdamW keeps two moments and a step count. A member of an owner group
-keeps its block instead (and the block's gradient and momentum), a wide weight's column blocks land in a
-staging area while its layer is gathered, and the group's Gram workspace lives in the step.
+keeps its block instead (and the block's gradient and momentum; a wide weight's column blocks are
+gathered in place, the weight laid out column-major), and the group's Gram workspace lives in the step.
 ``tests/distributed/test_sizing_memory.py`` holds these figures to what ``benchmarks/memory_table.py``
 measures on the CPU-sized cases; ``tests/unit/test_sizing_groups.py`` the groups' to the stated rules.
 

@@ -27,7 +27,7 @@ from titan_dmuon.sizing.records import (
     Weight,
 )
 from titan_dmuon.sizing.stage_weights import StageWeights, chunk_rows, dedication_mode, layer_groups, local_shape
-from titan_dmuon.sizing.step_memory import group_temporaries, rank_workspaces, staging_per_unit
+from titan_dmuon.sizing.step_memory import group_temporaries, rank_workspaces
 
 
 # ---- the model, split and sharded --------------------------------------------------------------------------
@@ -73,24 +73,11 @@ class _Sharded:
         return cls(padded=padded, unpadded=unpadded, count=len(shapes))
 
 
-def _two_adjacent(sizes: Sequence[int], staging: Sequence[int] = ()) -> int:
-    """The most two consecutive layers hold (Z3: the running layer and the one being gathered), with
-    the gathered one's staging area (``staging``: per layer, owner groups' column blocks)."""
-    staging = list(staging) or [0] * len(sizes)
+def _two_adjacent(sizes: Sequence[int]) -> int:
+    """The most two consecutive layers hold (Z3: the running layer and the one being gathered)."""
     if len(sizes) < 2:
-        return sum(sizes) + max(staging, default=0)
-    return max(a + b + max(sa, sb) for a, b, sa, sb in zip(sizes, sizes[1:], staging, staging[1:]))
-
-
-def _every_layer(sizes: Sequence[int], staging: Sequence[int] = ()) -> int:
-    """The most every layer gathered so far holds (Z2, pipelining), with the staging area of the one
-    being gathered: at the last layer, every layer."""
-    staging = list(staging) or [0] * len(sizes)
-    held, most = 0, 0
-    for size, area in zip(sizes, staging):
-        held += size
-        most = max(most, held + area)
-    return most
+        return sum(sizes)
+    return max(a + b for a, b in zip(sizes, sizes[1:]))
 
 
 # ---- one stage -------------------------------------------------------------------------------------------
@@ -205,7 +192,6 @@ def _dmuon_memory(stage: StageWeights, planned: StagePlan, precision: Precision,
             for r in range(plan.replicate_size):
                 held[r * dp_shard + rank % dp_shard] += numel
     units = stage.unit_sizes()
-    staging = staging_per_unit(plan, len(units))
     workspaces = rank_workspaces(stage, plan, shards, cache)
     temporaries = group_temporaries(plan)
     unreduced_rest = sum(_gathered_numel(stage, w) for w in stage.others + stage.local) * rb
@@ -222,7 +208,7 @@ def _dmuon_memory(stage: StageWeights, planned: StagePlan, precision: Precision,
                 for g in range(ranks)
             ),
             buffers_between_steps=(units[0] if units else 0) * cb,
-            buffers_peak=(_two_adjacent(units, staging) if z3 else _every_layer(units, staging)) * cb,
+            buffers_peak=(_two_adjacent(units) if z3 else sum(units)) * cb,  # Z2, pipelining: every layer
             unreduced_grads=unreduced_rest + sum(units) * rb if pipelined else 0,
             gathered_peak=_gathered(stage, stage.others + stage.local, reshard, precision) + max(units, default=0) * rb,
             workspace=max(workspaces),

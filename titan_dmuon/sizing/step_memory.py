@@ -1,7 +1,6 @@
 """The Muon step's memory on each rank of a plan: the workspace the step keeps between steps for the
 weights a rank updates whole (``optim/workspace.py``, run on the meta device), the owner groups' step
-temporaries (their Gram workspace, as ``optim/grouped_update.py`` counts and cuts it), and the staging
-area a unit's column blocks land in during its gather (``runtime/unit_layout.py``)."""
+temporaries (their Gram workspace, as ``optim/grouped_update.py`` counts and cuts it)."""
 
 from __future__ import annotations
 
@@ -112,14 +111,4 @@ def group_temporaries(plan: OwnershipPlan, ns_method: str = "torch", steps: int 
         per_batch = min(count, member_batch_size(shape, len(ranks), ns_method, steps))
         batch = member_batch_elements(short, widest_block(long, len(ranks)), per_batch, ns_method, steps)
         out[rank] = max(out[rank], batch * GROUP_WORKSPACE_BYTES)
-    return out
-
-
-def staging_per_unit(plan: OwnershipPlan, units: int) -> list[int]:
-    """Elements of each unit's staging area (``Unit.staging_numel``): its owner-grouped weights that are
-    wide or square, whose column blocks are broadcast there and copied into place once they arrived."""
-    out = [0] * units
-    for e in plan.entries:
-        if e.group is not None and e.group.long_dim == 1 and e.unit < units:
-            out[e.unit] += e.numel
     return out
