@@ -30,8 +30,31 @@ def pytest_collection_modifyitems(config, items):
         if foreign:
             raise pytest.UsageError(f"{item.nodeid}: marked {foreign[0]} in tests/{tier}: the folder is the tier")
         item.add_marker(getattr(pytest.mark, tier))
-        if tier != "unit":  # a tier with worker pools stays on one test process (pyproject's addopts)
-            item.add_marker(pytest.mark.xdist_group(tier))
+
+
+def tier_scope(nodeid: str) -> str:
+    """What stays on one test process under pytest-xdist: a tier with worker pools (``distributed``, ``titan``,
+    ``e2e``) whole, so its pools, forkserver and TorchTitan imports are made once and a session pool's state
+    is one sequence of tests; each unit test on its own, spread over both."""
+    parts = Path(nodeid.split("::", 1)[0]).parts
+    tier = next((part for part in parts if part in TIERS), "unit")
+    return nodeid if tier == "unit" else tier
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling, scoped by ``tier_scope`` (largest scope first: titan, distributed, e2e,
+    then the unit tests as the processes free up). Not ``xdist_group`` markers: xdist 3.8 marks a group in
+    ``item._nodeid``, which pytest >= 9.2 no longer reads, so every test was its own group and the tiers
+    ran split over both processes (each starting its own pools; a test that relied on an earlier test's pool
+    state failed in CI)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return tier_scope(nodeid)
+
+    return TierScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
