@@ -43,11 +43,11 @@ def tier_scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's loadscope scheduling, scoped by ``tier_scope`` (largest scope first: titan, distributed, e2e,
-    then the unit tests as the processes free up). Not ``xdist_group`` markers: xdist 3.8 marks a group in
-    ``item._nodeid``, which pytest >= 9.2 no longer reads, so every test was its own group and the tiers
-    ran split over both processes (each starting its own pools; a test that relied on an earlier test's pool
-    state failed in CI)."""
+    """xdist's loadscope scheduling, scoped by ``tier_scope`` (in collection order, pyproject's addopts: distributed
+    and e2e first, one on each process, then titan, then the unit tests as the processes free up). Not
+    ``xdist_group`` markers: xdist 3.8 marks a group in ``item._nodeid``, which pytest >= 9.2 no longer reads,
+    so every test was its own group and the tiers ran split over both processes (each starting its own pools;
+    a test that relied on an earlier test's pool state failed in CI)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
