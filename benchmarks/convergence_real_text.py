@@ -320,8 +320,8 @@ def plots(raw: dict, out: str) -> list[str]:
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for config, color in ((f"{ADAMW} lr {best[ADAMW]:g}", "#7f7f7f"), (f"{DMUON} lr {best[DMUON]:g}", "#1f77b4")):
+        clock = median_step_s(runs, config)
         for i, r in enumerate(x for x in runs if x["config"] == config):
-            clock = median_step_s(runs, config)
             steps, losses = zip(*r["held_out"])
             label = f"{config}, seed {r['seed']}"
             style = "-" if i == 0 else "--"

@@ -208,7 +208,6 @@ def _wide_block_in_place():
         landed,
         segments == blocks,
         gathered == unit.numel * 4,
-        unit.numel,
     )
 
 
@@ -219,7 +218,7 @@ def test_a_wide_weights_column_blocks_are_gathered_in_place(solo):
     as the weight and were copied into the row-major weight at ``wait`` (a whole-matrix copy on every rank
     per gather). A Linear's weight gradient comes out column-major (matmul's backward keeps the layout), so
     autograd adds no copy of its own."""
-    shape, strides, grad_strides, landed, one_range_each, buffer_only, _ = solo.run(_wide_block_in_place_job)[0]
+    shape, strides, grad_strides, landed, one_range_each, buffer_only = solo.run(_wide_block_in_place_job)[0]
     assert shape[0] < shape[1] and strides == grad_strides == (1, shape[0])
     assert landed and one_range_each and buffer_only
 

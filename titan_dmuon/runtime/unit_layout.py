@@ -26,9 +26,9 @@ def layout_unit(index: int, name: str, module: nn.Module, members: list[Member],
     pieces, offset = [], 0
     for m in single + grouped:
         m.offset = offset
+        # a block starts at its first row of a row-major weight, at its first column of a column-major one
+        across = m.shape[0] if m.column_major else m.shape[-1]
         for piece in pieces_of(m, plan):
-            # a block's first element: its first row of a row-major weight, its first column of a column-major one
-            across = m.shape[0] if m.column_major else m.shape[-1]
             piece.offset = offset + (piece.bounds[0] * across if piece.index is not None else 0)
             pieces.append(piece)
         offset += m.entry.numel
